@@ -1,0 +1,30 @@
+"""jax_fatrain: FlashAttention-2 training kernels for JAX.
+
+``dot_product_attention`` is a drop-in for ``jax.nn.dot_product_attention``
+whose forward (O and logsumexp) and backward (dQ, dK, dV, dbias) run our own
+kernels; ``flash_attn_train_fwd`` / ``flash_attn_train_bwd`` are the lower
+level pair in the ``[B, H, L, D]`` layout.
+"""
+
+from jax_fatrain._api import (
+    dot_product_attention,
+    flash_attn_train_bwd,
+    flash_attn_train_fwd,
+)
+from jax_fatrain._op import available_implementations
+
+
+def cpu_isa() -> str:
+  """The instruction set ("avx512", "avx2", "baseline") the CPU kernels use here."""
+  from jax_fatrain import _cpu
+  return _cpu.selected_isa()
+
+
+__version__ = "0.1.0"
+__all__ = [
+    "available_implementations",
+    "cpu_isa",
+    "dot_product_attention",
+    "flash_attn_train_bwd",
+    "flash_attn_train_fwd",
+]

@@ -1,0 +1,182 @@
+"""The differentiable op: one ``jax.custom_vjp`` over any implementation.
+
+An implementation is three plain functions (forward, backward, bias_grad) with
+the signatures described in ``_config.py``. This module
+
+* keeps the registry of implementations and says why one is unavailable,
+* gives every FFI-backed implementation a batching rule that folds ``vmap``-ed
+  axes into the batch dimension (one kernel launch, not a loop), and
+* ties forward and backward together with ``jax.custom_vjp``: the forward
+  saves (q, k, v, bias, mask, lengths, o, lse); the backward calls the backward
+  kernel, and the bias gradient is a separate call that XLA removes when
+  nothing uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from jax_fatrain import _cpu, _xla
+from jax_fatrain._config import AttentionConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  name: str
+  forward: Callable
+  backward: Callable
+  bias_grad: Callable
+  # Largest supported head dimension (None: any).
+  max_head_dim: int | None
+  # JAX platforms the implementation runs on (None: any).
+  platforms: tuple[str, ...] | None
+  # Whether `vmap` needs the folding rule below (FFI calls have no batching
+  # rule of their own; pure-JAX code batches itself).
+  needs_batching_rule: bool
+
+
+def _unavailable_reasons() -> dict[str, str]:
+  reasons = {
+      "metal": ("the Metal backend is not part of this build yet (it needs macOS "
+                "with an Apple GPU, and its host executor is still being written)"),
+      "cuda": "the CUDA backend is not part of this build yet",
+  }
+  if _cpu.IMPORT_ERROR is not None:
+    reasons["cpu"] = f"the CPU extension failed to import: {_cpu.IMPORT_ERROR}"
+  return reasons
+
+
+_IMPLEMENTATIONS: dict[str, Implementation] = {
+    "xla": Implementation("xla", _xla.forward, _xla.backward, _xla.bias_grad,
+                          max_head_dim=None, platforms=None,
+                          needs_batching_rule=False),
+}
+if _cpu.IMPORT_ERROR is None:
+  _IMPLEMENTATIONS["cpu"] = Implementation(
+      "cpu", _cpu.forward, _cpu.backward, _cpu.bias_grad,
+      max_head_dim=_cpu.MAX_HEAD_DIM, platforms=("cpu",), needs_batching_rule=True)
+
+
+def available_implementations() -> tuple[str, ...]:
+  """Names accepted by ``implementation=`` on this installation."""
+  return tuple(sorted(_IMPLEMENTATIONS))
+
+
+def resolve_implementation(name: str | None) -> Implementation:
+  """Maps ``implementation=`` to an Implementation, or raises ValueError."""
+  if name is None:
+    backend = jax.default_backend()
+    for candidate in ("cpu",):
+      impl = _IMPLEMENTATIONS.get(candidate)
+      if impl is not None and backend in impl.platforms:
+        return impl
+    return _IMPLEMENTATIONS["xla"]
+  if name in _IMPLEMENTATIONS:
+    return _IMPLEMENTATIONS[name]
+  known = sorted(set(_IMPLEMENTATIONS) | set(_unavailable_reasons()))
+  why = _unavailable_reasons().get(name)
+  detail = (f"implementation {name!r} is not available: {why}" if why else
+            f"unknown implementation {name!r} (known: {', '.join(known)})")
+  raise ValueError(f"{detail}. Available here: "
+                   f"{', '.join(available_implementations())} (or None for the best one).")
+
+
+# ---------------------------------------------------------------------------
+# vmap: fold the mapped axis into the batch axis.
+# ---------------------------------------------------------------------------
+#
+# Every operand has the batch as its leading axis (q/k/v/o/dO, lse, bias,
+# mask, lengths), so under vmap the rule moves the mapped axis next to it and
+# merges the two: [V, B, ...] -> [V*B, ...]. Operands that are not mapped are
+# broadcast along V first, except a bias/mask whose batch dim is 1, which
+# still broadcasts over the merged batch through its zero stride. Outputs are
+# split back into [V, B, ...].
+
+# Argument positions of the operands that broadcast over [B, N, T, S].
+_BIAS, _MASK = 3, 4
+
+
+def _fold(x, batched: bool, axis_size: int, keep_unit_batch: bool):
+  if x is None:
+    return None
+  if not batched:
+    if keep_unit_batch and x.shape[0] == 1:
+      return x
+    x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+  return x.reshape((-1,) + x.shape[2:])
+
+
+def _unfold(y, axis_size: int):
+  return y.reshape((axis_size, -1) + y.shape[1:])
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(fn: Callable, stage: str) -> Callable:
+  """Wraps ``fn(*operands)`` (config already bound) with the folding rule."""
+  wrapped = custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    folded = []
+    for i, (x, batched) in enumerate(zip(args, in_batched)):
+      is_score = i in (_BIAS, _MASK)
+      # The bias gradient must come out per mapped element, so its bias is
+      # always given the mapped axis.
+      keep = is_score and not (stage == "bias_grad" and i == _BIAS)
+      folded.append(_fold(x, bool(batched), axis_size, keep_unit_batch=keep))
+    out = wrapped(*folded)
+    if stage == "bias_grad":
+      dbias = _unfold(out, axis_size)
+      if args[_BIAS].shape[int(bool(in_batched[_BIAS]))] == 1:
+        dbias = dbias.sum(axis=1, keepdims=True)
+      return dbias, True
+    outs = tuple(_unfold(y, axis_size) for y in out)
+    return outs, tuple(True for _ in outs)
+
+  return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callable:
+  fn = functools.partial(getattr(impl, stage), config=config)
+  return _batched(fn, stage) if impl.needs_batching_rule else fn
+
+
+# ---------------------------------------------------------------------------
+# The custom_vjp.
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def attention(q, k, v, bias, mask, q_lengths, kv_lengths,
+              config: AttentionConfig, impl: Implementation):
+  """(o, lse) for canonical operands; differentiable in q, k, v and bias."""
+  return stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths)
+
+
+def _attention_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, config, impl):
+  o, lse = stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths)
+  return (o, lse), (q, k, v, bias, mask, q_lengths, kv_lengths, o, lse)
+
+
+def _attention_bwd(config, impl, residuals, cotangents):
+  q, k, v, bias, mask, q_lengths, kv_lengths, o, lse = residuals
+  # The cotangent of lse is ignored: like jax.nn, the residual is returned
+  # under stop_gradient (see api.dot_product_attention).
+  d_o, _ = cotangents
+  d_o = d_o.astype(o.dtype)
+  operands = (q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o)
+  dq, dk, dv = stage(impl, "backward", config)(*operands)
+  dbias = None
+  if bias is not None:
+    dbias = stage(impl, "bias_grad", config)(*operands).astype(bias.dtype)
+  return dq, dk, dv, dbias, None, None, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

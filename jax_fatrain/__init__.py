@@ -11,6 +11,7 @@ from jax_fatrain._api import (
     flash_attn_train_bwd,
     flash_attn_train_fwd,
 )
+from jax_fatrain._flax import flax_attention_fn
 from jax_fatrain._op import available_implementations
 
 
@@ -25,6 +26,7 @@ __all__ = [
     "available_implementations",
     "cpu_isa",
     "dot_product_attention",
+    "flax_attention_fn",
     "flash_attn_train_bwd",
     "flash_attn_train_fwd",
 ]

@@ -102,13 +102,17 @@ def resolve_implementation(name: str | None) -> Implementation:
 _BIAS, _MASK = 3, 4
 
 
-def _fold(x, batched: bool, axis_size: int, keep_unit_batch: bool):
+def _fold(x, batched: bool, axis_size: int, batch: int, keep_unit_batch: bool):
+  """[V, b, ...] (or unmapped [b, ...]) -> [V*batch, ...] (or [1, ...] kept)."""
   if x is None:
     return None
   if not batched:
     if keep_unit_batch and x.shape[0] == 1:
       return x
-    x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+    x = x[None]
+  # A mapped bias/mask with batch dim 1 still needs one entry per merged
+  # batch element: the merged index v*B + b is not a strided view of v.
+  x = jnp.broadcast_to(x, (axis_size, batch) + x.shape[2:])
   return x.reshape((-1,) + x.shape[2:])
 
 
@@ -123,13 +127,15 @@ def _batched(fn: Callable, stage: str) -> Callable:
 
   @wrapped.def_vmap
   def rule(axis_size, in_batched, *args):
+    q, q_batched = args[0], bool(in_batched[0])
+    batch = q.shape[1] if q_batched else q.shape[0]
     folded = []
     for i, (x, batched) in enumerate(zip(args, in_batched)):
       is_score = i in (_BIAS, _MASK)
       # The bias gradient must come out per mapped element, so its bias is
       # always given the mapped axis.
       keep = is_score and not (stage == "bias_grad" and i == _BIAS)
-      folded.append(_fold(x, bool(batched), axis_size, keep_unit_batch=keep))
+      folded.append(_fold(x, bool(batched), axis_size, batch, keep_unit_batch=keep))
     out = wrapped(*folded)
     if stage == "bias_grad":
       dbias = _unfold(out, axis_size)

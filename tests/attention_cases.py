@@ -1,0 +1,154 @@
+"""The shared description of test problems and the reference they are held to.
+
+Every implementation runs the same cases (tests/test_attention.py). The
+reference is ``jax.nn.dot_product_attention(implementation="xla")`` on inputs
+upcast to float32 (DESIGN.md §6). Rows that see no key are compared against
+our own convention (zero output, -inf logsumexp, zero gradients) because
+jax.nn returns the mean of ``value`` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Implementations that must pass the whole suite on every machine. (metal and
+# cuda join this list where they are built; they are never skipped silently.)
+IMPLEMENTATIONS = ("cpu", "xla")
+
+TOLERANCE = {jnp.float32: 1e-4, jnp.float16: 5e-3, jnp.bfloat16: 1.5e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  batch: int = 2
+  q_len: int = 33
+  kv_len: int = 47
+  q_heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 64
+  dtype: type = jnp.float32
+  is_causal: bool = False
+  window: tuple[int, int] | None = None
+  bias_shape: tuple[int, ...] | None = None   # symbolic: "B", "N", "T", "S" or 1
+  mask_shape: tuple[int, ...] | None = None
+  q_lengths: bool = False
+  kv_lengths: bool = False
+  # Masks out every key of one query row (through the boolean mask).
+  fully_masked_row: bool = False
+  scale: float | None = None
+
+  @property
+  def id(self) -> str:
+    parts = [f"b{self.batch}", f"t{self.q_len}", f"s{self.kv_len}",
+             f"n{self.q_heads}k{self.kv_heads}", f"d{self.head_dim}",
+             jnp.dtype(self.dtype).name]
+    if self.is_causal: parts.append("causal")
+    if self.window: parts.append(f"win{self.window[0]}-{self.window[1]}")
+    if self.bias_shape: parts.append("bias" + "".join(map(str, self.bias_shape)))
+    if self.mask_shape: parts.append("mask" + "".join(map(str, self.mask_shape)))
+    if self.q_lengths: parts.append("qlen")
+    if self.kv_lengths: parts.append("kvlen")
+    if self.fully_masked_row: parts.append("deadrow")
+    if self.scale is not None: parts.append(f"scale{self.scale}")
+    return "-".join(parts)
+
+  def concrete(self, shape):
+    sizes = {"B": self.batch, "N": self.q_heads, "T": self.q_len, "S": self.kv_len}
+    return tuple(sizes.get(d, d) for d in shape)
+
+
+@dataclasses.dataclass
+class Inputs:
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: jax.Array | None
+  mask: jax.Array | None
+  q_lengths: jax.Array | None
+  kv_lengths: jax.Array | None
+  cotangent: jax.Array      # random dO, zero on rows that see no key
+  live_rows: np.ndarray     # bool [B, T, N]: the row sees at least one key
+
+  def kwargs(self, case: Case):
+    return dict(bias=self.bias, mask=self.mask, scale=case.scale,
+                is_causal=case.is_causal, query_seq_lengths=self.q_lengths,
+                key_value_seq_lengths=self.kv_lengths,
+                local_window_size=case.window)
+
+
+def make_inputs(case: Case, seed: int) -> Inputs:
+  """Fresh random inputs (never zeros) for one case."""
+  rng = np.random.default_rng(seed)
+  b, t, s, n, kh, h = (case.batch, case.q_len, case.kv_len, case.q_heads,
+                       case.kv_heads, case.head_dim)
+
+  def normal(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+  q = jnp.asarray(normal(b, t, n, h), case.dtype)
+  k = jnp.asarray(normal(b, s, kh, h), case.dtype)
+  v = jnp.asarray(normal(b, s, kh, h), case.dtype)
+  bias = None
+  if case.bias_shape is not None:
+    bias = jnp.asarray(normal(*case.concrete(case.bias_shape)), case.dtype)
+  mask_np = None
+  if case.mask_shape is not None:
+    mask_np = rng.random(case.concrete(case.mask_shape)) < 0.7
+  if case.fully_masked_row:
+    full = np.ones((b, n, t, s), bool) if mask_np is None else np.broadcast_to(
+        mask_np, (b, n, t, s)).copy()
+    full[b - 1, n - 1, t // 2, :] = False
+    mask_np = full
+  mask = None if mask_np is None else jnp.asarray(mask_np)
+  q_lengths = kv_lengths = None
+  if case.q_lengths:
+    q_lengths = jnp.asarray(rng.integers(1, t + 1, size=b), jnp.int32)
+  if case.kv_lengths:
+    kv_lengths = jnp.asarray(rng.integers(1, s + 1, size=b), jnp.int32)
+
+  visible = visibility(case, mask_np, q_lengths, kv_lengths)   # [B, N, T, S]
+  live_rows = visible.any(-1).transpose(0, 2, 1)                # [B, T, N]
+  cotangent = normal(b, t, n, h) * live_rows[..., None]
+  return Inputs(q, k, v, bias, mask, q_lengths, kv_lengths,
+                jnp.asarray(cotangent, case.dtype), live_rows)
+
+
+def visibility(case: Case, mask_np, q_lengths, kv_lengths) -> np.ndarray:
+  b, t, s, n = case.batch, case.q_len, case.kv_len, case.q_heads
+  i = np.arange(t)[:, None]
+  j = np.arange(s)[None, :]
+  vis = np.ones((b, n, t, s), bool)
+  if mask_np is not None:
+    vis &= np.broadcast_to(mask_np, vis.shape)
+  if case.is_causal:
+    vis &= (j <= i)[None, None]
+  if case.window is not None:
+    left, right = case.window
+    vis &= ((j >= i - left) & (j <= i + right))[None, None]
+  if q_lengths is not None:
+    vis &= (np.arange(t)[None, :] < np.asarray(q_lengths)[:, None])[:, None, :, None]
+  if kv_lengths is not None:
+    vis &= (np.arange(s)[None, :] < np.asarray(kv_lengths)[:, None])[:, None, None, :]
+  return vis
+
+
+def reference(case: Case, x: Inputs):
+  """(out, lse [B, T, N]) from jax.nn in float32."""
+  up = lambda a: None if a is None else a.astype(jnp.float32)
+  return jax.nn.dot_product_attention(
+      up(x.q), up(x.k), up(x.v), implementation="xla", return_residual=True,
+      **{**x.kwargs(case), "bias": up(x.bias)})
+
+
+def relative_error(got, want, rows=None) -> float:
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  if rows is not None:
+    got, want = got[rows], want[rows]
+  denom = np.linalg.norm(want)
+  return float(np.linalg.norm(got - want) / (denom if denom > 0 else 1.0))

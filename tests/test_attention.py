@@ -1,0 +1,111 @@
+"""Values and gradients of every implementation against jax.nn (DESIGN.md §6)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fatrain
+from attention_cases import (IMPLEMENTATIONS, TOLERANCE, Case, make_inputs,
+                             reference, relative_error)
+
+B, N, T, S = "B", "N", "T", "S"
+
+CASES = [
+    Case(),
+    Case(q_len=70, kv_len=70, q_heads=2, kv_heads=2, is_causal=True),
+    Case(q_len=65, kv_len=31, q_heads=8, kv_heads=1, head_dim=256, is_causal=True),
+    Case(q_len=100, kv_len=37, head_dim=128, bias_shape=(1, N, T, S)),
+    Case(bias_shape=(B, 1, 1, S), mask_shape=(B, 1, T, S)),
+    Case(q_len=20, kv_len=29, mask_shape=(1, 1, T, S), fully_masked_row=True),
+    Case(q_len=40, kv_len=52, is_causal=True, q_lengths=True, kv_lengths=True),
+    Case(q_len=45, kv_len=45, window=(5, 3)),
+    Case(q_len=45, kv_len=60, window=(4, 0), is_causal=True, bias_shape=(B, N, T, S)),
+    Case(q_len=50, kv_len=50, q_heads=4, kv_heads=2, head_dim=256, dtype=jnp.bfloat16,
+         is_causal=True, bias_shape=(1, 1, T, S)),
+    Case(q_len=37, kv_len=29, q_heads=8, kv_heads=1, dtype=jnp.bfloat16,
+         mask_shape=(B, N, T, S), kv_lengths=True),
+    Case(head_dim=64, dtype=jnp.float16, mask_shape=(B, 1, 1, S), bias_shape=(1, N, 1, S)),
+    Case(head_dim=32, scale=0.3, q_lengths=True),
+    Case(head_dim=40, q_len=17, kv_len=90, batch=1, q_heads=3, kv_heads=1),
+    Case(q_len=1, kv_len=1, batch=1, q_heads=1, kv_heads=1),
+    Case(q_len=200, kv_len=200, batch=1, q_heads=2, kv_heads=1, is_causal=True,
+         dtype=jnp.bfloat16),
+    Case(q_len=150, kv_len=161, batch=1, q_heads=2, kv_heads=2, head_dim=128,
+         mask_shape=(1, 1, T, S), fully_masked_row=True, bias_shape=(B, N, 1, S)),
+]
+
+
+def _loss_and_grads(attention, case, x, argnums):
+  def loss(q, k, v, bias):
+    out = attention(q, k, v, **{**x.kwargs(case), "bias": bias})
+    return jnp.sum(out.astype(jnp.float32) * x.cotangent.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=argnums))(x.q, x.k, x.v, x.bias)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_values_and_gradients(case, implementation):
+  x = make_inputs(case, seed=hash(case.id) % 2**31)
+  ours = functools.partial(jax_fatrain.dot_product_attention,
+                           implementation=implementation)
+  out, lse = jax.jit(lambda q, k, v: ours(q, k, v, return_residual=True,
+                                          **x.kwargs(case)))(x.q, x.k, x.v)
+  ref_out, ref_lse = reference(case, x)
+  tol = TOLERANCE[case.dtype]
+  live = x.live_rows
+  assert out.shape == x.q.shape and out.dtype == x.q.dtype
+  assert lse.shape == live.shape and lse.dtype == jnp.float32
+  assert relative_error(out, ref_out, live) < tol
+  assert relative_error(lse, ref_lse, live) < 1e-5 if case.dtype == jnp.float32 else 1e-3
+  # Rows that see no key: exactly zero output and -inf logsumexp.
+  assert np.all(np.asarray(out, np.float32)[~live] == 0)
+  assert np.all(np.asarray(lse)[~live] == -np.inf)
+
+  argnums = (0, 1, 2, 3) if x.bias is not None else (0, 1, 2)
+  grads = _loss_and_grads(ours, case, x, argnums)
+  up = lambda a: None if a is None else a.astype(jnp.float32)
+
+  def ref_attention(q, k, v, **kw):
+    return jax.nn.dot_product_attention(up(q), up(k), up(v), implementation="xla",
+                                        **{**kw, "bias": up(kw["bias"])})
+  ref_grads = _loss_and_grads(ref_attention, case, x, argnums)
+  for name, g, rg, arg in zip("qkvb", grads, ref_grads, (x.q, x.k, x.v, x.bias)):
+    assert g.shape == arg.shape and g.dtype == arg.dtype, name
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+    assert relative_error(g, rg) < tol * 2, (name, relative_error(g, rg))
+  # A row that sees nothing has a zero query gradient.
+  assert np.all(np.asarray(grads[0], np.float32)[~live] == 0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_unbatched_rank3(implementation):
+  case = Case(batch=1)
+  x = make_inputs(case, seed=1)
+  out = jax_fatrain.dot_product_attention(x.q[0], x.k[0], x.v[0],
+                                          implementation=implementation)
+  ref = jax.nn.dot_product_attention(x.q[0], x.k[0], x.v[0])
+  assert out.shape == x.q.shape[1:]
+  assert relative_error(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_bias_of_minus_infinity_is_a_mask(implementation):
+  """A -inf bias removes a score like the boolean mask does, without NaN."""
+  case = Case(q_len=24, kv_len=24, mask_shape=(1, 1, T, S), fully_masked_row=True)
+  x = make_inputs(case, seed=3)
+  bias = jnp.where(x.mask, 0.0, -jnp.inf).astype(jnp.float32)
+
+  def loss(q, k, v, **kw):
+    out = jax_fatrain.dot_product_attention(q, k, v, implementation=implementation, **kw)
+    return jnp.sum(out * x.cotangent), out
+  (_, out_mask), g_mask = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+      x.q, x.k, x.v, mask=x.mask)
+  (_, out_bias), g_bias = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+      x.q, x.k, x.v, bias=bias)
+  np.testing.assert_allclose(out_bias, out_mask, rtol=1e-5, atol=1e-6)
+  for a, b in zip(g_bias, g_mask):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

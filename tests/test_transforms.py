@@ -151,3 +151,23 @@ def test_seed_pair_matches_the_op(implementation, mask_kind):
   assert relative_error(o, to_bhld(ref_o)) < 1e-6
   for got, want in zip((dq, dk, dv), ref_grads):
     assert relative_error(got, to_bhld(want)) < 1e-6
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kv_heads", [8, 4, 1])
+def test_shapes_are_known_before_any_kernel_runs(implementation, kv_heads):
+  q = jax.ShapeDtypeStruct((3, 17, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((3, 29, kv_heads, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 8, 17, 29), jnp.float32)
+  out, lse = jax.eval_shape(functools.partial(
+      jax_fatrain.dot_product_attention, return_residual=True, is_causal=True,
+      implementation=implementation), q, kv, kv, bias)
+  assert (out.shape, out.dtype) == ((3, 17, 8, 64), jnp.bfloat16)
+  assert (lse.shape, lse.dtype) == ((3, 17, 8), jnp.float32)
+
+  def loss(q, k, v, b):
+    return jnp.sum(jax_fatrain.dot_product_attention(
+        q, k, v, b, implementation=implementation).astype(jnp.float32))
+  grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, bias)
+  assert [(g.shape, g.dtype) for g in grads] == [
+      (x.shape, x.dtype) for x in (q, kv, kv, bias)]

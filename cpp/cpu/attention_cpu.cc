@@ -1,0 +1,240 @@
+// Validation, ISA dispatch and the public entry points of the CPU kernels.
+// Compiled with the baseline flags only; the kernels themselves live in
+// attention_cpu_impl.h, compiled once per ISA into fatrain::cpu::<isa>.
+//
+// ISA choice (made once per process): on x86-64, avx512 when the CPU has
+// avx512f+bw+vl+dq, else avx2 when it has avx2+fma+f16c, else baseline; other
+// architectures use baseline (NEON on arm64). The environment variable
+// JAX_FATRAIN_CPU_ISA=baseline|avx2|avx512 selects a different variant for
+// testing, but only one the CPU supports: a value naming an unsupported or
+// unknown ISA is ignored and the detected choice stays.
+#include "attention_cpu.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace fatrain::cpu {
+
+#define FATRAIN_DECLARE_ISA(isa)                                                           \
+  namespace isa {                                                                          \
+  const char* attention_forward(const AttentionProblem&, const ForwardOperands&,          \
+                                const ParallelFor&);                                       \
+  const char* attention_backward(const AttentionProblem&, const BackwardOperands&,        \
+                                 const ParallelFor&);                                      \
+  const char* attention_bias_grad(const AttentionProblem&, const BiasGradOperands&,       \
+                                  const ParallelFor&);                                     \
+  }
+FATRAIN_DECLARE_ISA(baseline)
+#if defined(__x86_64__)
+FATRAIN_DECLARE_ISA(avx2)
+FATRAIN_DECLARE_ISA(avx512)
+#endif
+#undef FATRAIN_DECLARE_ISA
+
+namespace {
+
+enum class Isa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa detect_isa() {
+  Isa best = Isa::kBaseline;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    best = Isa::kAvx2;
+  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    best = Isa::kAvx512;
+#endif
+  const char* env = std::getenv("JAX_FATRAIN_CPU_ISA");
+  if (env != nullptr) {
+    Isa want = best;
+    bool known = true;
+    if (std::strcmp(env, "baseline") == 0)
+      want = Isa::kBaseline;
+    else if (std::strcmp(env, "avx2") == 0)
+      want = Isa::kAvx2;
+    else if (std::strcmp(env, "avx512") == 0)
+      want = Isa::kAvx512;
+    else
+      known = false;
+    if (known && static_cast<int>(want) <= static_cast<int>(best)) best = want;
+  }
+  return best;
+}
+
+Isa current_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+thread_local char g_error[256];
+
+const char* fmt_error(const char* fmt, long long a, long long b = 0) {
+  std::snprintf(g_error, sizeof(g_error), fmt, a, b);
+  return g_error;
+}
+
+bool is_float_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+const char* check_score_tensor(const ScoreTensor& t, const AttentionProblem& p, const char* name,
+                               bool is_mask) {
+  if (t.data == nullptr) return nullptr;
+  if (is_mask ? t.dtype != DType::kBool : !is_float_dtype(t.dtype)) {
+    std::snprintf(g_error, sizeof(g_error), "jax_fatrain cpu: %s has an unsupported dtype (%d)",
+                  name, static_cast<int>(t.dtype));
+    return g_error;
+  }
+  const int64_t full[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+  static const char* const axis[4] = {"batch", "heads", "q_len", "kv_len"};
+  for (int d = 0; d < 4; ++d) {
+    if (t.dims[d] != 1 && t.dims[d] != full[d]) {
+      std::snprintf(g_error, sizeof(g_error),
+                    "jax_fatrain cpu: %s dim %d (%s) is %lld, expected 1 or %lld", name, d,
+                    axis[d], static_cast<long long>(t.dims[d]), static_cast<long long>(full[d]));
+      return g_error;
+    }
+  }
+  return nullptr;
+}
+
+const char* check_seq(const SeqTensor& t, const char* name, DType want) {
+  if (t.data == nullptr) {
+    std::snprintf(g_error, sizeof(g_error), "jax_fatrain cpu: %s is null", name);
+    return g_error;
+  }
+  if (t.dtype != want) {
+    std::snprintf(g_error, sizeof(g_error),
+                  "jax_fatrain cpu: %s dtype (%d) differs from q's dtype (%d)", name,
+                  static_cast<int>(t.dtype), static_cast<int>(want));
+    return g_error;
+  }
+  return nullptr;
+}
+
+const char* check_q_dtype(const SeqTensor& q) {
+  if (!is_float_dtype(q.dtype))
+    return fmt_error("jax_fatrain cpu: q has an unsupported dtype (%lld)",
+                     static_cast<long long>(q.dtype));
+  return nullptr;
+}
+
+void serial_run(void*, int64_t count, void (*body)(void*, int64_t), void* context) {
+  for (int64_t i = 0; i < count; ++i) body(context, i);
+}
+
+}  // namespace
+
+ParallelFor serial_parallel_for() {
+  ParallelFor p;
+  p.run = serial_run;
+  p.self = nullptr;
+  p.num_threads = 1;
+  return p;
+}
+
+const char* validate_problem(const AttentionProblem& p) {
+  if (p.batch <= 0) return fmt_error("jax_fatrain cpu: batch must be > 0, got %lld", p.batch);
+  if (p.q_heads <= 0) return fmt_error("jax_fatrain cpu: q_heads must be > 0, got %lld", p.q_heads);
+  if (p.kv_heads <= 0)
+    return fmt_error("jax_fatrain cpu: kv_heads must be > 0, got %lld", p.kv_heads);
+  if (p.q_heads % p.kv_heads != 0)
+    return fmt_error("jax_fatrain cpu: kv_heads (%lld) must divide q_heads (%lld)", p.kv_heads,
+                     p.q_heads);
+  if (p.q_len <= 0) return fmt_error("jax_fatrain cpu: q_len must be > 0, got %lld", p.q_len);
+  if (p.kv_len <= 0) return fmt_error("jax_fatrain cpu: kv_len must be > 0, got %lld", p.kv_len);
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim)
+    return fmt_error("jax_fatrain cpu: head_dim must be in [1, %lld], got %lld", kMaxHeadDim,
+                     p.head_dim);
+  if (!std::isfinite(p.scale)) return "jax_fatrain cpu: scale must be finite";
+  // Guard the int64 index arithmetic of the kernels against absurd sizes.
+  const double elems = static_cast<double>(p.batch) * static_cast<double>(p.q_heads) *
+                       static_cast<double>(p.q_len + p.kv_len + 64) * 256.0;
+  if (elems > 1e17) return "jax_fatrain cpu: problem too large";
+  if (const char* e = check_score_tensor(p.bias, p, "bias", false)) return e;
+  if (const char* e = check_score_tensor(p.mask, p, "mask", true)) return e;
+  return nullptr;
+}
+
+const char* selected_isa() {
+  switch (current_isa()) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "baseline";
+  }
+}
+
+#if defined(__x86_64__)
+#define FATRAIN_DISPATCH(fn, ...)                                 \
+  switch (current_isa()) {                                        \
+    case Isa::kAvx512:                                            \
+      return avx512::fn(__VA_ARGS__);                             \
+    case Isa::kAvx2:                                              \
+      return avx2::fn(__VA_ARGS__);                               \
+    default:                                                      \
+      return baseline::fn(__VA_ARGS__);                           \
+  }
+#else
+#define FATRAIN_DISPATCH(fn, ...) return baseline::fn(__VA_ARGS__);
+#endif
+
+namespace {
+ParallelFor usable(const ParallelFor& p) { return p.run ? p : serial_parallel_for(); }
+}  // namespace
+
+const char* attention_forward(const AttentionProblem& problem, const ForwardOperands& op,
+                              const ParallelFor& parallel) {
+  if (const char* e = validate_problem(problem)) return e;
+  if (const char* e = check_q_dtype(op.q)) return e;
+  const DType dt = op.q.dtype;
+  if (const char* e = check_seq(op.q, "q", dt)) return e;
+  if (const char* e = check_seq(op.k, "k", dt)) return e;
+  if (const char* e = check_seq(op.v, "v", dt)) return e;
+  if (const char* e = check_seq(op.o, "o", dt)) return e;
+  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  const ParallelFor pf = usable(parallel);
+  FATRAIN_DISPATCH(attention_forward, problem, op, pf)
+}
+
+const char* attention_backward(const AttentionProblem& problem, const BackwardOperands& op,
+                               const ParallelFor& parallel) {
+  if (const char* e = validate_problem(problem)) return e;
+  if (const char* e = check_q_dtype(op.q)) return e;
+  const DType dt = op.q.dtype;
+  if (const char* e = check_seq(op.q, "q", dt)) return e;
+  if (const char* e = check_seq(op.k, "k", dt)) return e;
+  if (const char* e = check_seq(op.v, "v", dt)) return e;
+  if (const char* e = check_seq(op.o, "o", dt)) return e;
+  if (const char* e = check_seq(op.d_o, "d_o", dt)) return e;
+  if (const char* e = check_seq(op.dq, "dq", dt)) return e;
+  if (const char* e = check_seq(op.dk, "dk", dt)) return e;
+  if (const char* e = check_seq(op.dv, "dv", dt)) return e;
+  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  const ParallelFor pf = usable(parallel);
+  FATRAIN_DISPATCH(attention_backward, problem, op, pf)
+}
+
+const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradOperands& op,
+                                const ParallelFor& parallel) {
+  if (const char* e = validate_problem(problem)) return e;
+  if (problem.bias.data == nullptr) return "jax_fatrain cpu: bias gradient without a bias";
+  if (const char* e = check_q_dtype(op.q)) return e;
+  const DType dt = op.q.dtype;
+  if (const char* e = check_seq(op.q, "q", dt)) return e;
+  if (const char* e = check_seq(op.k, "k", dt)) return e;
+  if (const char* e = check_seq(op.v, "v", dt)) return e;
+  if (const char* e = check_seq(op.o, "o", dt)) return e;
+  if (const char* e = check_seq(op.d_o, "d_o", dt)) return e;
+  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  if (op.dbias == nullptr) return "jax_fatrain cpu: dbias is null";
+  const ParallelFor pf = usable(parallel);
+  FATRAIN_DISPATCH(attention_bias_grad, problem, op, pf)
+}
+
+}  // namespace fatrain::cpu

@@ -1,0 +1,1127 @@
+// FlashAttention-2 training kernels for the CPU: the one implementation that
+// is compiled once per instruction set.
+//
+// Each ISA translation unit (attention_cpu_isa_{baseline,avx2,avx512}.cc)
+// defines FATRAIN_ISA and includes this header once, so everything below lands
+// in the distinct namespace fatrain::cpu::<isa>. All helpers live in an
+// anonymous namespace (internal linkage), and the code uses no standard
+// library templates or inline library functions: nothing compiled with wide
+// vector instructions can be merged (COMDAT) into another ISA's code. Only the
+// three entry points at the bottom have external linkage.
+//
+// Structure (see DESIGN.md §4/§7):
+//  * Pre-pass: operands are packed per head into float32 scratch (row-major
+//    copies [len_pad, Dp] and transposed copies blocked by tile
+//    [ntiles][D][tile]), converting bf16/f16 once. Padding is zero.
+//  * Every tile GEMM is C[M x N] (+)= A[M x K] . B[K x N] with B row-major:
+//    one register-blocked micro-kernel (kMR rows x kNR vectors of W floats)
+//    written with GCC vector extensions, so the same source becomes AVX-512,
+//    AVX2+FMA, SSE2 or NEON code depending on the TU's flags.
+//  * Forward: items (b, n, q_tile), online softmax in base 2.
+//  * Backward: Drow / base-2 L pre-pass, then pass 1 (dQ, q tiles outer) and
+//    pass 2 (dK/dV, kv tiles outer, GQA group and q tiles looped inside in a
+//    fixed order). No atomics on data: bitwise deterministic.
+//  * Bias gradient: items own disjoint slices of dbias and loop over the
+//    contributing (b, n) in a fixed order.
+
+#ifndef FATRAIN_ISA
+#error "define FATRAIN_ISA before including attention_cpu_impl.h"
+#endif
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "attention_cpu.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#if defined(__F16C__)
+#define FATRAIN_HAVE_F16C 1
+#endif
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+namespace fatrain::cpu::FATRAIN_ISA {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Vector width and register blocking per ISA.
+// ---------------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per vector
+#ifdef FATRAIN_MR
+constexpr int kMR = FATRAIN_MR;
+constexpr int kNR = FATRAIN_NR;
+#else
+constexpr int kMR = 4;  // micro-kernel rows
+constexpr int kNR = 4;  // micro-kernel vectors per row (16 zmm accumulators)
+#endif
+#elif defined(__AVX2__)
+constexpr int W = 8;
+#ifdef FATRAIN_MR
+constexpr int kMR = FATRAIN_MR;
+constexpr int kNR = FATRAIN_NR;
+#else
+constexpr int kMR = 4;
+constexpr int kNR = 3;  // 12 ymm accumulators
+#endif
+#elif defined(__aarch64__)
+constexpr int W = 4;
+constexpr int kMR = 6;
+constexpr int kNR = 4;  // 24 of 32 NEON registers
+#else
+constexpr int W = 4;
+constexpr int kMR = 4;
+constexpr int kNR = 2;  // SSE2: 8 of 16 xmm registers
+#endif
+
+// Tile sizes: multiples of W (<= 16) so GEMM widths are whole vectors.
+constexpr int64_t BQ = 64;
+constexpr int64_t BK = 64;
+
+typedef float vf __attribute__((vector_size(W * 4), may_alias));
+typedef int32_t vi __attribute__((vector_size(W * 4), may_alias));
+typedef float vfu __attribute__((vector_size(W * 4), may_alias, aligned(4)));
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInf = __builtin_inff();
+
+static inline __attribute__((always_inline)) vf ld(const float* p) {
+  return *reinterpret_cast<const vfu*>(p);
+}
+static inline __attribute__((always_inline)) void st(float* p, vf v) {
+  *reinterpret_cast<vfu*>(p) = v;
+}
+static inline __attribute__((always_inline)) vf bc(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#elif defined(__SSE2__)
+  return _mm_set1_ps(x);
+#elif defined(__ARM_NEON)
+  return vdupq_n_f32(x);
+#else
+  vf v = {};
+  return v + x;
+#endif
+}
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
+  return a > b ? a : b;
+}
+static inline __attribute__((always_inline)) vf vmin(vf a, vf b) {
+  return a < b ? a : b;
+}
+static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t round_up(int64_t a, int64_t m) { return (a + m - 1) / m * m; }
+static inline float fmaxs(float a, float b) { return a > b ? a : b; }
+
+static inline uint32_t f2u(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float u2f(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
+// a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
+// ~5e-9, overall ~1 ulp-ish). x = -inf and x < -126.5 give exactly 0.
+// NaN inputs give 0 (inputs are never NaN here).
+constexpr float kC1 = 0.6931471805599453f;
+constexpr float kC2 = 0.2402265069591007f;
+constexpr float kC3 = 0.05550410866482158f;
+constexpr float kC4 = 0.009618129107628477f;
+constexpr float kC5 = 0.0013333558146428443f;
+constexpr float kC6 = 0.00015403530393381606f;
+constexpr float kC7 = 1.525273380405984e-05f;
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+
+static inline __attribute__((always_inline)) vf vexp2(vf x) {
+  vf xc = vmin(vmax(x, bc(-127.0f)), bc(127.0f));
+  vf r = (xc + kRound) - kRound;
+  vf f = xc - r;
+  vf p = bc(kC7);
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  vi n = __builtin_convertvector(r, vi);
+  vi bits = (n + 127) << 23;  // n = -127 -> +0.0
+  vf s;
+  memcpy(&s, &bits, sizeof(s));
+  return p * s;
+}
+
+static inline float sexp2(float x) {
+  float xc = x > -127.0f ? x : -127.0f;
+  xc = xc < 127.0f ? xc : 127.0f;
+  float r = (xc + kRound) - kRound;
+  float f = xc - r;
+  float p = kC7;
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  int32_t n = static_cast<int32_t>(r);
+  return p * u2f(static_cast<uint32_t>(n + 127) << 23);
+}
+
+static inline float hmax(vf v) {
+  float m = v[0];
+  for (int k = 1; k < W; ++k) m = fmaxs(m, v[k]);
+  return m;
+}
+static inline float hsum(vf v) {
+  float s = v[0];
+  for (int k = 1; k < W; ++k) s += v[k];
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Element conversions (round-to-nearest-even when narrowing).
+// ---------------------------------------------------------------------------
+static inline float bf16_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+static inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return u2f(sign | 0x7f800000u | (m << 13));
+  if (e == 0) return u2f(sign | f2u(static_cast<float>(m) * 5.9604644775390625e-8f));
+  return u2f(sign | ((e + 112u) << 23) | (m << 13));
+}
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x = f2u(f);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (ax < 0x38800000u) {
+    // Subnormal half: in [0.5, 1) a float's ulp is 2^-24, the half's subnormal
+    // step, so the float addition does the round-to-nearest-even.
+    float t = u2f(ax) + 0.5f;
+    return static_cast<uint16_t>(sign | (f2u(t) - 0x3f000000u));
+  }
+  uint32_t odd = (ax >> 13) & 1u;
+  ax += 0xc8000fffu + odd;
+  return static_cast<uint16_t>(sign | (ax >> 13));
+}
+
+// Converts n elements of dtype dt at src into floats.
+static inline void load_row(const void* src, DType dt, int64_t n, float* dst) {
+  if (dt == DType::kF32) {
+    memcpy(dst, src, static_cast<size_t>(n) * 4);
+  } else if (dt == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t k = 0; k < n; ++k) dst[k] = u2f(static_cast<uint32_t>(s[k]) << 16);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    int64_t k = 0;
+#if defined(FATRAIN_HAVE_F16C)
+    for (; k + 8 <= n; k += 8) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+      _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; k < n; ++k) dst[k] = f16_to_f32(s[k]);
+  }
+}
+
+// Writes n floats (times mul) as dtype dt.
+static inline void store_row(void* dst, DType dt, int64_t n, const float* src, float mul) {
+  if (dt == DType::kF32) {
+    float* d = static_cast<float*>(dst);
+    for (int64_t k = 0; k < n; ++k) d[k] = src[k] * mul;
+  } else if (dt == DType::kBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t k = 0; k < n; ++k) {
+      uint32_t u = f2u(src[k] * mul);
+      uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      if ((u & 0x7fffffffu) > 0x7f800000u) r = (u >> 16) | 0x40u;
+      d[k] = static_cast<uint16_t>(r);
+    }
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    int64_t k = 0;
+#if defined(FATRAIN_HAVE_F16C)
+    __m256 m8 = _mm256_set1_ps(mul);
+    for (; k + 8 <= n; k += 8) {
+      __m256 x = _mm256_mul_ps(_mm256_loadu_ps(src + k), m8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k),
+                       _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; k < n; ++k) d[k] = f32_to_f16(src[k] * mul);
+  }
+}
+
+static inline float load_elem(const void* p, DType dt, int64_t idx) {
+  if (dt == DType::kF32) return static_cast<const float*>(p)[idx];
+  if (dt == DType::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[idx]);
+  return f16_to_f32(static_cast<const uint16_t*>(p)[idx]);
+}
+
+static inline int64_t dtype_size(DType dt) { return dt == DType::kF32 ? 4 : 2; }
+
+static inline const char* row_ptr(const SeqTensor& x, int64_t b, int64_t t, int64_t h) {
+  return static_cast<const char*>(x.data) +
+         (b * x.batch_stride + t * x.seq_stride + h * x.head_stride) * dtype_size(x.dtype);
+}
+static inline char* row_ptr_mut(const SeqTensor& x, int64_t b, int64_t t, int64_t h) {
+  return static_cast<char*>(x.data) +
+         (b * x.batch_stride + t * x.seq_stride + h * x.head_stride) * dtype_size(x.dtype);
+}
+
+static inline float* falloc(int64_t n) {
+  size_t bytes = static_cast<size_t>(round_up(n > 0 ? n : 1, 16)) * 4;
+  return static_cast<float*>(aligned_alloc(64, bytes));
+}
+
+// Large packed-operand scratch, kept in a one-slot cache between calls so
+// that repeated calls do not pay page faults for fresh pages (tens of MB at
+// long sequence lengths). The slot keeps the largest recently released block
+// (at most kCacheMax bytes); take/give use atomic exchanges only, so any
+// interleaving of concurrent calls is safe (each block is owned by exactly one
+// caller or by the slot). A block is [64-byte header holding its capacity in
+// floats][data].
+constexpr int64_t kCacheMaxFloats = int64_t(1) << 28;  // 1 GiB
+void* g_scratch_slot = nullptr;
+
+static inline int64_t block_cap(void* blk) { return *static_cast<int64_t*>(blk); }
+
+static float* scratch_take(int64_t n, void** handle) {
+  n = round_up(n > 0 ? n : 1, 16);
+  void* blk = __atomic_exchange_n(&g_scratch_slot, static_cast<void*>(nullptr), __ATOMIC_ACQ_REL);
+  if (blk != nullptr && block_cap(blk) < n) {
+    free(blk);
+    blk = nullptr;
+  }
+  if (blk == nullptr) {
+    blk = aligned_alloc(64, 64 + static_cast<size_t>(n) * 4);
+    if (blk == nullptr) return nullptr;
+    *static_cast<int64_t*>(blk) = n;
+  }
+  *handle = blk;
+  return reinterpret_cast<float*>(static_cast<char*>(blk) + 64);
+}
+
+static void scratch_give(void* blk) {
+  if (blk == nullptr) return;
+  if (block_cap(blk) > kCacheMaxFloats) {
+    free(blk);
+    return;
+  }
+  void* old = __atomic_exchange_n(&g_scratch_slot, blk, __ATOMIC_ACQ_REL);
+  if (old == nullptr) return;
+  if (block_cap(old) > block_cap(blk)) {
+    // Keep the larger block in the slot; free whatever it displaces.
+    void* cur = __atomic_exchange_n(&g_scratch_slot, old, __ATOMIC_ACQ_REL);
+    free(cur);
+  } else {
+    free(old);
+  }
+}
+
+// Carves 64-byte aligned sub-arrays out of one scratch block.
+struct Carver {
+  float* base;
+  int64_t used;
+  float* take(int64_t n) {
+    float* p = base + used;
+    used += round_up(n > 0 ? n : 1, 16);
+    return p;
+  }
+};
+static inline int64_t carve_size(int64_t n) { return round_up(n > 0 ? n : 1, 16); }
+
+// ---------------------------------------------------------------------------
+// GEMM: C[M x N] (+)= A[M x K] . B[K x N], B row-major, N a multiple of W.
+// ---------------------------------------------------------------------------
+template <int M, int N>
+static void mk(int64_t K, const float* __restrict A, int64_t lda, const float* __restrict B,
+               int64_t ldb, float* __restrict C, int64_t ldc, int accumulate) {
+  vf c[M][N];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) c[i][j] = accumulate ? ld(C + i * ldc + j * W) : vf{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[N];
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) b[j] = ld(B + k * ldb + j * W);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      vf a = bc(A[i * lda + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < N; ++j) c[i][j] += a * b[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) st(C + i * ldc + j * W, c[i][j]);
+  }
+}
+
+template <int R, int N>
+static inline void mk_rows_rem(int64_t r, int64_t K, const float* A, int64_t lda, const float* B,
+                               int64_t ldb, float* C, int64_t ldc, int acc) {
+  if constexpr (R > 0) {
+    if (r == R)
+      mk<R, N>(K, A, lda, B, ldb, C, ldc, acc);
+    else
+      mk_rows_rem<R - 1, N>(r, K, A, lda, B, ldb, C, ldc, acc);
+  }
+}
+
+template <int N>
+static void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
+                      int64_t ldb, float* C, int64_t ldc, int acc) {
+  int64_t i = 0;
+  for (; i + kMR <= M; i += kMR) mk<kMR, N>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, acc);
+  if (i < M) mk_rows_rem<kMR - 1, N>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, acc);
+}
+
+template <int R>
+static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const float* A, int64_t lda,
+                                 const float* B, int64_t ldb, float* C, int64_t ldc, int acc) {
+  if constexpr (R > 0) {
+    if (r == R)
+      gemm_cols<R>(M, K, A, lda, B, ldb, C, ldc, acc);
+    else
+      gemm_cols_rem<R - 1>(r, M, K, A, lda, B, ldb, C, ldc, acc);
+  }
+}
+
+static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                 int64_t ldb, float* C, int64_t ldc, int acc) {
+  if (M <= 0 || N <= 0) return;
+  int64_t nv = N / W, j = 0;
+  for (; j + kNR <= nv; j += kNR)
+    gemm_cols<kNR>(M, K, A, lda, B + j * W, ldb, C + j * W, ldc, acc);
+  if (j < nv) gemm_cols_rem<kNR - 1>(nv - j, M, K, A, lda, B + j * W, ldb, C + j * W, ldc, acc);
+}
+
+// ---------------------------------------------------------------------------
+// Parallel helpers.
+// ---------------------------------------------------------------------------
+template <class F>
+static void trampoline(void* context, int64_t i) {
+  (*static_cast<F*>(context))(i);
+}
+template <class F>
+static void parallel_for(const ParallelFor& pf, int64_t count, F& f) {
+  if (count <= 0) return;
+  if (pf.run == nullptr || count == 1) {
+    for (int64_t i = 0; i < count; ++i) f(i);
+  } else {
+    pf.run(pf.self, count, &trampoline<F>, &f);
+  }
+}
+static inline void set_fail(int* flag) { __atomic_store_n(flag, 1, __ATOMIC_RELAXED); }
+
+// ---------------------------------------------------------------------------
+// Problem geometry and visibility.
+// ---------------------------------------------------------------------------
+struct Geo {
+  int64_t B, N, KH, G, T, S, D, Dp, Tp, Sp, ntq, ntk;
+  float scale;
+  bool causal;
+  int64_t wl, wr;
+  const int32_t* qlen;
+  const int32_t* kvlen;
+  const void* bias;
+  DType bias_dt;
+  int64_t bdims[4], bstr[4];
+  const uint8_t* mask;
+  int64_t mdims[4], mstr[4];
+};
+
+static void make_geo(const AttentionProblem& p, Geo& g) {
+  g.B = p.batch;
+  g.N = p.q_heads;
+  g.KH = p.kv_heads;
+  g.G = p.q_heads / p.kv_heads;
+  g.T = p.q_len;
+  g.S = p.kv_len;
+  g.D = p.head_dim;
+  g.Dp = round_up(g.D, W);
+  g.Tp = round_up(g.T, BQ);
+  g.Sp = round_up(g.S, BK);
+  g.ntq = g.Tp / BQ;
+  g.ntk = g.Sp / BK;
+  g.scale = p.scale;
+  g.causal = p.causal;
+  // A window at least T + S wide is unbounded (also avoids overflow in i + wr).
+  g.wl = p.window_left >= g.T + g.S ? -1 : p.window_left;
+  g.wr = p.window_right >= g.T + g.S ? -1 : p.window_right;
+  g.qlen = p.q_lengths;
+  g.kvlen = p.kv_lengths;
+  g.bias = p.bias.data;
+  g.bias_dt = p.bias.dtype;
+  g.mask = static_cast<const uint8_t*>(p.mask.data);
+  for (int d = 0; d < 4; ++d) {
+    g.bdims[d] = p.bias.dims[d];
+    g.bstr[d] = p.bias.dims[d] == 1 ? 0 : p.bias.strides[d];
+    g.mdims[d] = p.mask.dims[d];
+    g.mstr[d] = p.mask.dims[d] == 1 ? 0 : p.mask.strides[d];
+  }
+}
+
+static inline int64_t q_eff(const Geo& g, int64_t b) {
+  if (!g.qlen) return g.T;
+  return imax(0, imin(g.T, g.qlen[b]));
+}
+static inline int64_t kv_eff(const Geo& g, int64_t b) {
+  if (!g.kvlen) return g.S;
+  return imax(0, imin(g.S, g.kvlen[b]));
+}
+// Visible keys of query row i (i < te): [row_lo, row_hi] (may be empty).
+static inline int64_t row_lo(const Geo& g, int64_t i) { return g.wl >= 0 ? imax(0, i - g.wl) : 0; }
+static inline int64_t row_hi(const Geo& g, int64_t i, int64_t se) {
+  int64_t h = se - 1;
+  if (g.causal) h = imin(h, i);
+  if (g.wr >= 0) h = imin(h, i + g.wr);
+  return h;
+}
+// Visible queries of key j (j < se): [col_lo, col_hi].
+static inline int64_t col_lo(const Geo& g, int64_t j) {
+  int64_t l = 0;
+  if (g.causal) l = imax(l, j);
+  if (g.wr >= 0) l = imax(l, j - g.wr);
+  return l;
+}
+static inline int64_t col_hi(const Geo& g, int64_t j, int64_t te) {
+  int64_t h = te - 1;
+  if (g.wl >= 0) h = imin(h, j + g.wl);
+  return h;
+}
+
+// 0: no visible element; 1: partial (element masking); 2: every element of
+// the ni x nc block is visible (nc = computed width, nj real columns).
+static inline int classify(const Geo& g, int64_t i0, int64_t ni, int64_t j0, int64_t nj,
+                           int64_t nc_cols, int64_t nc_rows, int64_t te, int64_t se) {
+  int64_t ie = imin(i0 + ni, te) - 1;
+  if (ie < i0) return 0;
+  int64_t je = imin(j0 + nj, se) - 1;
+  if (je < j0) return 0;
+  if (row_lo(g, i0) > je || row_hi(g, ie, se) < j0) return 0;
+  // Conservative emptiness test for windows: every row's range may be empty.
+  if (g.mask == nullptr && ie == i0 + ni - 1 && je == j0 + nj - 1 && nj == nc_cols &&
+      ni == nc_rows && row_lo(g, ie) <= j0 && row_hi(g, i0, se) >= je)
+    return 2;
+  return 1;
+}
+
+// Additive bias along a row of keys: out[c] = bias[b, n, i, j0 + c], c < n.
+static inline void bias_gather(const Geo& g, int64_t base, int64_t stride, int64_t n, float* out) {
+  if (stride == 0) {
+    float v = load_elem(g.bias, g.bias_dt, base);
+    for (int64_t c = 0; c < n; ++c) out[c] = v;
+  } else if (stride == 1) {
+    load_row(static_cast<const char*>(g.bias) + base * dtype_size(g.bias_dt), g.bias_dt, n, out);
+  } else {
+    for (int64_t c = 0; c < n; ++c) out[c] = load_elem(g.bias, g.bias_dt, base + c * stride);
+  }
+}
+
+// Turns raw dot products s[0..nc) into base-2 scores t = (scale*s + bias)*log2e
+// and applies masking: positions outside [lo, hi] (relative), masked-out
+// positions and positions >= n_real become -inf. brow: bias row or null.
+// mask: base pointer of the mask row (element stride mstride) or null.
+static inline void prep_row(float* s, int64_t nc, float scale, const float* brow, bool partial,
+                            int64_t lo, int64_t hi, const uint8_t* mrow, int64_t mstride,
+                            int64_t n_real) {
+  vf vs = bc(scale), vl = bc(kLog2e);
+  if (brow) {
+    for (int64_t c = 0; c < nc; c += W) st(s + c, (ld(s + c) * vs + ld(brow + c)) * vl);
+  } else {
+    for (int64_t c = 0; c < nc; c += W) st(s + c, (ld(s + c) * vs) * vl);
+  }
+  if (partial) {
+    if (hi > n_real - 1) hi = n_real - 1;
+    if (lo > hi) {
+      for (int64_t c = 0; c < nc; ++c) s[c] = -kInf;
+      return;
+    }
+    for (int64_t c = 0; c < lo && c < nc; ++c) s[c] = -kInf;
+    for (int64_t c = imax(hi + 1, 0); c < nc; ++c) s[c] = -kInf;
+    if (mrow) {
+      int64_t a = imax(lo, 0), e = imin(hi, nc - 1);
+      for (int64_t c = a; c <= e; ++c)
+        if (mrow[c * mstride] == 0) s[c] = -kInf;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Packing.
+// ---------------------------------------------------------------------------
+// Row-major f32 copy [Lp, Dp] of head h of x, zero padded.
+static void pack_rows(const SeqTensor& x, int64_t b, int64_t h, int64_t L, int64_t Lp, int64_t D,
+                      int64_t Dp, float* dst) {
+  for (int64_t t = 0; t < L; ++t) {
+    float* d = dst + t * Dp;
+    load_row(row_ptr(x, b, t, h), x.dtype, D, d);
+    for (int64_t k = D; k < Dp; ++k) d[k] = 0.0f;
+  }
+  memset(dst + L * Dp, 0, static_cast<size_t>((Lp - L) * Dp) * 4);
+}
+// Transposed copy blocked by tile: dst[blk][d][c] = rows[blk*bt + c][d].
+static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t Dp, int64_t bt,
+                            float* dst) {
+  for (int64_t blk = 0; blk < Lp / bt; ++blk) {
+    float* o = dst + blk * D * bt;
+    const float* r = rows + blk * bt * Dp;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t c = 0; c < bt; ++c) o[d * bt + c] = r[c * Dp + d];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+// ---------------------------------------------------------------------------
+struct FwdState {
+  Geo g;
+  const ForwardOperands* op;
+  float* KT;  // [B*KH][ntk][D][BK]
+  float* V;   // [B*KH][Sp][Dp]
+  int fail;
+};
+
+static void fwd_pack(FwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  int64_t b = idx / g.KH, h = idx % g.KH;
+  float* vdst = s.V + idx * g.Sp * g.Dp;
+  pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, vdst);
+  // Kᵀ blocked by BK, straight from the source rows.
+  float* kt = s.KT + idx * g.Sp * g.D;
+  float row[kMaxHeadDim];
+  for (int64_t j = 0; j < g.Sp; ++j) {
+    if (j < g.S)
+      load_row(row_ptr(s.op->k, b, j, h), s.op->k.dtype, g.D, row);
+    else
+      for (int64_t d = 0; d < g.D; ++d) row[d] = 0.0f;
+    float* o = kt + (j / BK) * g.D * BK + (j % BK);
+    for (int64_t d = 0; d < g.D; ++d) o[d * BK] = row[d];
+  }
+}
+
+static void fwd_item(FwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  const ForwardOperands& op = *s.op;
+  int64_t qt = g.ntq - 1 - idx / (g.B * g.N);
+  int64_t bn = idx % (g.B * g.N);
+  int64_t b = bn / g.N, n = bn % g.N, kh = n / g.G;
+  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(BQ * Dp * 2 + BQ * BK + 2 * BQ + BK);
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* Qt = buf;
+  float* Ob = Qt + BQ * Dp;
+  float* Sb = Ob + BQ * Dp;
+  float* mrow = Sb + BQ * BK;
+  float* lrow = mrow + BQ;
+  float* brow = lrow + BQ;
+  for (int64_t r = 0; r < ni; ++r) load_row(row_ptr(op.q, b, i0 + r, n), op.q.dtype, D, Qt + r * Dp);
+  memset(Ob, 0, static_cast<size_t>(BQ * Dp) * 4);
+  for (int64_t r = 0; r < BQ; ++r) {
+    mrow[r] = -kInf;
+    lrow[r] = 0.0f;
+  }
+  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  const float* KTh = s.KT + (b * g.KH + kh) * g.Sp * D;
+  const float* Vh = s.V + (b * g.KH + kh) * g.Sp * Dp;
+  int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
+  int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+  for (int64_t kt = 0; kt < g.ntk; ++kt) {
+    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+    int cls = classify(g, i0, ni, j0, nj, nc, ni, te, se);
+    if (cls == 0) continue;
+    gemm(ni, nc, D, Qt, Dp, KTh + kt * D * BK, BK, Sb, BK, 0);
+    for (int64_t r = 0; r < ni; ++r) {
+      int64_t i = i0 + r;
+      float* srow = Sb + r * BK;
+      const float* bp = nullptr;
+      if (g.bias) {
+        bias_gather(g, bbase + i * g.bstr[2] + j0 * g.bstr[3], g.bstr[3], nj, brow);
+        for (int64_t c = nj; c < nc; ++c) brow[c] = 0.0f;
+        bp = brow;
+      }
+      int64_t lo = 1, hi = 0;
+      if (i < te) {
+        lo = row_lo(g, i) - j0;
+        hi = row_hi(g, i, se) - j0;
+      }
+      prep_row(srow, nc, g.scale, bp, cls == 1, lo, hi,
+               g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj);
+      vf mx = bc(-kInf);
+      for (int64_t c = 0; c < nc; c += W) mx = vmax(mx, ld(srow + c));
+      float mnew = fmaxs(mrow[r], hmax(mx));
+      if (mnew == -kInf) {
+        for (int64_t c = 0; c < nc; ++c) srow[c] = 0.0f;
+        continue;
+      }
+      vf vm = bc(mnew), sum = {};
+      for (int64_t c = 0; c < nc; c += W) {
+        vf p = vexp2(ld(srow + c) - vm);
+        sum += p;
+        st(srow + c, p);
+      }
+      float alpha = sexp2(mrow[r] - mnew);
+      lrow[r] = lrow[r] * alpha + hsum(sum);
+      mrow[r] = mnew;
+      if (alpha != 1.0f) {
+        float* orow = Ob + r * Dp;
+        vf va = bc(alpha);
+        for (int64_t c = 0; c < Dp; c += W) st(orow + c, ld(orow + c) * va);
+      }
+    }
+    gemm(ni, Dp, nj, Sb, BK, Vh + j0 * Dp, Dp, Ob, Dp, 1);
+  }
+  float* lse = op.lse + (b * g.N + n) * g.T;
+  for (int64_t r = 0; r < ni; ++r) {
+    float* orow = Ob + r * Dp;
+    float l = lrow[r];
+    char* dst = row_ptr_mut(op.o, b, i0 + r, n);
+    if (l > 0.0f && mrow[r] > -kInf) {
+      store_row(dst, op.o.dtype, D, orow, 1.0f / l);
+      lse[i0 + r] = mrow[r] * kLn2 + __builtin_logf(l);
+    } else {
+      for (int64_t c = 0; c < D; ++c) orow[c] = 0.0f;
+      store_row(dst, op.o.dtype, D, orow, 1.0f);
+      lse[i0 + r] = -kInf;
+    }
+  }
+  free(buf);
+}
+
+// ---------------------------------------------------------------------------
+// Backward (and bias gradient) shared packing.
+// ---------------------------------------------------------------------------
+struct BwdState {
+  Geo g;
+  const SeqTensor *q, *k, *v, *o, *d_o;
+  const float* lse;
+  const BackwardOperands* bop;
+  const BiasGradOperands* gop;
+  bool need_transposed_q;  // QT / dOT / Kp / Vp (pass 2)
+  float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head
+  float *Kp, *Vp, *KT, *VT;              // per kv head
+  int fail;
+};
+
+static void bwd_pack(BwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  int64_t Dp = g.Dp, D = g.D;
+  if (idx < g.B * g.N) {
+    int64_t b = idx / g.N, n = idx % g.N;
+    float* Q = s.Qp + idx * g.Tp * Dp;
+    float* dO = s.dOp + idx * g.Tp * Dp;
+    pack_rows(*s.q, b, n, g.T, g.Tp, D, Dp, Q);
+    pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dp, dO);
+    if (s.need_transposed_q) {
+      pack_transposed(Q, g.Tp, D, Dp, BQ, s.QT + idx * g.Tp * D);
+      pack_transposed(dO, g.Tp, D, Dp, BQ, s.dOT + idx * g.Tp * D);
+    }
+    float* Dr = s.Drow + idx * g.Tp;
+    float* Lb = s.Lb + idx * g.Tp;
+    const float* L = s.lse + idx * g.T;
+    float orow[kMaxHeadDim];
+    int64_t te = q_eff(g, b);
+    for (int64_t t = 0; t < g.Tp; ++t) {
+      float l = t < g.T ? L[t] : -kInf;
+      bool ok = t < te && l > -kInf && l < kInf;
+      if (!ok) {
+        Dr[t] = 0.0f;
+        Lb[t] = kInf;
+        continue;
+      }
+      load_row(row_ptr(*s.o, b, t, n), s.o->dtype, D, orow);
+      const float* dr = dO + t * Dp;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc += dr[d] * orow[d];
+      Dr[t] = acc;
+      Lb[t] = l * kLog2e;
+    }
+  } else {
+    idx -= g.B * g.N;
+    int64_t b = idx / g.KH, h = idx % g.KH;
+    float* K = s.Kp + idx * g.Sp * Dp;
+    float* V = s.Vp + idx * g.Sp * Dp;
+    pack_rows(*s.k, b, h, g.S, g.Sp, D, Dp, K);
+    pack_rows(*s.v, b, h, g.S, g.Sp, D, Dp, V);
+    pack_transposed(K, g.Sp, D, Dp, BK, s.KT + idx * g.Sp * D);
+    pack_transposed(V, g.Sp, D, Dp, BK, s.VT + idx * g.Sp * D);
+  }
+}
+
+// dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
+// (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
+// clobbered. brow: scratch of BK floats.
+static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64_t kt, int cls,
+                      int64_t te, int64_t se, float* Sb, float* dPb, float* brow) {
+  const Geo& g = s.g;
+  int64_t D = g.D, Dp = g.Dp;
+  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+  int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+  int64_t qh = b * g.N + n, kvh = b * g.KH + n / g.G;
+  gemm(ni, nc, D, s.Qp + (qh * g.Tp + i0) * Dp, Dp, s.KT + kvh * g.Sp * D + kt * D * BK, BK, Sb,
+       BK, 0);
+  gemm(ni, nc, D, s.dOp + (qh * g.Tp + i0) * Dp, Dp, s.VT + kvh * g.Sp * D + kt * D * BK, BK, dPb,
+       BK, 0);
+  const float* Lb = s.Lb + qh * g.Tp;
+  const float* Dr = s.Drow + qh * g.Tp;
+  int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
+  int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+  for (int64_t r = 0; r < ni; ++r) {
+    int64_t i = i0 + r;
+    float* srow = Sb + r * BK;
+    float* dprow = dPb + r * BK;
+    const float* bp = nullptr;
+    if (g.bias) {
+      bias_gather(g, bbase + i * g.bstr[2] + j0 * g.bstr[3], g.bstr[3], nj, brow);
+      for (int64_t c = nj; c < nc; ++c) brow[c] = 0.0f;
+      bp = brow;
+    }
+    int64_t lo = 1, hi = 0;
+    if (i < te) {
+      lo = row_lo(g, i) - j0;
+      hi = row_hi(g, i, se) - j0;
+    }
+    prep_row(srow, nc, g.scale, bp, cls == 1, lo, hi,
+             g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj);
+    vf vL = bc(Lb[i]), vD = bc(Dr[i]);
+    for (int64_t c = 0; c < nc; c += W) {
+      vf p = vexp2(ld(srow + c) - vL);
+      st(srow + c, p * (ld(dprow + c) - vD));
+    }
+  }
+}
+
+static void bwd_pass1(BwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  const BackwardOperands& op = *s.bop;
+  int64_t qt = g.ntq - 1 - idx / (g.B * g.N);
+  int64_t bn = idx % (g.B * g.N);
+  int64_t b = bn / g.N, n = bn % g.N, kvh = b * g.KH + n / g.G;
+  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(BQ * Dp + 2 * BQ * BK + BK);
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* dQ = buf;
+  float* Sb = dQ + BQ * Dp;
+  float* dPb = Sb + BQ * BK;
+  float* brow = dPb + BQ * BK;
+  memset(dQ, 0, static_cast<size_t>(BQ * Dp) * 4);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  for (int64_t kt = 0; kt < g.ntk; ++kt) {
+    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+    int cls = classify(g, i0, ni, j0, nj, nc, ni, te, se);
+    if (cls == 0) continue;
+    ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
+    gemm(ni, Dp, nj, Sb, BK, s.Kp + (kvh * g.Sp + j0) * Dp, Dp, dQ, Dp, 1);
+  }
+  for (int64_t r = 0; r < ni; ++r)
+    store_row(row_ptr_mut(op.dq, b, i0 + r, n), op.dq.dtype, D, dQ + r * Dp, g.scale);
+  free(buf);
+}
+
+static void bwd_pass2(BwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  const BackwardOperands& op = *s.bop;
+  int64_t kt = idx / (g.B * g.KH);
+  int64_t bk = idx % (g.B * g.KH);
+  int64_t b = bk / g.KH, kh = bk % g.KH;
+  int64_t j0 = kt * BK, nj = imin(BK, g.S - j0);
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(2 * BK * Dp + 2 * BK * BQ + BQ);
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* dK = buf;
+  float* dV = dK + BK * Dp;
+  float* St = dV + BK * Dp;
+  float* dPt = St + BK * BQ;
+  float* brow = dPt + BK * BQ;
+  memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  const float* Kh = s.Kp + (bk * g.Sp + j0) * Dp;
+  const float* Vh = s.Vp + (bk * g.Sp + j0) * Dp;
+  for (int64_t gi = 0; gi < g.G; ++gi) {
+    int64_t n = kh * g.G + gi, qh = b * g.N + n;
+    const float* Lb = s.Lb + qh * g.Tp;
+    const float* Dr = s.Drow + qh * g.Tp;
+    int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
+    int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+    for (int64_t qt = 0; qt < g.ntq; ++qt) {
+      int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
+      int64_t nc = round_up(nj, W);
+      int cls = classify(g, i0, ni, j0, nj, nc, ncq, te, se);
+      if (cls == 0) continue;
+      gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ, 0);
+      gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ, 0);
+      for (int64_t r = 0; r < nj; ++r) {
+        int64_t j = j0 + r;
+        float* srow = St + r * BQ;
+        float* dprow = dPt + r * BQ;
+        const float* bp = nullptr;
+        if (g.bias) {
+          bias_gather(g, bbase + j * g.bstr[3] + i0 * g.bstr[2], g.bstr[2], ni, brow);
+          for (int64_t c = ni; c < ncq; ++c) brow[c] = 0.0f;
+          bp = brow;
+        }
+        int64_t lo = 1, hi = 0;
+        if (j < se) {
+          lo = col_lo(g, j) - i0;
+          hi = col_hi(g, j, te) - i0;
+        }
+        prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
+                 g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
+                 ni);
+        for (int64_t c = 0; c < ncq; c += W) {
+          vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
+          st(srow + c, p);
+          st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
+        }
+      }
+      gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp, 1);
+      gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp, 1);
+    }
+  }
+  for (int64_t r = 0; r < nj; ++r) {
+    store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
+    store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
+  }
+  free(buf);
+}
+
+// Bias gradient item: owns dbias[b', n', t-range, s-range] (see entry point).
+struct BiasGradState {
+  BwdState* s;
+  int64_t db[4];
+  int64_t items_t, items_s;  // blocks along T / S (1 when that dim is broadcast)
+  float* out;
+};
+
+static void bias_grad_item(BiasGradState& bg, int64_t idx) {
+  BwdState& s = *bg.s;
+  const Geo& g = s.g;
+  int64_t ts = idx % bg.items_s;
+  int64_t tt = (idx / bg.items_s) % bg.items_t;
+  int64_t nn = (idx / (bg.items_s * bg.items_t)) % bg.db[1];
+  int64_t bb = idx / (bg.items_s * bg.items_t * bg.db[1]);
+  bool tdim = bg.db[2] != 1;  // dbias keeps the T axis
+  bool sdim = bg.db[3] != 1;  // dbias keeps the S axis
+  // Rows / key tiles this item covers.
+  int64_t qt_begin = 0, qt_end = g.ntq, kt_begin = 0, kt_end = g.ntk;
+  if (bg.items_t > 1) {
+    qt_begin = tt;
+    qt_end = tt + 1;
+  }
+  if (bg.items_s > 1) {
+    kt_begin = ts;
+    kt_end = ts + 1;
+  }
+  // Output region: rows [r0, r1) of dbias' T axis, cols [c0, c1) of its S axis.
+  int64_t r0 = tdim ? qt_begin * BQ : 0, r1 = tdim ? imin(g.T, qt_end * BQ) : 1;
+  int64_t c0 = sdim ? kt_begin * BK : 0, c1 = sdim ? imin(g.S, kt_end * BK) : 1;
+  float* out = bg.out + (bb * bg.db[1] + nn) * bg.db[2] * bg.db[3];
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) out[r * bg.db[3] + c] = 0.0f;
+  float* buf = falloc(2 * BQ * BK + BK);
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* Sb = buf;
+  float* dPb = Sb + BQ * BK;
+  float* brow = dPb + BQ * BK;
+  int64_t b_begin = bg.db[0] == 1 ? 0 : bb, b_end = bg.db[0] == 1 ? g.B : bb + 1;
+  int64_t n_begin = bg.db[1] == 1 ? 0 : nn, n_end = bg.db[1] == 1 ? g.N : nn + 1;
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    int64_t te = q_eff(g, b), se = kv_eff(g, b);
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
+        int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+        for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
+          int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+          int cls = classify(g, i0, ni, j0, nj, nc, ni, te, se);
+          if (cls == 0) continue;
+          ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
+          for (int64_t r = 0; r < ni; ++r) {
+            const float* dsr = Sb + r * BK;
+            float* orow = out + (tdim ? (i0 + r) : 0) * bg.db[3];
+            if (sdim) {
+              for (int64_t c = 0; c < nj; ++c) orow[j0 + c] += dsr[c];
+            } else {
+              float acc = 0.0f;
+              for (int64_t c = 0; c < nj; ++c) acc += dsr[c];
+              orow[0] += acc;
+            }
+          }
+        }
+      }
+    }
+  }
+  free(buf);
+}
+
+template <class State, void (*Fn)(State&, int64_t)>
+struct Bound {
+  State* st;
+  void operator()(int64_t i) const { Fn(*st, i); }
+};
+
+template <class State, void (*Fn)(State&, int64_t)>
+static void run_items(const ParallelFor& pf, int64_t count, State& st) {
+  Bound<State, Fn> b{&st};
+  parallel_for(pf, count, b);
+}
+
+static const char* kOom = "jax_fatrain cpu: out of memory for attention scratch";
+
+static const char* backward_common(BwdState& s, const ParallelFor& parallel, bool need_pass2,
+                                   void** handle) {
+  const Geo& g = s.g;
+  int64_t qsz = g.B * g.N * g.Tp * g.Dp, qtsz = g.B * g.N * g.Tp * g.D;
+  int64_t ksz = g.B * g.KH * g.Sp * g.Dp, ktsz = g.B * g.KH * g.Sp * g.D;
+  int64_t rsz = g.B * g.N * g.Tp;
+  s.need_transposed_q = need_pass2;
+  int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
+                  2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0);
+  float* base = scratch_take(total, handle);
+  if (!base) return kOom;
+  Carver c{base, 0};
+  s.Qp = c.take(qsz);
+  s.dOp = c.take(qsz);
+  s.QT = need_pass2 ? c.take(qtsz) : nullptr;
+  s.dOT = need_pass2 ? c.take(qtsz) : nullptr;
+  s.Drow = c.take(rsz);
+  s.Lb = c.take(rsz);
+  s.Kp = c.take(ksz);
+  s.Vp = c.take(ksz);
+  s.KT = c.take(ktsz);
+  s.VT = c.take(ktsz);
+  s.fail = 0;
+  run_items<BwdState, bwd_pack>(parallel, g.B * g.N + g.B * g.KH, s);
+  return s.fail ? kOom : nullptr;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Entry points (problem and operands already validated by attention_cpu.cc).
+// ---------------------------------------------------------------------------
+const char* attention_forward(const AttentionProblem& problem, const ForwardOperands& operands,
+                              const ParallelFor& parallel) {
+  FwdState s;
+  make_geo(problem, s.g);
+  const Geo& g = s.g;
+  s.op = &operands;
+  s.fail = 0;
+  void* handle = nullptr;
+  int64_t ktsz = g.B * g.KH * g.Sp * g.D, vsz = g.B * g.KH * g.Sp * g.Dp;
+  float* base = scratch_take(carve_size(ktsz) + carve_size(vsz), &handle);
+  const char* err = nullptr;
+  if (!base) {
+    err = kOom;
+  } else {
+    Carver c{base, 0};
+    s.KT = c.take(ktsz);
+    s.V = c.take(vsz);
+    run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
+    if (s.fail) err = kOom;
+  }
+  if (!err) {
+    run_items<FwdState, fwd_item>(parallel, g.B * g.N * g.ntq, s);
+    if (s.fail) err = kOom;
+  }
+  scratch_give(handle);
+  return err;
+}
+
+const char* attention_backward(const AttentionProblem& problem, const BackwardOperands& operands,
+                               const ParallelFor& parallel) {
+  BwdState s;
+  memset(&s, 0, sizeof(s));
+  make_geo(problem, s.g);
+  const Geo& g = s.g;
+  s.q = &operands.q;
+  s.k = &operands.k;
+  s.v = &operands.v;
+  s.o = &operands.o;
+  s.d_o = &operands.d_o;
+  s.lse = operands.lse;
+  s.bop = &operands;
+  void* handle = nullptr;
+  const char* err = backward_common(s, parallel, true, &handle);
+  if (!err) {
+    run_items<BwdState, bwd_pass1>(parallel, g.B * g.N * g.ntq, s);
+    if (!s.fail) run_items<BwdState, bwd_pass2>(parallel, g.B * g.KH * g.ntk, s);
+    if (s.fail) err = kOom;
+  }
+  scratch_give(handle);
+  return err;
+}
+
+const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradOperands& operands,
+                                const ParallelFor& parallel) {
+  BwdState s;
+  memset(&s, 0, sizeof(s));
+  make_geo(problem, s.g);
+  const Geo& g = s.g;
+  s.q = &operands.q;
+  s.k = &operands.k;
+  s.v = &operands.v;
+  s.o = &operands.o;
+  s.d_o = &operands.d_o;
+  s.lse = operands.lse;
+  s.gop = &operands;
+  void* handle = nullptr;
+  const char* err = backward_common(s, parallel, false, &handle);
+  if (!err) {
+    BiasGradState bg;
+    for (int d = 0; d < 4; ++d) bg.db[d] = problem.bias.dims[d];
+    bg.s = &s;
+    bg.out = operands.dbias;
+    // Split over T blocks when dbias keeps the T axis, else over S blocks
+    // when it keeps the S axis; never both (items stay coarse).
+    bg.items_t = bg.db[2] != 1 ? g.ntq : 1;
+    bg.items_s = (bg.db[2] == 1 && bg.db[3] != 1) ? g.ntk : 1;
+    int64_t count = bg.db[0] * bg.db[1] * bg.items_t * bg.items_s;
+    run_items<BiasGradState, bias_grad_item>(parallel, count, bg);
+    if (s.fail) err = kOom;
+  }
+  scratch_give(handle);
+  return err;
+}
+
+}  // namespace fatrain::cpu::FATRAIN_ISA

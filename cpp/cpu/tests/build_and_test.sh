@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds the CPU kernels and their standalone test with g++ (the flags the
+# CMake build uses) and runs the suite once per ISA the machine supports.
+#   cpp/cpu/tests/build_and_test.sh          build + test every ISA
+#   cpp/cpu/tests/build_and_test.sh bench    build + benchmark (2 threads)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+src="$here/.."
+out="${FATRAIN_TEST_BUILD_DIR:-${TMPDIR:-/tmp}/fatrain_cpu_test_build}"
+mkdir -p "$out"
+CXX="${CXX:-g++}"
+common=(-std=c++17 -O3 -ffp-contract=fast -fPIC -Wall -Wextra -Wno-unused-parameter)
+isa_avx2=(-mavx2 -mfma -mf16c)
+isa_avx512=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16 -mprefer-vector-width=512)
+
+"$CXX" "${common[@]}" -c "$src/attention_cpu.cc" -o "$out/attention_cpu.o" &
+"$CXX" "${common[@]}" -c "$src/attention_cpu_isa_baseline.cc" -o "$out/isa_baseline.o" &
+objs=("$out/attention_cpu.o" "$out/isa_baseline.o")
+if [[ "$(uname -m)" == "x86_64" ]]; then
+  "$CXX" "${common[@]}" "${isa_avx2[@]}" -c "$src/attention_cpu_isa_avx2.cc" -o "$out/isa_avx2.o" &
+  "$CXX" "${common[@]}" "${isa_avx512[@]}" -c "$src/attention_cpu_isa_avx512.cc" -o "$out/isa_avx512.o" &
+  objs+=("$out/isa_avx2.o" "$out/isa_avx512.o")
+fi
+"$CXX" "${common[@]}" -c "$here/test_attention_cpu.cc" -o "$out/test_attention_cpu.o" &
+wait
+"$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread
+
+if [[ "${1:-}" == "bench" ]]; then
+  shift
+  for isa in ${FATRAIN_BENCH_ISAS:-avx512}; do
+    JAX_FATRAIN_CPU_ISA=$isa "$out/test_attention_cpu" bench "${@:-2}"
+  done
+  exit 0
+fi
+
+status=0
+for isa in avx512 avx2 baseline; do
+  echo "=== JAX_FATRAIN_CPU_ISA=$isa"
+  JAX_FATRAIN_CPU_ISA=$isa "$out/test_attention_cpu" "$@" || status=1
+done
+exit $status

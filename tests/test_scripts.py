@@ -1,0 +1,152 @@
+"""Smoke tests of the user-facing scripts: ``jax_fatrain.demo`` and ``jax_fatrain.benchmark``.
+
+They run the scripts' ``main`` at tiny sizes; speed is never asserted.
+"""
+
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+  import jax_fatrain
+  _IMPORT_ERROR = None if hasattr(jax_fatrain, "dot_product_attention") else (
+      "jax_fatrain has no dot_product_attention")
+except Exception as e:  # pylint: disable=broad-except
+  _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+pytestmark = pytest.mark.skipif(
+    _IMPORT_ERROR is not None, reason=f"jax_fatrain cannot be imported: {_IMPORT_ERROR}")
+
+_HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _ours_implementation() -> str:
+  """"cpu" where its kernels are built, else the pure-JAX "xla" composite."""
+  avail = getattr(jax_fatrain, "available_implementations", lambda: ("cpu",))()
+  return "cpu" if "cpu" in avail else "xla"
+
+
+# ---------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------
+
+_TINY = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--d-model", "32",
+         "--heads", "2", "--head-dim", "64", "--layers", "1", "--sample-chars", "8",
+         "--no-progress"]
+
+
+def test_demo_smoke():
+  from jax_fatrain import demo
+  impl = _ours_implementation()
+  result = demo.main(_TINY + ["--implementation", impl])
+  assert result["config"]["kv_heads"] == 1  # grouped-query attention by default
+  for key in ("ours", "reference"):
+    losses = result[f"losses_{key}"]
+    assert len(losses) == 3
+    assert all(math.isfinite(x) for x in losses)
+    assert math.isfinite(result[f"valid_loss_{key}"])
+    assert result[f"step_time_{key}"] > 0
+  # Same initial parameters and batches: the curves agree to float32 rounding.
+  assert result["max_abs_loss_diff"] < 1e-3
+  assert result["rel_loss_diff_end"] < 1e-3
+  assert result["step_time_ratio"] > 0
+  assert isinstance(result["sample"], str) and len(result["sample"]) >= 8
+
+
+def test_demo_no_reference_bfloat16():
+  from jax_fatrain import demo
+  result = demo.main(_TINY + ["--no-reference", "--dtype", "bfloat16",
+                              "--implementation", _ours_implementation(),
+                              "--sample-chars", "0"])
+  assert all(math.isfinite(x) for x in result["losses_ours"])
+  assert "losses_reference" not in result and "sample" not in result
+
+
+def test_demo_corpus_ships_with_package():
+  from jax_fatrain import demo
+  text = demo.load_corpus()
+  assert len(text) > 50_000 and not text.startswith("#")
+  data = demo.CharData.from_text(text)
+  assert data.decode(data.encode("now mia has 3 pears.")) == "now mia has 3 pears."
+
+
+def _mha_outputs(attention_fn, mask=None, is_causal=False):
+  from flax import nnx
+  x = jax.random.normal(jax.random.key(0), (2, 24, 32))
+  outs = []
+  for fn in (attention_fn, None):
+    kwargs = {} if fn is None else {"attention_fn": fn}
+    mha = nnx.MultiHeadAttention(num_heads=4, num_kv_heads=2, in_features=32,
+                                 qkv_features=4 * 64, decode=False, keep_rngs=False,
+                                 rngs=nnx.Rngs(1), **kwargs)
+    outs.append(mha(x, mask=mask, is_causal=is_causal))
+  return outs
+
+
+@pytest.mark.parametrize("which", ["ours", "jax.nn"])
+def test_demo_attention_adapter_matches_nnx_default(which):
+  from jax_fatrain import demo
+  attention = (demo.fatrain_attention(_ours_implementation()) if which == "ours"
+               else demo.reference_attention())
+  fn = demo.make_attention_fn(attention)
+  # A boolean padding mask broadcast over heads and queries, plus causal.
+  keep = jnp.arange(24)[None, :] < jnp.array([24, 17])[:, None]
+  mask = keep[:, None, None, :]
+  for kwargs in ({}, {"mask": mask}, {"is_causal": True}, {"mask": mask, "is_causal": True}):
+    ours, ref = _mha_outputs(fn, **kwargs)
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4, err_msg=str(kwargs.keys()))
+
+
+def test_demo_attention_adapter_rejects_dropout():
+  from jax_fatrain import demo
+  fn = demo.make_attention_fn(demo.reference_attention())
+  q = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(NotImplementedError, match="dropout"):
+    fn(q, q, q, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
+  # Dropout configured but switched off is accepted.
+  assert fn(q, q, q, dropout_rate=0.1, deterministic=True).shape == q.shape
+
+
+# ---------------------------------------------------------------------------
+# benchmark
+# ---------------------------------------------------------------------------
+
+
+def _bench_impls():
+  from jax_fatrain import benchmark
+  impls = ["ours", "xla"] + (["torch"] if _HAVE_TORCH else [])
+  return benchmark, impls
+
+
+def test_benchmark_smoke():
+  benchmark, impls = _bench_impls()
+  result = benchmark.main([
+      "--seq-lens", "128", "--head-dims", "64", "--causal", "both", "--dtypes", "f32",
+      "--impls", ",".join(impls), "--ours-implementation", _ours_implementation()])
+  assert result["impls"] == impls
+  assert len(result["rows"]) == 4  # causal on/off x fwd, fwd+bwd
+  header = result["header"]
+  for row in result["rows"]:
+    cells = dict(zip(header, row))
+    for impl in impls:
+      assert float(cells[f"{impl} ms"]) > 0, cells
+      assert float(cells[f"{impl} GFLOP/s"]) > 0, cells
+    assert cells["xla/ours"].endswith("x")
+    if cells["pass"] == "fwd":
+      assert float(cells["err vs xla"]) < 1e-4
+
+
+def test_benchmark_memory_and_markdown(capsys):
+  benchmark, _ = _bench_impls()
+  result = benchmark.main([
+      "--seq-lens", "128", "--head-dims", "64", "--causal", "on", "--dtypes", "bf16",
+      "--fwd-only", "--impls", "ours,xla", "--memory", "--markdown",
+      "--ours-implementation", _ours_implementation()])
+  cells = dict(zip(result["header"], result["rows"][0]))
+  assert float(cells["ours MB"]) >= 0 and float(cells["xla MB"]) >= 0
+  out = capsys.readouterr().out
+  assert "| T | D | causal |" in out

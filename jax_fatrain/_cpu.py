@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_fatrain._config import AttentionConfig
+from jax_fatrain import _ffi
 
 try:
   from jax_fatrain import _cpu_ffi
@@ -22,93 +21,48 @@ else:
 
 MAX_HEAD_DIM = 256
 
-# Must match kLayoutBTNH / kLayoutBNTH in cpp/ffi/cpu_ffi.cc.
-_LAYOUT_CODES = {"BTNH": 0, "BNTH": 1}
-
 _FORWARD = "jax_fatrain_cpu_forward"
 _BACKWARD = "jax_fatrain_cpu_backward"
 _BIAS_GRAD = "jax_fatrain_cpu_bias_grad"
 
-_registered = False
+_registered: set = set()
+
+
+def _extension():
+  if _cpu_ffi is None:
+    raise RuntimeError(f"jax_fatrain's CPU extension failed to import: {IMPORT_ERROR}")
+  return _cpu_ffi
 
 
 def _register_targets() -> None:
-  global _registered
-  if _registered:
-    return
-  if _cpu_ffi is None:
-    raise RuntimeError(f"jax_fatrain's CPU extension failed to import: {IMPORT_ERROR}")
-  for name, capsule in _cpu_ffi.registrations().items():
-    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  _registered = True
+  _ffi.register_targets(_extension(), "cpu", _registered)
 
 
 def selected_isa() -> str:
   """The instruction set the CPU kernels use on this machine."""
-  if _cpu_ffi is None:
-    raise RuntimeError(f"jax_fatrain's CPU extension failed to import: {IMPORT_ERROR}")
-  return _cpu_ffi.selected_isa()
-
-
-# Absent optional operands are passed as empty placeholders; the attributes say
-# which ones are real.
-def _placeholder(dtype):
-  return jnp.zeros((0,), dtype)
-
-
-def _operands(bias, mask, q_lengths, kv_lengths):
-  return (
-      _placeholder(jnp.float32) if bias is None else bias,
-      _placeholder(jnp.bool_) if mask is None else mask,
-      _placeholder(jnp.int32) if q_lengths is None else q_lengths,
-      _placeholder(jnp.int32) if kv_lengths is None else kv_lengths,
-  )
-
-
-def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths):
-  return dict(
-      scale=np.float32(config.scale),
-      is_causal=bool(config.is_causal),
-      window_left=np.int64(config.window_left),
-      window_right=np.int64(config.window_right),
-      layout=np.int32(_LAYOUT_CODES[config.layout]),
-      has_bias=bias is not None,
-      has_mask=mask is not None,
-      has_q_lengths=q_lengths is not None,
-      has_kv_lengths=kv_lengths is not None,
-  )
-
-
-def _lse_shape(q, config: AttentionConfig):
-  b = q.shape[0]
-  t, n = q.shape[config.seq_axis], q.shape[config.head_axis]
-  return jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+  return _extension().selected_isa()
 
 
 def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
   _register_targets()
   call = jax.ffi.ffi_call(
-      _FORWARD,
-      (jax.ShapeDtypeStruct(q.shape, q.dtype), _lse_shape(q, config)),
-  )
-  return call(q, k, v, *_operands(bias, mask, q_lengths, kv_lengths),
-              **_attributes(config, bias, mask, q_lengths, kv_lengths))
+      _FORWARD, (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config)))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
+              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
 
 
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
   _register_targets()
   call = jax.ffi.ffi_call(
       _BACKWARD,
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct(k.shape, k.dtype),
-       jax.ShapeDtypeStruct(v.shape, v.dtype)),
-  )
-  return call(q, k, v, *_operands(bias, mask, q_lengths, kv_lengths), o, lse, d_o,
-              **_attributes(config, bias, mask, q_lengths, kv_lengths))
+      (_ffi.result(q.shape, q.dtype, q), _ffi.result(k.shape, k.dtype, k),
+       _ffi.result(v.shape, v.dtype, v)))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
+              o, lse, d_o, **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
 
 
 def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
   _register_targets()
-  call = jax.ffi.ffi_call(_BIAS_GRAD, jax.ShapeDtypeStruct(bias.shape, jnp.float32))
-  return call(q, k, v, *_operands(bias, mask, q_lengths, kv_lengths), o, lse, d_o,
-              **_attributes(config, bias, mask, q_lengths, kv_lengths))
+  call = jax.ffi.ffi_call(_BIAS_GRAD, _ffi.result(bias.shape, jnp.float32, bias))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
+              o, lse, d_o, **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))

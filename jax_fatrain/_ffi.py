@@ -1,0 +1,74 @@
+"""What every FFI-backed implementation (cpu, cuda, metal_emulated) shares.
+
+The C++ handlers of all backends take the same operands in the same order
+(q, k, v, bias, mask, q_lengths, kv_lengths[, o, lse, d_o]) and the same
+attribute dictionary (see ``Attributes`` in cpp/ffi/cpu_ffi.cc); absent
+optional operands are passed as empty placeholders and flagged by ``has_*``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fatrain._config import AttentionConfig
+
+# Must match kLayoutBTNH / kLayoutBNTH in the C++ handlers.
+LAYOUT_CODES = {"BTNH": 0, "BNTH": 1}
+
+
+def register_targets(extension, platform: str, registered: set) -> None:
+  """Registers the extension's handlers with XLA once per process."""
+  if extension.__name__ in registered:
+    return
+  for name, capsule in extension.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform=platform)
+  registered.add(extension.__name__)
+
+
+def optional_operands(bias, mask, q_lengths, kv_lengths):
+  placeholder = lambda dtype: jnp.zeros((0,), dtype)
+  return (
+      placeholder(jnp.float32) if bias is None else bias,
+      placeholder(jnp.bool_) if mask is None else mask,
+      placeholder(jnp.int32) if q_lengths is None else q_lengths,
+      placeholder(jnp.int32) if kv_lengths is None else kv_lengths,
+  )
+
+
+def attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, **extra):
+  return dict(
+      scale=np.float32(config.scale),
+      is_causal=bool(config.is_causal),
+      window_left=np.int64(config.window_left),
+      window_right=np.int64(config.window_right),
+      layout=np.int32(LAYOUT_CODES[config.layout]),
+      has_bias=bias is not None,
+      has_mask=mask is not None,
+      has_q_lengths=q_lengths is not None,
+      has_kv_lengths=kv_lengths is not None,
+      **extra,
+  )
+
+
+def result(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """A result type that varies over the same manual mesh axes as ``like``.
+
+  Inside ``shard_map`` every value carries the set of mesh axes it varies
+  over; an FFI result must declare it, or ``custom_vjp`` rejects the backward's
+  cotangents ("manual axis types do not match").
+  """
+  aval = jax.typeof(like)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is None or not manual.varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  # The declared axes must belong to the (abstract) mesh of the shard_map.
+  sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=manual)
+
+
+def lse_result(q, config: AttentionConfig) -> jax.ShapeDtypeStruct:
+  """lse: float32 [B, N, T]."""
+  b, t, n = q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis]
+  return result((b, n, t), jnp.float32, q)

@@ -1,0 +1,279 @@
+// Dispatch plan of the Metal backend; see plan.h.
+
+#include "metal_plan/plan.h"
+
+#include <cstring>
+
+namespace fatrain::metal_plan {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kBool: return 1;
+  }
+  return 1;
+}
+
+template <class T>
+Binding bytes_binding(int index, const T& value) {
+  Binding b;
+  b.index = index;
+  b.is_bytes = true;
+  b.bytes.resize(sizeof(T));
+  std::memcpy(b.bytes.data(), &value, sizeof(T));
+  return b;
+}
+
+Binding buffer(int index, Role role) {
+  Binding b;
+  b.index = index;
+  b.role = role;
+  return b;
+}
+
+AttnParams make_params(const Problem& p) {
+  AttnParams a{};
+  a.b = int32_t(p.batch);
+  a.h = int32_t(p.q_heads);
+  a.d = int32_t(p.head_dim);
+  a.ql = int32_t(p.q_len);
+  a.kl = int32_t(p.kv_len);
+  a.gqa_factor = int32_t(p.q_heads / p.kv_heads);
+  a.scale = p.scale;
+  a.softcapping = 1.0f;  // disabled (the seed always passes 1.0)
+  a.nq = int32_t(ceil_div(p.q_len, kBQ));
+  a.nk = int32_t(ceil_div(p.kv_len, kBK));
+  a.nq_aligned = int32_t(p.q_len / kBQ);
+  a.nk_aligned = int32_t(p.kv_len / kBK);
+  a.ql_rem = int32_t(p.q_len % kBQ);
+  a.kl_rem = int32_t(p.kv_len % kBK);
+  a.ql_off = 0;  // top-left causal alignment
+  a.pad = 0;
+  const Strides* s[4] = {&p.q, &p.k, &p.v, &p.o};
+  int64_t* out[4] = {a.q_strides, a.k_strides, a.v_strides, a.o_strides};
+  for (int i = 0; i < 4; ++i) {
+    out[i][0] = s[i]->batch;
+    out[i][1] = s[i]->head;
+    out[i][2] = s[i]->seq;
+  }
+  return a;
+}
+
+// Function constants and the optional bindings shared by the attention kernels.
+void add_common(const Problem& p, bool align_q, bool align_k, Dispatch* d) {
+  const bool has_mask = p.mask != MaskKind::kNone;
+  const bool has_window = p.window_left >= 0 || p.window_right >= 0;
+  d->constants = {{200, align_q},       {201, align_k},
+                  {300, has_mask},      {301, p.causal},
+                  {302, has_window},    {303, p.has_q_lengths},
+                  {304, p.has_kv_lengths}};
+  d->bindings.push_back(bytes_binding(4, make_params(p)));
+  if (has_mask) {
+    AttnMaskParams m{};
+    m.m_strides[0] = p.mask_strides[0];
+    m.m_strides[1] = p.mask_strides[1];
+    m.m_strides[2] = p.mask_strides[2];
+    d->bindings.push_back(bytes_binding(5, m));
+    d->bindings.push_back(buffer(6, Role::kMask));
+  }
+  if (has_window) {
+    WindowParams w{int32_t(p.window_left < 0 ? -1 : p.window_left),
+                   int32_t(p.window_right < 0 ? -1 : p.window_right)};
+    d->bindings.push_back(bytes_binding(9, w));
+  }
+  if (p.has_q_lengths) d->bindings.push_back(buffer(10, Role::kQLengths));
+  if (p.has_kv_lengths) d->bindings.push_back(buffer(11, Role::kKVLengths));
+}
+
+std::string variant(const char* op, const Problem& p) {
+  std::string name = std::string("flash_attn_train_") + op + "_" + dtype_name(p.dtype) + "_d" +
+                     std::to_string(p.head_dim);
+  if (p.mask == MaskKind::kBool) name += "_boolmask";
+  return name;
+}
+
+void set_size(uint32_t* dst, int64_t x, int64_t y, int64_t z) {
+  dst[0] = uint32_t(x);
+  dst[1] = uint32_t(y);
+  dst[2] = uint32_t(z);
+}
+
+}  // namespace
+
+const char* role_name(Role role) {
+  switch (role) {
+    case Role::kQ: return "Q";
+    case Role::kK: return "K";
+    case Role::kV: return "V";
+    case Role::kO: return "O";
+    case Role::kL: return "L";
+    case Role::kMask: return "mask";
+    case Role::kQLengths: return "q_lengths";
+    case Role::kKVLengths: return "kv_lengths";
+    case Role::kDO: return "dO";
+    case Role::kDelta: return "Delta";
+    case Role::kDQ: return "dQ";
+    case Role::kDK: return "dK";
+    case Role::kDV: return "dV";
+  }
+  return "?";
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kBool: return "bool";
+  }
+  return "?";
+}
+
+std::vector<std::string> all_kernel_names() {
+  std::vector<std::string> names;
+  for (const char* dt : {"bf16", "f16", "f32"}) {
+    names.push_back(std::string("flash_attn_train_bwd_compute_d_") + dt);
+    for (int d : {64, 128, 256}) {
+      for (const char* op : {"fwd", "bwd_dq", "bwd_dkdv"}) {
+        for (const char* suffix : {"", "_boolmask"}) {
+          names.push_back(std::string("flash_attn_train_") + op + "_" + dt + "_d" +
+                          std::to_string(d) + suffix);
+        }
+      }
+    }
+  }
+  return names;
+}
+
+std::string validate(const Problem& p) {
+  const std::string pre = "metal: ";
+  if (p.batch <= 0) return pre + "batch must be > 0";
+  if (p.q_heads <= 0) return pre + "n_q_heads must be > 0";
+  if (p.kv_heads <= 0) return pre + "n_kv_heads must be > 0";
+  if (p.q_heads % p.kv_heads != 0) {
+    return pre + "n_q_heads (" + std::to_string(p.q_heads) +
+           ") must be divisible by n_kv_heads (" + std::to_string(p.kv_heads) + ")";
+  }
+  if (p.q_len <= 0) return pre + "q_seq_len must be > 0";
+  if (p.kv_len <= 0) return pre + "k_seq_len must be > 0";
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
+    return pre + "head_dim must be 64, 128 or 256 (the compiled kernel variants), got " +
+           std::to_string(p.head_dim);
+  }
+  if (p.dtype == DType::kBool) return pre + "Q/K/V must be float32, bfloat16 or float16";
+  const int64_t int_max = 2147483647;
+  if (p.batch > 65535 || p.q_heads > 65535 || p.q_len > int_max || p.kv_len > int_max) {
+    return pre + "problem too large for the kernels' 32-bit sizes and grid";
+  }
+  if (p.window_left > int_max || p.window_right > int_max) {
+    return pre + "local window too large";
+  }
+  if (p.mask == MaskKind::kAdditive && p.mask_dtype != p.dtype) {
+    return pre + std::string("an additive mask must have the dtype of Q (") + dtype_name(p.dtype) +
+           "), got " + dtype_name(p.mask_dtype);
+  }
+  if (p.mask == MaskKind::kBool && p.mask_dtype != DType::kBool) {
+    return pre + "a boolean mask must have dtype bool";
+  }
+  if (p.mask != MaskKind::kNone && p.mask_strides[3] != 1) {
+    return pre +
+           "the mask must be contiguous along the key axis (a mask broadcast over keys "
+           "has to be expanded to [.., S] first)";
+  }
+  return "";
+}
+
+uint64_t required_bytes(const Problem& p, Role role) {
+  auto span = [&](const Strides& s, int64_t heads, int64_t len) -> uint64_t {
+    return uint64_t((p.batch - 1) * s.batch + (heads - 1) * s.head + (len - 1) * s.seq +
+                    p.head_dim) *
+           dtype_size(p.dtype);
+  };
+  switch (role) {
+    case Role::kQ:
+    case Role::kDQ: return span(p.q, p.q_heads, p.q_len);
+    case Role::kO:
+    case Role::kDO: return span(p.o, p.q_heads, p.q_len);
+    case Role::kK:
+    case Role::kDK: return span(p.k, p.kv_heads, p.kv_len);
+    case Role::kV:
+    case Role::kDV: return span(p.v, p.kv_heads, p.kv_len);
+    case Role::kL:
+    case Role::kDelta: return uint64_t(p.batch * p.q_heads * p.q_len) * 4;
+    case Role::kQLengths:
+    case Role::kKVLengths: return uint64_t(p.batch) * 4;
+    case Role::kMask: {
+      const int64_t dims[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+      int64_t last = 0;
+      for (int i = 0; i < 4; ++i) last += (dims[i] - 1) * p.mask_strides[i];
+      return uint64_t(last + 1) * dtype_size(p.mask_dtype);
+    }
+  }
+  return 0;
+}
+
+std::string plan_forward(const Problem& p, Plan* plan) {
+  if (std::string e = validate(p); !e.empty()) return e;
+  plan->scratch.clear();
+  plan->dispatches.clear();
+  Dispatch d;
+  d.kernel = variant("fwd", p);
+  add_common(p, p.q_len % kBQ == 0, p.kv_len % kBK == 0, &d);
+  for (auto [i, r] : {std::pair{0, Role::kQ}, {1, Role::kK}, {2, Role::kV}, {3, Role::kO},
+                      {8, Role::kL}}) {
+    d.bindings.push_back(buffer(i, r));
+  }
+  set_size(d.grid, ceil_div(p.q_len, kBQ), p.q_heads, p.batch);
+  set_size(d.threadgroup, 32, kWM, kWN);
+  plan->dispatches.push_back(std::move(d));
+  return "";
+}
+
+std::string plan_backward(const Problem& p, Plan* plan) {
+  if (std::string e = validate(p); !e.empty()) return e;
+  plan->scratch.clear();
+  plan->dispatches.clear();
+  plan->scratch.push_back({Role::kDelta, required_bytes(p, Role::kDelta)});
+
+  Dispatch cd;
+  cd.kernel = std::string("flash_attn_train_bwd_compute_d_") + dtype_name(p.dtype);
+  cd.bindings.push_back(bytes_binding(4, make_params(p)));
+  cd.bindings.push_back(buffer(3, Role::kO));
+  cd.bindings.push_back(buffer(12, Role::kDO));
+  cd.bindings.push_back(buffer(13, Role::kDelta));
+  set_size(cd.grid, ceil_div(p.q_len, kBwdBQ), p.q_heads, p.batch);
+  set_size(cd.threadgroup, 32, 4, 1);
+  plan->dispatches.push_back(std::move(cd));
+
+  const bool align_q = p.q_len % kBwdBQ == 0, align_k = p.kv_len % kBwdBK == 0;
+  Dispatch dq;
+  dq.kernel = variant("bwd_dq", p);
+  add_common(p, align_q, align_k, &dq);
+  for (auto [i, r] : {std::pair{0, Role::kQ}, {1, Role::kK}, {2, Role::kV}, {8, Role::kL},
+                      {12, Role::kDO}, {13, Role::kDelta}, {14, Role::kDQ}}) {
+    dq.bindings.push_back(buffer(i, r));
+  }
+  set_size(dq.grid, ceil_div(p.q_len, kBwdBQ), p.q_heads, p.batch);
+  set_size(dq.threadgroup, 32, 4, 1);
+  plan->dispatches.push_back(std::move(dq));
+
+  Dispatch dkdv;
+  dkdv.kernel = variant("bwd_dkdv", p);
+  add_common(p, align_q, align_k, &dkdv);
+  for (auto [i, r] : {std::pair{0, Role::kQ}, {1, Role::kK}, {2, Role::kV}, {8, Role::kL},
+                      {12, Role::kDO}, {13, Role::kDelta}, {15, Role::kDK}, {16, Role::kDV}}) {
+    dkdv.bindings.push_back(buffer(i, r));
+  }
+  set_size(dkdv.grid, ceil_div(p.kv_len, kBwdBK), p.kv_heads, p.batch);
+  set_size(dkdv.threadgroup, 32, 4, 1);
+  plan->dispatches.push_back(std::move(dkdv));
+  return "";
+}
+
+}  // namespace fatrain::metal_plan

@@ -1,0 +1,70 @@
+"""The ``metal_emulated`` implementation: the Metal kernels on the MSL emulator.
+
+``jax_fatrain/metal/*.metal`` run, unmodified, through the MSL emulator
+(``tools/msl_emulator``) driven by the Metal dispatch plan (``cpp/metal_plan``),
+as XLA FFI calls on the ``cpu`` platform. It exists to test the Metal kernels
+off-Mac and is slow (every GPU thread is a CPU fiber).
+
+The Python-side adaptations (head-dim padding, bias/mask folding, key-axis
+expansion) and the bias gradient (the CPU backend's) are shared with the
+macOS ``metal`` implementation: ``_metal_adapt.py``.
+"""
+
+from __future__ import annotations
+
+from jax_fatrain import _ffi, _metal_adapt
+
+try:
+  from jax_fatrain import _metal_emulated_ffi
+except ImportError as e:  # not built (FATRAIN_METAL_EMULATOR=OFF) or broken
+  _metal_emulated_ffi = None
+  IMPORT_ERROR = str(e)
+else:
+  IMPORT_ERROR = None
+
+MAX_HEAD_DIM = _metal_adapt.MAX_HEAD_DIM
+
+_FORWARD = "jax_fatrain_metal_emulated_forward"
+_BACKWARD = "jax_fatrain_metal_emulated_backward"
+
+_registered: set = set()
+
+
+def _extension():
+  if _metal_emulated_ffi is None:
+    raise RuntimeError(f"jax_fatrain's metal_emulated extension failed to import: {IMPORT_ERROR}")
+  return _metal_emulated_ffi
+
+
+def _register_targets() -> None:
+  _ffi.register_targets(_extension(), "cpu", _registered)
+
+
+def selftest() -> tuple[int, str]:
+  """Runs the emulator's self-test: (number of failed checks, log)."""
+  return _extension().selftest()
+
+
+def kernel_names() -> list[str]:
+  """Kernels compiled into the emulator extension."""
+  return list(_extension().kernel_names())
+
+
+def planned_kernel_names() -> list[str]:
+  """Every kernel name the Metal dispatch plan can ask for."""
+  return list(_extension().planned_kernel_names())
+
+
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+  _register_targets()
+  return _metal_adapt.forward(_FORWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
+                              kv_lengths, config)
+
+
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+  _register_targets()
+  return _metal_adapt.backward(_BACKWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
+                               kv_lengths, o, lse, d_o, config)
+
+
+bias_grad = _metal_adapt.bias_grad

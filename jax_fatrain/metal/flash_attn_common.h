@@ -1,0 +1,132 @@
+// Shared declarations of jax_fatrain's Metal kernels (MSL, Metal 3.1, Apple7+).
+//
+// Conventions (DESIGN.md §4): scores S = scale * Q K^T in float32, additive
+// mask added after scaling, boolean mask / causal / window / lengths remove
+// scores; kernels work in base 2 (scores times log2(e)) and store L in
+// natural log; a row that sees no key has O = 0, L = -inf and zero gradients.
+//
+// simdgroup_matrix<float, 8, 8> fragments are filled and read lane by lane
+// through thread_elements(), using Apple's per-lane layout: lane l holds row
+// frag_row(l), columns frag_col(l) and frag_col(l) + 1 (the layout MLX's
+// BaseMMAFrag uses). This keeps every load bounds-guarded without staging
+// tiles in threadgroup memory.
+#pragma once
+
+#include <metal_stdlib>
+using namespace metal;
+
+// The seed's 160-byte params struct (MLX steel-attention layout + softcapping).
+struct AttnParams {
+  int b;           // batch
+  int h;           // query heads
+  int d;           // head dim
+  int ql;          // query length
+  int kl;          // key length
+  int gqa_factor;  // query heads per kv head
+  float scale;     // applied to Q K^T (the kernels multiply by log2(e) internally)
+  float softcapping;  // 1.0 = disabled (the only supported value)
+  int nq, nk, nq_aligned, nk_aligned, ql_rem, kl_rem;
+  int ql_off;      // causal offset: query i sees key j <= i + ql_off
+  int _pad;
+  long q_strides[3];  // [batch, head, seq] element strides; head_dim contiguous
+  long k_strides[3];
+  long v_strides[3];
+  long o_strides[3];  // also dO's strides
+};
+static_assert(sizeof(AttnParams) == 160, "AttnParams must be 160 bytes");
+
+struct AttnMaskParams {
+  long m_strides[3];  // [batch, head, query] element strides (0 = broadcast); key stride 1
+};
+static_assert(sizeof(AttnMaskParams) == 24, "AttnMaskParams must be 24 bytes");
+
+struct WindowParams {
+  int window_left;   // query i sees key j only if j >= i - window_left (-1: unbounded)
+  int window_right;  // ... and j <= i + window_right (-1: unbounded)
+};
+
+constant bool align_Q [[function_constant(200)]];
+constant bool align_K [[function_constant(201)]];
+constant bool has_mask [[function_constant(300)]];
+constant bool do_causal [[function_constant(301)]];
+constant bool has_window [[function_constant(302)]];
+constant bool has_q_lengths [[function_constant(303)]];
+constant bool has_kv_lengths [[function_constant(304)]];
+
+static constant constexpr const float kLog2e = 1.4426950408889634f;
+static constant constexpr const float kLn2 = 0.6931471805599453f;
+
+typedef simdgroup_matrix<float, 8, 8> frag_t;
+
+inline short frag_row(uint lane) { return short(((lane / 4) & 4) + ((lane / 2) % 4)); }
+inline short frag_col(uint lane) { return short(((lane / 4) & 2) * 2 + (lane % 2) * 2); }
+
+inline frag_t zero_frag() { return make_filled_simdgroup_matrix<float, 8, 8>(0.0f); }
+
+// Which scores a query row may see, and the additive mask, for one (b, h).
+template <typename MaskT, bool kBoolMask>
+struct ScoreCtx {
+  const device MaskT* mask;
+  long mask_base;
+  long mask_row_stride;
+  int q_limit;  // rows >= q_limit see nothing
+  int k_limit;  // keys >= k_limit are invisible
+  int ql_off;
+  int window_left;
+  int window_right;
+  float scale2;  // scale * log2(e)
+  bool use_mask;
+  bool causal;
+  bool window;
+};
+
+// The base-2 score of (query i, key j) from the raw dot product, or -inf.
+template <typename MaskT, bool kBoolMask>
+inline float score2(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i, int j) {
+  if (i >= c.q_limit || j >= c.k_limit) return -INFINITY;
+  if (c.causal && j > i + c.ql_off) return -INFINITY;
+  if (c.window) {
+    if (c.window_left >= 0 && j < i - c.window_left) return -INFINITY;
+    if (c.window_right >= 0 && j > i + c.window_right) return -INFINITY;
+  }
+  float s = dot * c.scale2;
+  if (c.use_mask) {
+    const MaskT m = c.mask[c.mask_base + long(i) * c.mask_row_stride + long(j)];
+    if (kBoolMask) {
+      if (!bool(m)) return -INFINITY;
+    } else {
+      s += float(m) * kLog2e;
+    }
+  }
+  return s;
+}
+
+// Fills ctx for batch b, query head h (kernels pass their function constants
+// explicitly so that every use of a constant is visible in the kernel body).
+template <typename MaskT, bool kBoolMask>
+inline ScoreCtx<MaskT, kBoolMask> make_score_ctx(
+    constant AttnParams* params, const device MaskT* mask, constant AttnMaskParams* mask_params,
+    constant WindowParams* window, const device int* q_lengths, const device int* kv_lengths,
+    int b, int h, bool use_mask, bool causal, bool use_window, bool use_q_lengths,
+    bool use_kv_lengths) {
+  ScoreCtx<MaskT, kBoolMask> c;
+  c.mask = mask;
+  c.mask_base = 0;
+  c.mask_row_stride = 0;
+  c.use_mask = use_mask;
+  if (use_mask) {
+    c.mask_base = long(b) * mask_params->m_strides[0] + long(h) * mask_params->m_strides[1];
+    c.mask_row_stride = mask_params->m_strides[2];
+  }
+  c.q_limit = params->ql;
+  c.k_limit = params->kl;
+  if (use_q_lengths) c.q_limit = min(params->ql, max(0, q_lengths[b]));
+  if (use_kv_lengths) c.k_limit = min(params->kl, max(0, kv_lengths[b]));
+  c.ql_off = params->ql_off;
+  c.causal = causal;
+  c.window = use_window;
+  c.window_left = use_window ? window->window_left : -1;
+  c.window_right = use_window ? window->window_right : -1;
+  c.scale2 = params->scale * kLog2e;
+  return c;
+}

@@ -1,0 +1,125 @@
+"""The Metal kernels (jax_fatrain/metal/*.metal), run by the MSL emulator.
+
+* the emulator's self-test: simdgroup_matrix layout and arithmetic, simd
+  reductions/shuffles, threadgroup memory and barriers, and planted bugs
+  (out-of-bounds write, missing barrier, uninitialised threadgroup memory,
+  divergent simd operation, absent optional buffer) that must be reported;
+* every kernel variant the dispatch plan can name is compiled in, and every
+  one of them (dtype x head_dim x mask kind; forward, compute-D, dQ, dK/dV)
+  matches jax.nn in values and gradients on small shapes;
+* the shared suite of tests/test_attention.py with implementation
+  "metal_emulated";
+* the backward is deterministic (bitwise equal across runs).
+"""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fatrain
+from attention_cases import Case, make_inputs, relative_error
+
+_metal_emulated = pytest.importorskip("jax_fatrain._metal_emulated")
+if _metal_emulated.IMPORT_ERROR is not None:
+  pytest.fail(f"metal_emulated extension not built: {_metal_emulated.IMPORT_ERROR}",
+              pytrace=False)
+
+import test_attention  # noqa: E402  (the shared cases)
+
+IMPL = "metal_emulated"
+B, N, T, S = "B", "N", "T", "S"
+
+
+def test_emulator_selftest():
+  failures, log = _metal_emulated.selftest()
+  assert failures == 0, log
+  # The planted bugs are reported with kernel, buffer index and offset.
+  assert "emu_bug_oob_write" in log and "buffer(0) at byte offset 256" in log
+  assert "threadgroup_barrier reached by 32 of 64 threads" in log
+  assert "32 NaN outputs" in log
+
+
+def test_every_planned_kernel_is_compiled():
+  planned = set(_metal_emulated.planned_kernel_names())
+  compiled = set(_metal_emulated.kernel_names())
+  assert len(planned) == 3 * (1 + 3 * 3 * 2)
+  assert planned <= compiled, sorted(planned - compiled)
+  # The seed's names are among them.
+  for name in ("flash_attn_train_fwd_bf16_d64", "flash_attn_train_fwd_bf16_d64_boolmask",
+               "flash_attn_train_fwd_bf16_d256", "flash_attn_train_fwd_bf16_d256_boolmask"):
+    assert name in planned
+
+
+def _check(case: Case):
+  test_attention.test_values_and_gradients(case, IMPL)
+
+
+# One case per compiled variant: dtype x head_dim x {additive, boolean} mask,
+# cycling GQA 1/2/8, causal on/off, lengths not multiples of the tiles, and
+# broadcast mask shapes.
+_VARIANT_SHAPES = [
+    dict(q_len=37, kv_len=29, q_heads=2, kv_heads=2, is_causal=False),
+    dict(q_len=33, kv_len=47, q_heads=4, kv_heads=2, is_causal=True),
+    dict(q_len=19, kv_len=40, q_heads=8, kv_heads=1, is_causal=False),
+]
+_VARIANTS = []
+for _i, (_dtype, _d, _kind) in enumerate(
+    (dt, d, kind) for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
+    for d in (64, 128, 256) for kind in ("bias", "mask")):
+  _shape = _VARIANT_SHAPES[_i % 3]
+  _score = ((1, N, T, S), (B, 1, 1, S), (1, 1, T, S))[_i % 3]
+  _VARIANTS.append(Case(batch=2, head_dim=_d, dtype=_dtype, **_shape,
+                        **({"bias_shape": _score} if _kind == "bias" else
+                           {"mask_shape": _score, "fully_masked_row": _i % 2 == 1})))
+
+
+@pytest.mark.parametrize("case", _VARIANTS, ids=lambda c: c.id)
+def test_kernel_variant(case):
+  _check(case)
+
+
+def test_aligned_lengths_use_unguarded_paths():
+  # q_len % 32 == 0 and kv_len % 32 == 0: align_Q / align_K are true.
+  _check(Case(q_len=64, kv_len=96, q_heads=4, kv_heads=1, is_causal=True))
+  _check(Case(q_len=32, kv_len=32, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
+
+
+def test_seed_api_bnth_layout():
+  """The seed's [B, H, L, D] pair (BNTH strides through the same kernels)."""
+  rng = np.random.default_rng(11)
+  shape_q, shape_kv = (2, 4, 21, 128), (2, 2, 35, 128)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                 for s in (shape_q, shape_kv, shape_kv, shape_q))
+  scale = 1 / np.sqrt(128)
+  o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=scale, causal=True,
+                                            implementation=IMPL)
+  ro, rlse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=scale, causal=True,
+                                              implementation="cpu")
+  assert relative_error(o, ro) < 1e-4 and relative_error(lse, rlse) < 1e-5
+  got = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, scale=scale, causal=True,
+                                         implementation=IMPL)
+  want = jax_fatrain.flash_attn_train_bwd(q, k, v, ro, rlse, do, scale=scale, causal=True,
+                                          implementation="cpu")
+  for g, w in zip(got, want):
+    assert relative_error(g, w) < 1e-4
+
+
+def test_backward_is_deterministic():
+  case = Case(q_len=45, kv_len=50, q_heads=8, kv_heads=2, is_causal=True, dtype=jnp.bfloat16)
+  x = make_inputs(case, seed=7)
+
+  def loss(q, k, v):
+    o = jax_fatrain.dot_product_attention(q, k, v, implementation=IMPL, is_causal=True)
+    return jnp.sum(o.astype(jnp.float32) * x.cotangent.astype(jnp.float32))
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  first = [np.asarray(a) for a in g(x.q, x.k, x.v)]
+  second = [np.asarray(a) for a in g(x.q, x.k, x.v)]
+  for a, b in zip(first, second):
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("case", test_attention.CASES, ids=lambda c: c.id)
+def test_shared_suite(case):
+  test_attention.test_values_and_gradients(case, IMPL)

@@ -1,0 +1,58 @@
+// Executes a Metal dispatch plan on the MSL emulator.
+
+#include "msl_emulator/plan_executor.h"
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace msl::emu {
+
+namespace mp = fatrain::metal_plan;
+
+std::string execute_plan(const mp::Problem& problem, const mp::Plan& plan, RoleMemory memory,
+                         const msl::rt::ParallelFor& parallel) {
+  std::vector<std::unique_ptr<unsigned char[]>> scratch;
+  for (const auto& s : plan.scratch) {
+    scratch.emplace_back(new unsigned char[s.bytes]);
+    // Poisoned: the plan must write scratch before reading it.
+    std::memset(scratch.back().get(), 0xFF, s.bytes);
+    memory.set(s.role, scratch.back().get(), s.bytes);
+  }
+  for (const auto& d : plan.dispatches) {
+    msl::rt::DispatchSpec spec;
+    spec.kernel = d.kernel;
+    for (auto [index, value] : d.constants) spec.constants.push_back({index, value ? 1.0 : 0.0});
+    for (const auto& b : d.bindings) {
+      msl::rt::BufferBinding bb;
+      bb.index = b.index;
+      if (b.is_bytes) {
+        bb.is_bytes = true;
+        bb.data = const_cast<uint8_t*>(b.bytes.data());
+        bb.size = b.bytes.size();
+      } else {
+        const int r = int(b.role);
+        if (memory.data[r] == nullptr) {
+          return "kernel " + d.kernel + ": no memory for " + mp::role_name(b.role) +
+                 " (buffer(" + std::to_string(b.index) + "))";
+        }
+        const uint64_t need = mp::required_bytes(problem, b.role);
+        if (memory.size[r] < need) {
+          return std::string("metal: ") + mp::role_name(b.role) + " buffer too small: expected at least " +
+                 std::to_string(need) + " bytes, got " + std::to_string(memory.size[r]);
+        }
+        bb.data = memory.data[r];
+        bb.size = memory.size[r];
+      }
+      spec.buffers.push_back(bb);
+    }
+    spec.threadgroup_memory_length = d.threadgroup_memory_length;
+    spec.grid = {d.grid[0], d.grid[1], d.grid[2]};
+    spec.threadgroup = {d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]};
+    std::string err = msl::rt::run_dispatch(spec, parallel);
+    if (!err.empty()) return "msl emulator: " + err;
+  }
+  return "";
+}
+
+}  // namespace msl::emu

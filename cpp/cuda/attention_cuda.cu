@@ -1,0 +1,224 @@
+// Host side of the CUDA kernels: validation, path selection, launches.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/attention_cuda.h"
+#include "cuda/common.cuh"
+#include "cuda/launch.h"
+
+namespace fatrain::cuda {
+namespace {
+
+thread_local char g_message[512];
+
+const char* fmt_error(const char* fmt, long long a, long long b = 0) {
+  std::snprintf(g_message, sizeof(g_message), fmt, a, b);
+  return g_message;
+}
+
+const char* cuda_error(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return nullptr;
+  std::snprintf(g_message, sizeof(g_message), "jax_fatrain cuda: %s failed: %s (%s)", what,
+                cudaGetErrorString(e), cudaGetErrorName(e));
+  return g_message;
+}
+
+const char* check_score(const ScoreTensor& t, const AttentionProblem& p, const char* name,
+                        bool want_bool) {
+  if (t.data == nullptr) return nullptr;
+  if (want_bool != (t.dtype == DType::kBool) || t.dtype == DType::kI32) {
+    std::snprintf(g_message, sizeof(g_message), "jax_fatrain cuda: %s has the wrong dtype", name);
+    return g_message;
+  }
+  const int64_t full[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+  for (int a = 0; a < 4; ++a) {
+    if (t.dims[a] != 1 && t.dims[a] != full[a]) {
+      std::snprintf(g_message, sizeof(g_message),
+                    "jax_fatrain cuda: %s dim %d is %lld, expected 1 or %lld", name, a,
+                    static_cast<long long>(t.dims[a]), static_cast<long long>(full[a]));
+      return g_message;
+    }
+  }
+  return nullptr;
+}
+
+bool force_simt() {
+  static const bool force = [] {
+    const char* v = std::getenv("JAX_FATRAIN_CUDA_FORCE_SIMT");
+    return v != nullptr && v[0] == '1';
+  }();
+  return force;
+}
+
+bool aligned16(const SeqTensor& t) {
+  return (reinterpret_cast<uintptr_t>(t.data) & 15) == 0 && t.batch_stride % 8 == 0 &&
+         t.seq_stride % 8 == 0 && t.head_stride % 8 == 0;
+}
+
+bool tensor_core_ok(const AttentionProblem& p, DType dtype) {
+  if (force_simt()) return false;
+  if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
+  return p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
+}
+
+size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+KParams make_params(const AttentionProblem& pr, const SeqTensor& q, const SeqTensor& k) {
+  KParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.q_bs = q.batch_stride; p.q_ss = q.seq_stride; p.q_hs = q.head_stride;
+  p.k_bs = k.batch_stride; p.k_ss = k.seq_stride; p.k_hs = k.head_stride;
+  p.B = static_cast<int>(pr.batch); p.N = static_cast<int>(pr.q_heads);
+  p.K = static_cast<int>(pr.kv_heads); p.T = static_cast<int>(pr.q_len);
+  p.S = static_cast<int>(pr.kv_len); p.D = static_cast<int>(pr.head_dim);
+  p.scale = pr.scale;
+  p.scale_log2 = pr.scale * kLog2e;
+  p.causal = pr.causal ? 1 : 0;
+  p.wl = pr.window_left < 0 ? -1 : static_cast<int>(std::min<int64_t>(pr.window_left, 1 << 30));
+  p.wr = pr.window_right < 0 ? -1 : static_cast<int>(std::min<int64_t>(pr.window_right, 1 << 30));
+  p.q_lengths = pr.q_lengths; p.kv_lengths = pr.kv_lengths;
+  p.bias = pr.bias.data;
+  p.bias_dtype = static_cast<int>(pr.bias.dtype);
+  for (int a = 0; a < 4; ++a) {
+    p.bias_st[a] = pr.bias.strides[a];
+    p.bias_dims[a] = pr.bias.dims[a];
+    p.mask_st[a] = pr.mask.strides[a];
+  }
+  p.mask = static_cast<const uint8_t*>(pr.mask.data);
+  return p;
+}
+
+bool same_layout(const SeqTensor& a, const SeqTensor& b) {
+  return a.batch_stride == b.batch_stride && a.seq_stride == b.seq_stride &&
+         a.head_stride == b.head_stride && a.dtype == b.dtype;
+}
+
+const char* check_operands(const AttentionProblem& p, const SeqTensor& q, const SeqTensor& k,
+                           const SeqTensor& v) {
+  if (q.dtype != DType::kF32 && q.dtype != DType::kBF16 && q.dtype != DType::kF16)
+    return "jax_fatrain cuda: query must be float32, bfloat16 or float16";
+  if (!same_layout(k, v) || k.dtype != q.dtype)
+    return "jax_fatrain cuda: key and value must share query's dtype and key's layout";
+  if (!q.data || !k.data || !v.data) return "jax_fatrain cuda: null operand";
+  (void)p;
+  return nullptr;
+}
+
+}  // namespace
+
+const char* validate_problem(const AttentionProblem& p) {
+  if (p.batch <= 0) return fmt_error("jax_fatrain cuda: batch must be > 0, got %lld", p.batch);
+  if (p.q_heads <= 0) return fmt_error("jax_fatrain cuda: q_heads must be > 0, got %lld", p.q_heads);
+  if (p.kv_heads <= 0)
+    return fmt_error("jax_fatrain cuda: kv_heads must be > 0, got %lld", p.kv_heads);
+  if (p.q_heads % p.kv_heads != 0)
+    return fmt_error("jax_fatrain cuda: kv_heads (%lld) must divide q_heads (%lld)", p.kv_heads,
+                     p.q_heads);
+  if (p.q_len <= 0) return fmt_error("jax_fatrain cuda: q_len must be > 0, got %lld", p.q_len);
+  if (p.kv_len <= 0) return fmt_error("jax_fatrain cuda: kv_len must be > 0, got %lld", p.kv_len);
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim)
+    return fmt_error("jax_fatrain cuda: head_dim must be in [1, %lld], got %lld", kMaxHeadDim,
+                     p.head_dim);
+  if (!std::isfinite(p.scale)) return "jax_fatrain cuda: scale must be finite";
+  if (p.q_len >= (1ll << 30) || p.kv_len >= (1ll << 30) || p.batch >= (1ll << 30) ||
+      p.q_heads >= (1ll << 20))
+    return "jax_fatrain cuda: problem too large";
+  if (const char* e = check_score(p.bias, p, "bias", false)) return e;
+  if (const char* e = check_score(p.mask, p, "mask", true)) return e;
+  return nullptr;
+}
+
+const char* selected_path(const AttentionProblem& problem, DType dtype) {
+  return tensor_core_ok(problem, dtype) ? "tensor_core" : "simt";
+}
+
+size_t forward_scratch_bytes(const AttentionProblem&) { return 0; }
+
+size_t backward_scratch_bytes(const AttentionProblem& p, bool deterministic) {
+  const size_t rows = static_cast<size_t>(p.batch) * p.q_heads * p.q_len;
+  size_t bytes = align256(rows * sizeof(float));  // dsum
+  if (!deterministic) bytes += align256(rows * p.head_dim * sizeof(float));  // dq_acc
+  return bytes;
+}
+
+size_t bias_grad_scratch_bytes(const AttentionProblem& p) {
+  return align256(static_cast<size_t>(p.batch) * p.q_heads * p.q_len * sizeof(float));
+}
+
+const char* attention_forward(const AttentionProblem& problem, const ForwardOperands& op,
+                              void*, cudaStream_t stream) {
+  if (const char* e = validate_problem(problem)) return e;
+  if (const char* e = check_operands(problem, op.q, op.k, op.v)) return e;
+  if (!same_layout(op.o, op.q)) return "jax_fatrain cuda: output must have query's layout";
+  if (op.lse == nullptr) return "jax_fatrain cuda: lse is null";
+  KParams p = make_params(problem, op.q, op.k);
+  p.q = op.q.data; p.k = op.k.data; p.v = op.v.data;
+  p.out = op.o.data;
+  p.lse = op.lse;
+  const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
+                  aligned16(op.v) && aligned16(op.o);
+  cudaError_t err = tc ? launch_fwd_tc(p, op.q.dtype, stream)
+                       : launch_fwd_simt(p, op.q.dtype, stream);
+  return cuda_error(err, "forward launch");
+}
+
+const char* attention_backward(const AttentionProblem& problem, const BackwardOperands& op,
+                               bool deterministic, void* scratch, cudaStream_t stream) {
+  if (const char* e = validate_problem(problem)) return e;
+  if (const char* e = check_operands(problem, op.q, op.k, op.v)) return e;
+  if (!same_layout(op.o, op.q) || !same_layout(op.d_o, op.q) || !same_layout(op.dq, op.q))
+    return "jax_fatrain cuda: out, d_out and dq must have query's layout";
+  if (!same_layout(op.dk, op.k) || !same_layout(op.dv, op.k))
+    return "jax_fatrain cuda: dk and dv must have key's layout";
+  if (op.lse == nullptr) return "jax_fatrain cuda: lse is null";
+  if (scratch == nullptr) return "jax_fatrain cuda: backward needs scratch memory";
+  KParams p = make_params(problem, op.q, op.k);
+  p.q = op.q.data; p.k = op.k.data; p.v = op.v.data; p.o = op.o.data; p.d_o = op.d_o.data;
+  p.dq = op.dq.data; p.dk = op.dk.data; p.dv = op.dv.data;
+  p.lse = const_cast<float*>(op.lse);
+  const size_t rows = static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len;
+  p.dsum = static_cast<float*>(scratch);
+  const DType dt = op.q.dtype;
+  if (const char* e = cuda_error(launch_dsum(p, dt, stream), "backward dsum")) return e;
+  const bool tc = tensor_core_ok(problem, dt) && aligned16(op.q) && aligned16(op.k) &&
+                  aligned16(op.v) && aligned16(op.o) && aligned16(op.d_o) &&
+                  aligned16(op.dq) && aligned16(op.dk) && aligned16(op.dv);
+  if (!tc) return cuda_error(launch_bwd_simt(p, dt, stream), "backward (simt)");
+  if (deterministic) {
+    if (const char* e = cuda_error(launch_bwd_tc(p, dt, false, stream), "backward dk/dv"))
+      return e;
+    return cuda_error(launch_dq_tc(p, dt, stream), "backward dq");
+  }
+  p.dq_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + align256(rows * sizeof(float)));
+  if (const char* e = cuda_error(
+          cudaMemsetAsync(p.dq_acc, 0, rows * problem.head_dim * sizeof(float), stream),
+          "backward dq scratch memset"))
+    return e;
+  if (const char* e = cuda_error(launch_bwd_tc(p, dt, true, stream), "backward")) return e;
+  return cuda_error(launch_dq_convert(p, dt, stream), "backward dq convert");
+}
+
+const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradOperands& op,
+                                void* scratch, cudaStream_t stream) {
+  if (const char* e = validate_problem(problem)) return e;
+  if (problem.bias.data == nullptr) return "jax_fatrain cuda: bias gradient without a bias";
+  if (const char* e = check_operands(problem, op.q, op.k, op.v)) return e;
+  if (!same_layout(op.o, op.q) || !same_layout(op.d_o, op.q))
+    return "jax_fatrain cuda: out and d_out must have query's layout";
+  if (op.lse == nullptr || op.dbias == nullptr) return "jax_fatrain cuda: null lse or dbias";
+  if (scratch == nullptr) return "jax_fatrain cuda: bias gradient needs scratch memory";
+  KParams p = make_params(problem, op.q, op.k);
+  p.q = op.q.data; p.k = op.k.data; p.v = op.v.data; p.o = op.o.data; p.d_o = op.d_o.data;
+  p.lse = const_cast<float*>(op.lse);
+  p.dsum = static_cast<float*>(scratch);
+  p.dbias = op.dbias;
+  const DType dt = op.q.dtype;
+  if (const char* e = cuda_error(launch_dsum(p, dt, stream), "bias grad dsum")) return e;
+  int64_t count = 1;
+  for (int a = 0; a < 4; ++a) count *= problem.bias.dims[a];
+  return cuda_error(launch_dbias_simt(p, dt, count, stream), "bias grad");
+}
+
+}  // namespace fatrain::cuda

@@ -1,0 +1,220 @@
+// Device helpers shared by the CUDA kernels of jax_fatrain (internal).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/attention_cuda.h"
+
+namespace fatrain::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Everything a kernel needs, flattened (passed by value).
+struct KParams {
+  const void* q; const void* k; const void* v; const void* o; const void* d_o;
+  void* out; void* dq; void* dk; void* dv;
+  int64_t q_bs, q_ss, q_hs;   // q, o, d_o, dq
+  int64_t k_bs, k_ss, k_hs;   // k, v, dk, dv
+  float* lse;                 // [B, N, T]
+  float* dsum;                // [B, N, T] scratch: rowsum(dO*O)
+  float* dq_acc;              // [B, N, T, D] float32 scratch (atomic path)
+  float* dbias;
+  int B, N, K, T, S, D;
+  float scale, scale_log2;
+  int causal;
+  int wl, wr;
+  const int32_t* q_lengths; const int32_t* kv_lengths;
+  const void* bias; int bias_dtype; int64_t bias_st[4]; int64_t bias_dims[4];
+  const uint8_t* mask; int64_t mask_st[4];
+};
+
+template <class E> struct Cvt;
+template <> struct Cvt<float> {
+  static __device__ __forceinline__ float to_f(float x) { return x; }
+  static __device__ __forceinline__ float from_f(float x) { return x; }
+};
+template <> struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16(x); }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <> struct Cvt<__half> {
+  static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+__device__ __forceinline__ float load_score_f(const void* base, int dtype, int64_t idx) {
+  if (dtype == static_cast<int>(DType::kF32)) return static_cast<const float*>(base)[idx];
+  if (dtype == static_cast<int>(DType::kBF16))
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[idx]);
+  return __half2float(static_cast<const __half*>(base)[idx]);
+}
+
+// Visibility and additive bias of one (b, n) head: shared by every kernel.
+struct HeadMask {
+  int q_end, kv_end;
+  int causal, wl, wr;
+  const char* bias;   // offset to (b, n), in bytes
+  int bias_dtype, bias_esize;
+  int64_t bst2, bst3;
+  const uint8_t* mask;
+  int64_t mst2, mst3;
+  float bias_mul;     // log2e (base-2 kernels) or 1
+
+  __device__ __forceinline__ void init(const KParams& p, int b, int n, float mul) {
+    q_end = p.q_lengths ? min(max(p.q_lengths[b], 0), p.T) : p.T;
+    kv_end = p.kv_lengths ? min(max(p.kv_lengths[b], 0), p.S) : p.S;
+    causal = p.causal; wl = p.wl; wr = p.wr;
+    bias_dtype = p.bias_dtype;
+    bias_esize = p.bias_dtype == static_cast<int>(DType::kF32) ? 4 : 2;
+    bias = p.bias ? static_cast<const char*>(p.bias) +
+                        (b * p.bias_st[0] + n * p.bias_st[1]) * bias_esize
+                  : nullptr;
+    bst2 = p.bias_st[2]; bst3 = p.bias_st[3];
+    mask = p.mask ? p.mask + b * p.mask_st[0] + n * p.mask_st[1] : nullptr;
+    mst2 = p.mask_st[2]; mst3 = p.mask_st[3];
+    bias_mul = mul;
+  }
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    if (i >= q_end || j >= kv_end) return false;
+    if (causal && j > i) return false;
+    if (wl >= 0 && j < i - wl) return false;
+    if (wr >= 0 && j > i + wr) return false;
+    if (mask && !mask[i * mst2 + j * mst3]) return false;
+    return true;
+  }
+  // x: the scaled score (in the kernel's base); returns it masked and biased.
+  __device__ __forceinline__ float apply(int i, int j, float x) const {
+    if (!visible(i, j)) return -INFINITY;
+    if (bias) x += bias_mul * load_score_f(bias, bias_dtype, i * bst2 + j * bst3);
+    return x;
+  }
+  __device__ __forceinline__ bool has_elementwise() const { return bias || mask; }
+  // Whether the tile [i0,i1) x [j0,j1) needs no per-element work.
+  __device__ __forceinline__ bool tile_is_full(int i0, int i1, int j0, int j1) const {
+    if (bias || mask) return false;
+    if (i1 > q_end || j1 > kv_end) return false;
+    if (causal && j1 - 1 > i0) return false;
+    if (wl >= 0 && j0 < i1 - 1 - wl) return false;
+    if (wr >= 0 && j1 - 1 > i0 + wr) return false;
+    return true;
+  }
+  // Keys a block of query rows [i0, i1) can see: [lo, hi).
+  __device__ __forceinline__ void key_range(int i0, int i1, int* lo, int* hi) const {
+    int h = kv_end;
+    if (causal) h = min(h, i1);
+    if (wr >= 0) h = min(h, i1 + wr);
+    int l = 0;
+    if (wl >= 0) l = max(0, i0 - wl);
+    *lo = l; *hi = h;
+  }
+  // Queries that can see a block of keys [j0, j1): [lo, hi).
+  __device__ __forceinline__ void query_range(int j0, int j1, int* lo, int* hi) const {
+    int l = 0;
+    if (causal) l = max(l, j0);
+    if (wr >= 0) l = max(l, j0 - wr);
+    int h = q_end;
+    if (wl >= 0) h = min(h, j1 + wl);
+    *lo = l; *hi = h;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Tensor-core primitives (sm_80+).
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                          uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+template <class E> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// A [rows][COLS] tile of 16-bit elements in shared memory, 16-byte chunks
+// XOR-swizzled by row so that ldmatrix and cp.async are conflict-free.
+// COLS must be a multiple of 64.
+template <int COLS>
+__device__ __forceinline__ int swz(int row, int col) {
+  return row * COLS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// Copies rows [r0, r0 + ROWS) of a [*, D] 16-bit sequence slice into a
+// swizzled tile; rows >= rmax are zero-filled.
+template <int ROWS, int D, int NT>
+__device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int64_t row_stride,
+                                          int r0, int rmax, int tid) {
+  constexpr int kChunks = ROWS * D / 8;
+  const uint32_t t0 = smem_u32(tile);
+#pragma unroll
+  for (int c = tid; c < kChunks; c += NT) {
+    const int r = c / (D / 8), ch = c % (D / 8);
+    const int row = r0 + r;
+    const bool ok = row < rmax;
+    const uint16_t* src = ok ? base + static_cast<int64_t>(row) * row_stride + ch * 8 : base;
+    cp_async16(t0 + 2 * swz<D>(r, ch * 8), src, ok);
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+}  // namespace fatrain::cuda

@@ -1,0 +1,296 @@
+// Tensor-core FlashAttention-2 backward, KV tiles outer.
+//
+// Grid (ceil(S / BK), K, B), 8 warps. A block owns BK keys of one kv head and
+// keeps dK, dV for them in registers while it loops over the query heads of
+// its GQA group and the query tiles that can see its keys (Q, dO, L, D double
+// buffered). Per query tile:
+//   1. Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (warp: 16 keys x 32 queries); P = exp2(S - L),
+//      dS = P (dP - D); P and dS go to shared memory as 16-bit.
+//   2. dV += Pᵀ dO, dK += dSᵀ Q (warp: 16 keys x D/2).
+//   3. (atomic mode) dQ += dS K (warp: 16 queries x D/2) by float32 atomics
+//      into scratch; the deterministic mode leaves dQ to tc_dq.cu.
+#include "cuda/common.cuh"
+#include "cuda/launch.h"
+
+namespace fatrain::cuda {
+namespace {
+
+constexpr int kBK = 64, kBQ = 64, kNW = 8, kNT = kNW * 32;
+
+template <int D>
+constexpr int bwd_smem_bytes() {
+  return (2 * kBK * D + 4 * kBQ * D + 2 * kBK * kBQ) * 2 + 4 * kBQ * 4;
+}
+
+template <class E, int D, bool ATOMIC>
+__global__ void __launch_bounds__(kNT) bwd_tc_kernel(const KParams p) {
+  constexpr int BK = kBK, BQ = kBQ, NT = kNT, DH = D / 2;
+  extern __shared__ __align__(128) uint16_t smem[];
+  uint16_t* sK = smem;
+  uint16_t* sV = sK + BK * D;
+  uint16_t* sQ = sV + BK * D;       // 2 stages
+  uint16_t* sdO = sQ + 2 * BQ * D;  // 2 stages
+  uint16_t* sP = sdO + 2 * BQ * D;
+  uint16_t* sdS = sP + BK * BQ;
+  float* sL = reinterpret_cast<float*>(sdS + BK * BQ);  // 2 stages
+  float* sDs = sL + 2 * BQ;                             // 2 stages
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tg = lane & 3;
+  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
+  const int G = p.N / p.K;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
+
+  HeadMask hm;
+  hm.init(p, b, kvh * G, kLog2e);
+  int qlo, qhi;
+  hm.query_range(j0, min(j0 + BK, p.S), &qlo, &qhi);
+  const int qt_begin = qlo / BQ;
+  const int nq = (j0 >= hm.kv_end || qhi <= qlo) ? 0 : (qhi - qt_begin * BQ + BQ - 1) / BQ;
+  const int total = G * nq;
+
+  load_tile<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);
+  load_tile<BK, D, NT>(sV, vb, p.k_ss, j0, p.S, tid);
+
+  auto prefetch = [&](int it, int stage) {
+    const int h = kvh * G + it / nq;
+    const int i0 = (qt_begin + it % nq) * BQ;
+    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + h * p.q_hs;
+    const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
+    load_tile<BQ, D, NT>(sQ + stage * BQ * D, qb, p.q_ss, i0, p.T, tid);
+    load_tile<BQ, D, NT>(sdO + stage * BQ * D, dob, p.q_ss, i0, p.T, tid);
+    if (tid < BQ) {
+      const int i = i0 + tid;
+      float L = INFINITY, Ds = 0.f;
+      if (i < p.T) {
+        const int64_t r = (static_cast<int64_t>(b) * p.N + h) * p.T + i;
+        const float lv = p.lse[r];
+        L = lv == -INFINITY ? INFINITY : lv * kLog2e;
+        Ds = p.dsum[r];
+      }
+      sL[stage * BQ + tid] = L;
+      sDs[stage * BQ + tid] = Ds;
+    }
+  };
+  if (total > 0) prefetch(0, 0);
+  cp_async_commit();
+
+  float dk[DH / 8][4], dv[DH / 8][4];
+#pragma unroll
+  for (int i = 0; i < DH / 8; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+  const int ks = warp & 3, qh = warp >> 2;  // phase 1: key strip, query half
+  const int dh = warp >> 2;                 // phases 2/3: d half
+
+  for (int it = 0; it < total; ++it) {
+    const int h = kvh * G + it / nq;
+    const int i0 = (qt_begin + it % nq) * BQ;
+    if (it + 1 < total) {
+      prefetch(it + 1, (it + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    hm.init(p, b, h, kLog2e);
+    const uint16_t* cQ = sQ + (it & 1) * BQ * D;
+    const uint16_t* cdO = sdO + (it & 1) * BQ * D;
+    const float* cL = sL + (it & 1) * BQ;
+    const float* cDs = sDs + (it & 1) * BQ;
+
+    // Phase 1.
+    float st[4][4], dpt[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      const int a_off = swz<D>(ks * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(smem_u32(sK + a_off), ak[0], ak[1], ak[2], ak[3]);
+      ldsm_x4(smem_u32(sV + a_off), av[0], av[1], av[2], av[3]);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int b_off = swz<D>(qh * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                 kk * 16 + ((lane >> 3) & 1) * 8);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(smem_u32(cQ + b_off), b0, b1, b2, b3);
+        Mma<E>::run(st[2 * np], ak, b0, b1);
+        Mma<E>::run(st[2 * np + 1], ak, b2, b3);
+        ldsm_x4(smem_u32(cdO + b_off), b0, b1, b2, b3);
+        Mma<E>::run(dpt[2 * np], av, b0, b1);
+        Mma<E>::run(dpt[2 * np + 1], av, b2, b3);
+      }
+    }
+    const bool full =
+        hm.tile_is_full(i0 + qh * 32, i0 + qh * 32 + 32, j0 + ks * 16, j0 + ks * 16 + 16);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kl = ks * 16 + g + (e >> 1) * 8;
+        const int ql = qh * 32 + nt * 8 + tg * 2 + (e & 1);
+        float x = st[nt][e] * p.scale_log2;
+        if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
+        const float pv = exp2f(x - cL[ql]);
+        st[nt][e] = pv;
+        dpt[nt][e] = pv * (dpt[nt][e] - cDs[ql]);
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int off = swz<BQ>(ks * 16 + g + hf * 8, qh * 32 + nt * 8 + tg * 2);
+        *reinterpret_cast<uint32_t*>(sP + off) = Cvt<E>::pack(st[nt][2 * hf], st[nt][2 * hf + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + off) =
+            Cvt<E>::pack(dpt[nt][2 * hf], dpt[nt][2 * hf + 1]);
+      }
+    }
+    __syncthreads();
+
+    // Phase 2: dV += Pᵀ dO, dK += dSᵀ Q for keys ks*16.. and d in [dh*DH, dh*DH + DH).
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      uint32_t ap[4], ad[4];
+      const int a_off = swz<BQ>(ks * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(smem_u32(sP + a_off), ap[0], ap[1], ap[2], ap[3]);
+      ldsm_x4(smem_u32(sdS + a_off), ad[0], ad[1], ad[2], ad[3]);
+#pragma unroll
+      for (int dp = 0; dp < DH / 16; ++dp) {
+        const int b_off = swz<D>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                 dh * DH + dp * 16 + (lane >> 4) * 8);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(smem_u32(cdO + b_off), b0, b1, b2, b3);
+        Mma<E>::run(dv[2 * dp], ap, b0, b1);
+        Mma<E>::run(dv[2 * dp + 1], ap, b2, b3);
+        ldsm_x4_t(smem_u32(cQ + b_off), b0, b1, b2, b3);
+        Mma<E>::run(dk[2 * dp], ad, b0, b1);
+        Mma<E>::run(dk[2 * dp + 1], ad, b2, b3);
+      }
+    }
+
+    // Phase 3: dQ (16 queries x DH) += dS K, float32 atomics.
+    if constexpr (ATOMIC) {
+      const int qs = warp & 3;
+      float dq[DH / 8][4];
+#pragma unroll
+      for (int i = 0; i < DH / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        const int mi = lane >> 3;
+        uint32_t a[4];
+        ldsm_x4_t(smem_u32(sdS + swz<BQ>(kk * 16 + (mi >> 1) * 8 + (lane & 7),
+                                         qs * 16 + (mi & 1) * 8)),
+                  a[0], a[1], a[2], a[3]);
+#pragma unroll
+        for (int dp = 0; dp < DH / 16; ++dp) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(smem_u32(sK + swz<D>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                         dh * DH + dp * 16 + (lane >> 4) * 8)),
+                    b0, b1, b2, b3);
+          Mma<E>::run(dq[2 * dp], a, b0, b1);
+          Mma<E>::run(dq[2 * dp + 1], a, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = i0 + qs * 16 + g + r * 8;
+        if (i >= p.T) continue;
+        float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * D + dh * DH;
+#pragma unroll
+        for (int nt = 0; nt < DH / 8; ++nt) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          atomicAdd(reinterpret_cast<float2*>(dst + nt * 8 + tg * 2),
+                    make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
+#else
+          atomicAdd(dst + nt * 8 + tg * 2, dq[nt][2 * r]);
+          atomicAdd(dst + nt * 8 + tg * 2 + 1, dq[nt][2 * r + 1]);
+#endif
+        }
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs;
+  E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + ks * 16 + g + r * 8;
+    if (j >= p.S) continue;
+    E* dkr = dkb + static_cast<int64_t>(j) * p.k_ss + dh * DH;
+    E* dvr = dvb + static_cast<int64_t>(j) * p.k_ss + dh * DH;
+#pragma unroll
+    for (int nt = 0; nt < DH / 8; ++nt) {
+      *reinterpret_cast<uint32_t*>(dkr + nt * 8 + tg * 2) =
+          Cvt<E>::pack(dk[nt][2 * r] * p.scale, dk[nt][2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvr + nt * 8 + tg * 2) =
+          Cvt<E>::pack(dv[nt][2 * r], dv[nt][2 * r + 1]);
+    }
+  }
+}
+
+template <class E>
+__global__ void dq_convert_kernel(const KParams p) {
+  const int64_t total = static_cast<int64_t>(p.B) * p.N * p.T * p.D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = idx % p.D;
+    int64_t r = idx / p.D;
+    const int i = r % p.T;
+    r /= p.T;
+    const int n = r % p.N;
+    const int b = r / p.N;
+    static_cast<E*>(p.dq)[b * p.q_bs + n * p.q_hs + i * p.q_ss + d] =
+        Cvt<E>::from_f(p.dq_acc[idx] * p.scale);
+  }
+}
+
+template <class E, int D, bool ATOMIC>
+cudaError_t launch(const KParams& p, cudaStream_t stream) {
+  constexpr int kSmem = bwd_smem_bytes<D>();
+  auto kernel = bwd_tc_kernel<E, D, ATOMIC>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) return attr;
+  dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
+  kernel<<<grid, kNT, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class E, bool ATOMIC>
+cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  switch (p.D) {
+    case 64: return launch<E, 64, ATOMIC>(p, stream);
+    case 128: return launch<E, 128, ATOMIC>(p, stream);
+    case 256: return launch<E, 256, ATOMIC>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream) {
+  if (dtype == DType::kBF16) {
+    return atomic_dq ? launch_d<__nv_bfloat16, true>(p, stream)
+                     : launch_d<__nv_bfloat16, false>(p, stream);
+  }
+  return atomic_dq ? launch_d<__half, true>(p, stream) : launch_d<__half, false>(p, stream);
+}
+
+cudaError_t launch_dq_convert(const KParams& p, DType dtype, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(p.B) * p.N * p.T * p.D;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
+  if (dtype == DType::kBF16) {
+    dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p);
+  } else {
+    dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace fatrain::cuda

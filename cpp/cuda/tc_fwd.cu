@@ -1,0 +1,189 @@
+// Tensor-core FlashAttention-2 forward (mma.sync m16n8k16, ldmatrix, cp.async).
+//
+// Grid (ceil(T / BQ), N, B); NW warps, each owning 16 query rows of the block
+// with the whole head_dim of O in registers. K/V tiles of BK keys are double
+// buffered through cp.async. Scores are scaled into base 2 in float32, the
+// online softmax runs in base 2, L is written in natural log.
+#include "cuda/common.cuh"
+#include "cuda/launch.h"
+
+namespace fatrain::cuda {
+namespace {
+
+template <class E, int D, int NW, int BK>
+__global__ void __launch_bounds__(NW * 32) fwd_tc_kernel(const KParams p) {
+  constexpr int BQ = NW * 16, NT = NW * 32;
+  extern __shared__ __align__(128) uint16_t smem[];
+  uint16_t* sQ = smem;
+  uint16_t* sK = sQ + BQ * D;
+  uint16_t* sV = sK + 2 * BK * D;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tg = lane & 3;
+  const int b = blockIdx.z, n = blockIdx.y, i0 = blockIdx.x * BQ;
+  const int kvh = n / (p.N / p.K);
+  HeadMask hm;
+  hm.init(p, b, n, kLog2e);
+  const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + n * p.q_hs;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
+
+  int lo, hi;
+  hm.key_range(i0, min(i0 + BQ, p.T), &lo, &hi);
+  const int t_begin = lo / BK;
+  const int n_tiles = (i0 >= hm.q_end || hi <= lo) ? 0 : (hi - t_begin * BK + BK - 1) / BK;
+
+  load_tile<BQ, D, NT>(sQ, qb, p.q_ss, i0, p.T, tid);
+  if (n_tiles > 0) {
+    load_tile<BK, D, NT>(sK, kb, p.k_ss, t_begin * BK, p.S, tid);
+    load_tile<BK, D, NT>(sV, vb, p.k_ss, t_begin * BK, p.S, tid);
+  }
+  cp_async_commit();
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int row_w = warp * 16;
+  const int r_glob0 = i0 + row_w + g;
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int j0 = (t_begin + t) * BK;
+    if (t + 1 < n_tiles) {
+      const int st = (t + 1) & 1;
+      load_tile<BK, D, NT>(sK + st * BK * D, kb, p.k_ss, j0 + BK, p.S, tid);
+      load_tile<BK, D, NT>(sV + st * BK * D, vb, p.k_ss, j0 + BK, p.S, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint16_t* cK = sK + (t & 1) * BK * D;
+    const uint16_t* cV = sV + (t & 1) * BK * D;
+
+    float s[BK / 8][4];
+#pragma unroll
+    for (int i = 0; i < BK / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldsm_x4(smem_u32(sQ + swz<D>(row_w + (lane & 15), kk * 16 + (lane >> 4) * 8)), a[0], a[1],
+              a[2], a[3]);
+#pragma unroll
+      for (int np = 0; np < BK / 16; ++np) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(smem_u32(cK + swz<D>(np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                     kk * 16 + ((lane >> 3) & 1) * 8)),
+                b0, b1, b2, b3);
+        Mma<E>::run(s[2 * np], a, b0, b1);
+        Mma<E>::run(s[2 * np + 1], a, b2, b3);
+      }
+    }
+
+    const bool full = hm.tile_is_full(i0 + row_w, i0 + row_w + 16, j0, j0 + BK);
+#pragma unroll
+    for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[nt][e] * p.scale_log2;
+        if (!full) x = hm.apply(r_glob0 + (e >> 1) * 8, j0 + nt * 8 + tg * 2 + (e & 1), x);
+        s[nt][e] = x;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_new = fmaxf(m[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m[r] - m_use);
+      m[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        acc[dt][2 * r] *= alpha;
+        acc[dt][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = Cvt<E>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Cvt<E>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Cvt<E>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Cvt<E>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(smem_u32(cV + swz<D>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                       dp * 16 + (lane >> 4) * 8)),
+                  b0, b1, b2, b3);
+        Mma<E>::run(acc[2 * dp], a, b0, b1);
+        Mma<E>::run(acc[2 * dp + 1], a, b2, b3);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  E* ob = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lt = quad_sum(l[r]);
+    const int row = r_glob0 + r * 8;
+    if (row >= p.T) continue;
+    const bool live = lt > 0.f;
+    const float inv = live ? 1.f / lt : 0.f;
+    E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<uint32_t*>(orow + dt * 8 + tg * 2) =
+          Cvt<E>::pack(acc[dt][2 * r] * inv, acc[dt][2 * r + 1] * inv);
+    }
+    if (tg == 0) {
+      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
+          live ? (m[r] + log2f(lt)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+template <class E, int D, int NW, int BK>
+cudaError_t launch(const KParams& p, cudaStream_t stream) {
+  constexpr int BQ = NW * 16;
+  constexpr int kSmem = (BQ * D + 4 * BK * D) * 2;
+  auto kernel = fwd_tc_kernel<E, D, NW, BK>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) return attr;
+  dim3 grid((p.T + BQ - 1) / BQ, p.N, p.B);
+  kernel<<<grid, NW * 32, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class E>
+cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  switch (p.D) {
+    case 64: return launch<E, 64, 8, 64>(p, stream);
+    case 128: return launch<E, 128, 8, 64>(p, stream);
+    case 256: return launch<E, 256, 8, 32>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fwd_tc(const KParams& p, DType dtype, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? launch_d<__nv_bfloat16>(p, stream)
+                               : launch_d<__half>(p, stream);
+}
+
+}  // namespace fatrain::cuda

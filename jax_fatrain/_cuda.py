@@ -1,0 +1,128 @@
+"""The ``cuda`` implementation: XLA FFI calls into the CUDA kernels of cpp/cuda/.
+
+Mirrors ``_cpu.py``: the same operands, placeholders and attribute dictionary,
+plus ``deterministic``. The extension ``_cuda_ffi`` is optional: it is built only
+with ``-C cmake.define.JAX_FATRAIN_CUDA=ON`` where nvcc exists, and without it
+``IMPORT_ERROR`` says why ``implementation="cuda"`` is unavailable.
+
+Determinism: by default the backward accumulates dQ with float32 atomics (the
+FA-2 scheme; the last bits of dQ may differ between runs when several KV tiles
+contribute to a row). ``deterministic=True`` (``AttentionConfig.deterministic``
+when the config has that field, else :func:`set_deterministic` or the
+environment variable ``JAX_FATRAIN_CUDA_DETERMINISTIC=1``) computes dQ in a
+separate Q-tile-outer kernel instead: bitwise reproducible, somewhat slower.
+The bias gradient is always deterministic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_fatrain import _ffi
+from jax_fatrain._config import AttentionConfig
+
+_BUILD_HINT = ("build with -C cmake.define.JAX_FATRAIN_CUDA=ON on a machine with "
+               "nvcc; it runs on NVIDIA GPUs sm_80 and newer")
+if importlib.util.find_spec("jax_fatrain._cuda_ffi") is None:
+  _cuda_ffi = None
+  IMPORT_ERROR = f"the CUDA extension is not part of this build ({_BUILD_HINT})"
+else:
+  try:
+    from jax_fatrain import _cuda_ffi
+  except ImportError as e:
+    _cuda_ffi = None
+    IMPORT_ERROR = f"the CUDA extension failed to import: {e}"
+  else:
+    IMPORT_ERROR = None
+
+MAX_HEAD_DIM = 256
+
+_FORWARD = "jax_fatrain_cuda_forward"
+_BACKWARD = "jax_fatrain_cuda_backward"
+_BIAS_GRAD = "jax_fatrain_cuda_bias_grad"
+
+_registered: set = set()
+_deterministic_default = os.environ.get("JAX_FATRAIN_CUDA_DETERMINISTIC", "0") == "1"
+
+
+def set_deterministic(value: bool) -> None:
+  """Default for the backward's dQ mode of calls traced from now on."""
+  global _deterministic_default
+  _deterministic_default = bool(value)
+
+
+def gpu_present() -> bool:
+  """Whether the extension is built and JAX sees a CUDA GPU."""
+  if _cuda_ffi is None:
+    return False
+  try:
+    return len(jax.devices("cuda")) > 0
+  except RuntimeError:
+    return False
+
+
+def _register_targets() -> None:
+  if _cuda_ffi is None:
+    raise RuntimeError(f"jax_fatrain's CUDA backend is unavailable: {IMPORT_ERROR}")
+  _ffi.register_targets(_cuda_ffi, "CUDA", _registered)
+
+
+def _deterministic(config: AttentionConfig) -> bool:
+  value = getattr(config, "deterministic", None)
+  return _deterministic_default if value is None else bool(value)
+
+
+def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths):
+  return _ffi.attributes(config, bias, mask, q_lengths, kv_lengths,
+                         deterministic=_deterministic(config))
+
+
+def _align256(n: int) -> int:
+  return (n + 255) // 256 * 256
+
+
+def _workspace(q, config: AttentionConfig, stage: str):
+  """Scratch bytes (must match *_scratch_bytes in cpp/cuda/attention_cuda.cu)."""
+  b, t, n, d = (q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis],
+                q.shape[3])
+  rows = b * n * t
+  size = _align256(rows * 4)
+  if stage == "backward" and not _deterministic(config):
+    size += _align256(rows * d * 4)
+  return _ffi.result((size,), jnp.uint8, q)
+
+
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+  _register_targets()
+  call = jax.ffi.ffi_call(
+      _FORWARD,
+      (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config)),
+  )
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
+              **_attributes(config, bias, mask, q_lengths, kv_lengths))
+
+
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+  _register_targets()
+  call = jax.ffi.ffi_call(
+      _BACKWARD,
+      (_ffi.result(q.shape, q.dtype, q), _ffi.result(k.shape, k.dtype, k),
+       _ffi.result(v.shape, v.dtype, v),
+       _workspace(q, config, "backward")),
+  )
+  dq, dk, dv, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths), o, lse,
+                       d_o, **_attributes(config, bias, mask, q_lengths, kv_lengths))
+  return dq, dk, dv
+
+
+def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+  _register_targets()
+  call = jax.ffi.ffi_call(_BIAS_GRAD, (_ffi.result(bias.shape, jnp.float32, bias),
+                                       _workspace(q, config, "bias_grad")))
+  dbias, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths), o, lse, d_o,
+                  **_attributes(config, bias, mask, q_lengths, kv_lengths))
+  return dbias

@@ -1,0 +1,130 @@
+"""Side-by-side throughput on one NVIDIA GPU: jax_fatrain ``cuda`` against
+``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``.
+
+    python -m jax_fatrain.benchmark_cuda [--quick] [--no-xla] [--json FILE]
+
+Configurations follow ../shared/anchors/bench_jax_attention.py: bf16, 16k tokens
+per batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal
+off/on, plus the GQA 16:2 D=256 rows (T 2k / 8k), plus a boolean-mask row and an
+additive-bias row (full [B, N, T, S] tensors, which cuDNN must read too).
+
+FLOP convention (FlashAttention papers): forward 4·B·N·T·S·D, halved when
+causal; backward 2.5x forward, so forward+backward counts 3.5x forward.
+Times are medians of jitted calls (jax.block_until_ready).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def _time(fn, *args, n=10, warm=2):
+  for _ in range(warm):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def _attention(impl):
+  if impl == "cuda":
+    import jax_fatrain
+    return lambda q, k, v, **kw: jax_fatrain.dot_product_attention(
+        q, k, v, implementation="cuda", **kw)
+  return lambda q, k, v, **kw: jax.nn.dot_product_attention(
+      q, k, v, implementation=impl, **kw)
+
+
+def configs(quick: bool):
+  rows = []
+  for d in (64, 128, 256):
+    for t in (1024, 4096, 8192):
+      for causal in (False, True):
+        rows.append(dict(B=16384 // t, N=2048 // d, K=2048 // d, T=t, D=d, causal=causal))
+  for t in (2048, 8192):
+    for causal in (False, True):
+      rows.append(dict(B=16384 // t, N=16, K=2, T=t, D=256, causal=causal))
+  for extra in ("mask", "bias"):
+    rows.append(dict(B=4, N=16, K=16, T=4096, D=128, causal=False, extra=extra))
+  if quick:
+    keep = lambda r: (r.get("extra") or (r["D"] == 128 and r["T"] == 4096)
+                      or (r["K"] == 2 and r["T"] == 8192))
+    rows = [r for r in rows if keep(r)]
+  return rows
+
+
+def run_one(cfg, impl):
+  b, n, kh, t, d, causal = cfg["B"], cfg["N"], cfg["K"], cfg["T"], cfg["D"], cfg["causal"]
+  k0, k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(k0, (b, t, n, d), jnp.bfloat16)
+  k = jax.random.normal(k1, (b, t, kh, d), jnp.bfloat16)
+  v = jax.random.normal(k2, (b, t, kh, d), jnp.bfloat16)
+  kw = dict(is_causal=causal)
+  extra = cfg.get("extra")
+  if extra == "mask":
+    kw["mask"] = jax.random.bernoulli(k3, 0.9, (b, n, t, t))
+  elif extra == "bias":
+    kw["bias"] = jax.random.normal(k3, (b, n, t, t), jnp.bfloat16)
+  attn = _attention(impl)
+  fwd = jax.jit(lambda q, k, v: attn(q, k, v, **kw))
+  fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, **kw).astype(jnp.float32)),
+                        argnums=(0, 1, 2)))
+  flops = 4.0 * b * n * t * t * d * (0.5 if causal else 1.0)
+  try:
+    tf = _time(fwd, q, k, v)
+    tfb = _time(fb, q, k, v)
+  except Exception as e:  # noqa: BLE001 - report and go on
+    return dict(error=str(e).splitlines()[0][:120])
+  return dict(fwd_ms=tf * 1e3, fwdbwd_ms=tfb * 1e3, fwd_tflops=flops / tf / 1e12,
+              fwdbwd_tflops=3.5 * flops / tfb / 1e12)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="a few representative rows")
+  ap.add_argument("--no-xla", action="store_true", help="skip the slow XLA reference")
+  ap.add_argument("--json", help="also write the raw rows here")
+  args = ap.parse_args(argv)
+  print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  impls = ("cuda", "cudnn") + (() if args.no_xla else ("xla",))
+  results = []
+  header = ("| B | N:K | T | D | causal | extra | cuda fwd | cudnn fwd | xla fwd | "
+            "cuda f+b | cudnn f+b | xla f+b | fwd ratio | f+b ratio |")
+  print(header)
+  print("|" + "---|" * 14)
+  fmt = lambda r, key: (f"{r[key]:.0f}" if r and key in r else
+                        ("err" if r and "error" in r else "-"))
+  for cfg in configs(args.quick):
+    row = {impl: run_one(cfg, impl) for impl in impls}
+    results.append(dict(cfg, **row))
+    ours, cudnn = row["cuda"], row["cudnn"]
+    ratio = lambda key: (f"{ours[key] / cudnn[key]:.2f}"
+                         if key in ours and key in cudnn else "-")
+    xla = row.get("xla")
+    print(f"| {cfg['B']} | {cfg['N']}:{cfg['K']} | {cfg['T']} | {cfg['D']} | "
+          f"{'yes' if cfg['causal'] else 'no'} | {cfg.get('extra', '')} | "
+          f"{fmt(ours, 'fwd_tflops')} | {fmt(cudnn, 'fwd_tflops')} | {fmt(xla, 'fwd_tflops')} | "
+          f"{fmt(ours, 'fwdbwd_tflops')} | {fmt(cudnn, 'fwdbwd_tflops')} | "
+          f"{fmt(xla, 'fwdbwd_tflops')} | {ratio('fwd_tflops')} | {ratio('fwdbwd_tflops')} |",
+          flush=True)
+    for impl, r in row.items():
+      if "error" in r:
+        print(f"<!-- {impl}: {r['error']} -->", flush=True)
+  print("\nTFLOP/s (FlashAttention convention: fwd 4·B·N·T·S·D, /2 causal; f+b 3.5x fwd); "
+        "ratio = cuda / cudnn.")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

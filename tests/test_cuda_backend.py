@@ -1,0 +1,100 @@
+"""CUDA-only checks: the deterministic backward, the tensor-core path on
+multi-tile problems (head dims 64/128/256, GQA, causal, window, BNTH), and the
+float32 SIMT path. Skipped where the CUDA extension or a GPU is missing."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fatrain
+from attention_cases import (IMPLEMENTATIONS, TOLERANCE, Case, make_inputs, reference,
+                             relative_error)
+from jax_fatrain import _cuda
+
+pytestmark = pytest.mark.skipif("cuda" not in IMPLEMENTATIONS,
+                                reason="needs the CUDA extension and a GPU")
+
+B, N, T, S = "B", "N", "T", "S"
+
+
+def _grads(case, x, deterministic):
+  _cuda.set_deterministic(deterministic)
+  try:
+    argnums = (0, 1, 2, 3) if x.bias is not None else (0, 1, 2)
+
+    def loss(q, k, v, bias):
+      out = jax_fatrain.dot_product_attention(q, k, v, implementation="cuda",
+                                              **{**x.kwargs(case), "bias": bias})
+      return jnp.sum(out.astype(jnp.float32) * x.cotangent.astype(jnp.float32))
+    fn = jax.jit(jax.grad(loss, argnums=argnums))
+    return [fn(x.q, x.k, x.v, x.bias) for _ in range(3)]
+  finally:
+    _cuda.set_deterministic(False)
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+  case = Case(batch=2, q_len=300, kv_len=280, q_heads=8, kv_heads=2, is_causal=True,
+              dtype=jnp.bfloat16, head_dim=128, bias_shape=(1, N, T, S))
+  x = make_inputs(case, seed=11)
+  runs = _grads(case, x, deterministic=True)
+  for again in runs[1:]:
+    for a, b in zip(runs[0], again):
+      assert np.array_equal(np.asarray(a), np.asarray(b))
+  atomic = _grads(case, x, deterministic=False)[0]
+  for a, b in zip(runs[0], atomic):
+    assert relative_error(a, b) < 1e-2
+
+
+LARGE = [
+    Case(batch=2, q_len=700, kv_len=650, q_heads=4, kv_heads=2, head_dim=64,
+         dtype=jnp.bfloat16, is_causal=True),
+    Case(batch=1, q_len=520, kv_len=520, q_heads=4, kv_heads=1, head_dim=128,
+         dtype=jnp.bfloat16),
+    Case(batch=1, q_len=333, kv_len=400, q_heads=2, kv_heads=2, head_dim=256,
+         dtype=jnp.float16, window=(70, 20), kv_lengths=True, q_lengths=True),
+    Case(batch=2, q_len=260, kv_len=300, q_heads=8, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, mask_shape=(B, 1, T, S), bias_shape=(1, N, T, S)),
+    Case(batch=1, q_len=300, kv_len=300, q_heads=16, kv_heads=2, head_dim=256,
+         dtype=jnp.bfloat16, is_causal=True),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", LARGE, ids=lambda c: c.id)
+def test_multi_tile_against_reference(case, deterministic):
+  x = make_inputs(case, seed=7)
+  out, lse = jax.jit(lambda q, k, v: jax_fatrain.dot_product_attention(
+      q, k, v, implementation="cuda", return_residual=True, **x.kwargs(case)))(
+          x.q, x.k, x.v)
+  ref_out, ref_lse = reference(case, x)
+  tol = TOLERANCE[case.dtype]
+  live = x.live_rows
+  assert relative_error(out, ref_out, live) < tol
+  assert relative_error(lse, ref_lse, live) < 1e-3
+  assert np.all(np.asarray(out, np.float32)[~live] == 0)
+  grads = _grads(case, x, deterministic)[0]
+  up = lambda a: None if a is None else a.astype(jnp.float32)
+  argnums = (0, 1, 2, 3) if x.bias is not None else (0, 1, 2)
+
+  def ref_loss(q, k, v, bias):
+    o = jax.nn.dot_product_attention(up(q), up(k), up(v), implementation="xla",
+                                     **{**x.kwargs(case), "bias": up(bias)})
+    return jnp.sum(o * x.cotangent.astype(jnp.float32))
+  ref_grads = jax.jit(jax.grad(ref_loss, argnums=argnums))(x.q, x.k, x.v, x.bias)
+  for name, g, rg in zip("qkvb", grads, ref_grads):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+    assert relative_error(g, rg) < tol * 2, (name, relative_error(g, rg))
+
+
+def test_bnth_layout_tensor_core_path():
+  case = Case(batch=2, q_len=200, kv_len=330, q_heads=4, kv_heads=2, head_dim=128,
+              dtype=jnp.bfloat16)
+  x = make_inputs(case, seed=5)
+  t = lambda a: jnp.swapaxes(a, 1, 2)
+  o, lse = jax_fatrain.flash_attn_train_fwd(t(x.q), t(x.k), t(x.v), scale=0.1,
+                                            causal=True, implementation="cuda")
+  ref = jax.nn.dot_product_attention(x.q.astype(jnp.float32), x.k.astype(jnp.float32),
+                                     x.v.astype(jnp.float32), scale=0.1, is_causal=True)
+  assert relative_error(t(o), ref) < TOLERANCE[jnp.bfloat16]

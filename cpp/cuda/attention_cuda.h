@@ -2,9 +2,9 @@
 //
 // Nothing in cpp/cuda/ knows about XLA, JAX or Python: the FFI layer
 // (cpp/ffi/cuda_ffi.cc) translates XLA buffers into the plain structs below.
-// The structs mirror cpu/attention_cpu.h; every pointer here is a device
-// pointer (lengths included) and every entry point only enqueues work on the
-// given stream.
+// The structs are those of attention_problem.h (shared with the CPU kernels);
+// every pointer in them is a device pointer (lengths included) and every entry
+// point only enqueues work on the given stream.
 //
 // Conventions (DESIGN.md §4): S = scale * Q Kᵀ in float32, bias added after
 // scaling, boolean mask / causal (top-left) / window / lengths remove scores,
@@ -30,63 +30,20 @@
 
 #include <cuda_runtime_api.h>
 
+#include "attention_problem.h"
+
 namespace fatrain::cuda {
 
-enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kBool = 3, kI32 = 4 };
-
-// [batch, seq, head, head_dim]; head_dim contiguous, other strides in elements.
-struct SeqTensor {
-  void* data = nullptr;
-  DType dtype = DType::kF32;
-  int64_t batch_stride = 0;
-  int64_t seq_stride = 0;
-  int64_t head_stride = 0;
-};
-
-// [B, N, T, S]-broadcastable tensor; stride 0 on broadcast dims.
-struct ScoreTensor {
-  const void* data = nullptr;  // nullptr: absent
-  DType dtype = DType::kF32;   // bias: f32/bf16/f16; mask: kBool
-  int64_t dims[4] = {1, 1, 1, 1};
-  int64_t strides[4] = {0, 0, 0, 0};
-};
-
-struct AttentionProblem {
-  int64_t batch = 0;
-  int64_t q_heads = 0;
-  int64_t kv_heads = 0;
-  int64_t q_len = 0;
-  int64_t kv_len = 0;
-  int64_t head_dim = 0;
-  float scale = 1.0f;
-  bool causal = false;
-  int64_t window_left = -1;
-  int64_t window_right = -1;
-  const int32_t* q_lengths = nullptr;   // device [B] or nullptr
-  const int32_t* kv_lengths = nullptr;  // device [B] or nullptr
-  ScoreTensor bias;
-  ScoreTensor mask;
-};
-
-constexpr int64_t kMaxHeadDim = 256;
-
-struct ForwardOperands {
-  SeqTensor q, k, v;
-  SeqTensor o;
-  float* lse = nullptr;  // [B, Nq, T]
-};
-
-struct BackwardOperands {
-  SeqTensor q, k, v, o, d_o;
-  const float* lse = nullptr;
-  SeqTensor dq, dk, dv;
-};
-
-struct BiasGradOperands {
-  SeqTensor q, k, v, o, d_o;
-  const float* lse = nullptr;
-  float* dbias = nullptr;  // float32, contiguous, shape problem.bias.dims
-};
+// The problem and operand structs are shared with the CPU backend; here every
+// pointer in them is a device pointer.
+using fatrain::AttentionProblem;
+using fatrain::BackwardOperands;
+using fatrain::BiasGradOperands;
+using fatrain::DType;
+using fatrain::ForwardOperands;
+using fatrain::kMaxHeadDim;
+using fatrain::ScoreTensor;
+using fatrain::SeqTensor;
 
 // nullptr when well formed, else a message naming the field.
 const char* validate_problem(const AttentionProblem& problem);

@@ -9,7 +9,7 @@ src="$here/.."
 out="${FATRAIN_TEST_BUILD_DIR:-${TMPDIR:-/tmp}/fatrain_cpu_test_build}"
 mkdir -p "$out"
 CXX="${CXX:-g++}"
-common=(-std=c++17 -O3 -ffp-contract=fast -fPIC -Wall -Wextra -Wno-unused-parameter)
+common=(-std=c++17 -O3 -ffp-contract=fast -fPIC -Wall -Wextra -Wno-unused-parameter -I"$src/..")
 isa_avx2=(-mavx2 -mfma -mf16c)
 isa_avx512=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16 -mprefer-vector-width=512)
 

@@ -7,6 +7,8 @@ Run ``python -m jax_fatrain.benchmark`` (``--quick`` for a < 1 minute subset,
 * ``xla``: ``jax.nn.dot_product_attention(..., implementation="xla")``,
 * ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's CPU flash
   attention), when ``import torch`` works,
+* ``mlx``: MLX's ``mx.fast.scaled_dot_product_attention`` on the Apple GPU, when
+  ``import mlx.core`` works (a Mac; its backward is MLX's VJP of that op),
 
 for the forward pass and for forward + backward (a jit-compiled ``jax.value_and_grad``
 of ``sum(out * cotangent)`` with respect to q, k and v; in PyTorch
@@ -48,7 +50,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-IMPLS = ("ours", "xla", "torch")
+IMPLS = ("ours", "xla", "torch", "mlx")
 # What "ours" means: jax_fatrain.dot_product_attention(..., implementation=this).
 # Set from --ours-implementation (and passed on to the memory subprocesses).
 OURS_IMPLEMENTATION = "cpu"
@@ -168,9 +170,42 @@ def _make_torch(case: Case, seed: int = 0):
   return call, args, to_numpy, lambda: None
 
 
+def _make_mlx(case: Case, seed: int = 0):
+  import mlx.core as mx  # pylint: disable=import-outside-toplevel
+  dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[case.dtype]
+  # BTNH numpy -> BNTH mlx.
+  q, k, v, ct = (mx.array(x.transpose(0, 2, 1, 3)).astype(dtype)
+                 for x in _numpy_inputs(case, seed))
+  mask = "causal" if case.causal else None
+  scale = 1.0 / float(np.sqrt(case.D))
+
+  def attn(q, k, v):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+  if case.mode == "fwd":
+    fn = mx.compile(attn)
+    args = (q, k, v)
+    to_numpy = lambda out: np.array(out.astype(mx.float32)).transpose(0, 2, 1, 3)
+  else:
+    def loss(q, k, v, ct):
+      return mx.sum(attn(q, k, v).astype(mx.float32) * ct.astype(mx.float32))
+    fn = mx.compile(mx.value_and_grad(loss, argnums=(0, 1, 2)))
+    args = (q, k, v, ct)
+    to_numpy = None
+
+  def call(*a):
+    out = fn(*a)
+    mx.eval(out)
+    return out
+
+  return call, args, to_numpy, lambda: None
+
+
 def make_runner(impl: str, case: Case, seed: int = 0):
   if impl == "torch":
     return _make_torch(case, seed)
+  if impl == "mlx":
+    return _make_mlx(case, seed)
   return _make_jax(impl, case, seed)
 
 
@@ -199,6 +234,11 @@ def available_impls() -> dict[str, str | None]:
     status["torch"] = None
   except Exception as e:  # pylint: disable=broad-except
     status["torch"] = f"import torch failed: {type(e).__name__}: {e}"
+  try:
+    import mlx.core  # pylint: disable=import-outside-toplevel,unused-import
+    status["mlx"] = None
+  except Exception as e:  # pylint: disable=broad-except
+    status["mlx"] = f"import mlx.core failed: {type(e).__name__}: {e}"
   return status
 
 
@@ -428,6 +468,9 @@ def describe_environment(impls: Sequence[str], status: dict[str, str | None]) ->
   if status.get("torch") is None:
     import torch  # pylint: disable=import-outside-toplevel
     lines.append(f"torch {torch.__version__}, torch.set_num_threads({os.cpu_count()})")
+  if status.get("mlx") is None:
+    import mlx.core as mx  # pylint: disable=import-outside-toplevel
+    lines.append(f"mlx {mx.__version__} (device {mx.default_device()})")
   try:
     load = os.getloadavg()[0]
     if load > 0.5 * (os.cpu_count() or 1):
@@ -481,7 +524,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--causal", choices=("on", "off", "both"), default="both")
   p.add_argument("--impls", type=_impl_list, default=list(IMPLS),
                  help="comma-separated subset of ours,xla,torch (default all available)")
-  p.add_argument("--ours-implementation", choices=("cpu", "xla"), default="cpu",
+  p.add_argument("--ours-implementation", choices=("cpu", "xla", "metal"), default="cpu",
                  help="implementation= given to jax_fatrain.dot_product_attention for "
                  "the 'ours' column (default cpu)")
   p.add_argument("--batch", type=int, default=1)

@@ -1,0 +1,312 @@
+// The macOS Metal host: executes a dispatch plan with metal-cpp. See executor.h.
+//
+// Plain C++17 over metal-cpp (no Objective-C++), so that the whole file
+// type-checks on Linux against the real metal-cpp headers
+// (tests/metal_typecheck/run.sh).
+
+#define NS_PRIVATE_IMPLEMENTATION
+#define MTL_PRIVATE_IMPLEMENTATION
+#include <Foundation/Foundation.hpp>
+#include <Metal/Metal.hpp>
+
+#include "metal/executor.h"
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace fatrain::metal {
+
+namespace mp = fatrain::metal_plan;
+
+namespace {
+
+std::string describe(const NS::Error* error) {
+  if (error == nullptr) return "no error description";
+  const NS::String* text = error->localizedDescription();
+  return text != nullptr ? text->utf8String() : "no error description";
+}
+
+NS::String* ns_string(const std::string& s) {
+  return NS::String::string(s.c_str(), NS::UTF8StringEncoding);
+}
+
+// Objects that metal-cpp returns autoreleased (strings, command buffers,
+// encoders) are freed when this scope ends; XLA's threads have no pool of
+// their own.
+struct AutoreleaseScope {
+  NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
+  ~AutoreleaseScope() { pool->release(); }
+};
+
+// Reusable shared-storage buffers for operands that cannot be bound in place.
+class StagingPool {
+ public:
+  MTL::Buffer* acquire(MTL::Device* device, NS::UInteger bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes + 65536) {
+        MTL::Buffer* b = it->second;
+        free_.erase(it);
+        return b;
+      }
+    }
+    return device->newBuffer(bytes, MTL::ResourceStorageModeShared);
+  }
+  void release(MTL::Buffer* b) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.emplace(b->length(), b);
+    while (free_.size() > kMaxFree) {  // drop the smallest
+      free_.begin()->second->release();
+      free_.erase(free_.begin());
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 32;
+  std::mutex mutex_;
+  std::multimap<NS::UInteger, MTL::Buffer*> free_;
+};
+
+struct State {
+  std::mutex mutex;  // guards initialization and the pipeline cache
+  bool initialized = false;
+  std::string init_error;
+  MTL::Device* device = nullptr;
+  MTL::CommandQueue* queue = nullptr;
+  MTL::Library* library = nullptr;
+  std::unordered_map<std::string, MTL::ComputePipelineState*> pipelines;
+  StagingPool staging;
+};
+
+State& state() {
+  static State* s = new State();  // lives as long as the process
+  return *s;
+}
+
+MTL::Device* system_device(State& s) {
+  if (s.device == nullptr) s.device = MTL::CreateSystemDefaultDevice();
+  return s.device;
+}
+
+// The pipeline for a kernel with its bool function constants, built once.
+MTL::ComputePipelineState* pipeline(State& s, const mp::Dispatch& d, std::string* err) {
+  std::string key = d.kernel;
+  for (auto [index, value] : d.constants) key += "|" + std::to_string(index) + (value ? "=1" : "=0");
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (auto it = s.pipelines.find(key); it != s.pipelines.end()) return it->second;
+  MTL::FunctionConstantValues* values = MTL::FunctionConstantValues::alloc()->init();
+  for (auto [index, value] : d.constants) {
+    const bool v = value;
+    values->setConstantValue(&v, MTL::DataTypeBool, NS::UInteger(index));
+  }
+  NS::Error* error = nullptr;
+  MTL::Function* function = s.library->newFunction(ns_string(d.kernel), values, &error);
+  values->release();
+  if (function == nullptr) {
+    *err = "kernel " + d.kernel + " not found or not specialisable: " + describe(error);
+    return nullptr;
+  }
+  MTL::ComputePipelineState* pso = s.device->newComputePipelineState(function, &error);
+  function->release();
+  if (pso == nullptr) {
+    *err = "pipeline for " + d.kernel + " failed: " + describe(error);
+    return nullptr;
+  }
+  s.pipelines.emplace(key, pso);
+  return pso;
+}
+
+// Buffers bound for one execution; returned to the pool or released at the end.
+struct Staged {
+  MTL::Buffer* buffer;
+  void* host;
+  size_t bytes;
+  bool output;
+};
+struct CallBuffers {
+  State& s;
+  std::vector<MTL::Buffer*> wrapped;  // no-copy views of host memory
+  std::vector<MTL::Buffer*> pooled;   // staging and scratch
+  std::vector<Staged> staged;
+  explicit CallBuffers(State& st) : s(st) {}
+  ~CallBuffers() {
+    for (MTL::Buffer* b : wrapped) b->release();
+    for (MTL::Buffer* b : pooled) s.staging.release(b);
+  }
+};
+
+bool page_aligned(const void* p, size_t bytes) {
+  static const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  return reinterpret_cast<uintptr_t>(p) % page == 0 && bytes % page == 0 && bytes > 0;
+}
+
+MTL::Buffer* bind_host(State& s, void* host, size_t bytes, bool output, bool poison,
+                       CallBuffers* call) {
+  if (poison && output) std::memset(host, 0xFF, bytes);
+  if (page_aligned(host, bytes)) {
+    MTL::Buffer* b = s.device->newBuffer(host, bytes, MTL::ResourceStorageModeShared, nullptr);
+    if (b != nullptr) {
+      call->wrapped.push_back(b);
+      return b;
+    }
+  }
+  MTL::Buffer* b = s.staging.acquire(s.device, bytes);
+  if (b == nullptr) return nullptr;
+  call->pooled.push_back(b);
+  call->staged.push_back({b, host, bytes, output});
+  if (!output) {
+    std::memcpy(b->contents(), host, bytes);
+  } else if (poison) {
+    std::memset(b->contents(), 0xFF, bytes);
+  }
+  return b;
+}
+
+}  // namespace
+
+std::string device_name() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  AutoreleaseScope arp;
+  MTL::Device* device = system_device(s);
+  return device != nullptr ? device->name()->utf8String() : "";
+}
+
+std::string unsupported_reason() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  AutoreleaseScope arp;
+  MTL::Device* device = system_device(s);
+  if (device == nullptr) return "no Metal device (MTLCreateSystemDefaultDevice returned nil)";
+  // simdgroup_matrix and bfloat need an Apple7 (M1) or newer GPU with Metal 3;
+  // virtual machines' paravirtual devices are below that.
+  if (!device->supportsFamily(MTL::GPUFamilyApple7) || !device->supportsFamily(MTL::GPUFamilyMetal3)) {
+    return std::string("the Metal device '") + device->name()->utf8String() +
+           "' is not an Apple7+ (M1 or newer) GPU with Metal 3";
+  }
+  return "";
+}
+
+std::string initialize(const std::string& source, const std::string& metallib_path) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.initialized) return s.init_error;
+  s.initialized = true;
+  AutoreleaseScope arp;
+  if (system_device(s) == nullptr) {
+    return s.init_error = "no Metal device (MTLCreateSystemDefaultDevice returned nil)";
+  }
+  s.queue = s.device->newCommandQueue();
+  if (s.queue == nullptr) return s.init_error = "could not create a Metal command queue";
+  NS::Error* error = nullptr;
+  if (!metallib_path.empty()) {
+    s.library = s.device->newLibrary(ns_string(metallib_path), &error);
+  }
+  if (s.library == nullptr) {
+    MTL::CompileOptions* options = MTL::CompileOptions::alloc()->init();
+    options->setLanguageVersion(MTL::LanguageVersion3_1);
+    // The kernels rely on IEEE infinities (fully masked rows: L = -inf).
+    options->setFastMathEnabled(false);
+    error = nullptr;
+    s.library = s.device->newLibrary(ns_string(source), options, &error);
+    options->release();
+  }
+  if (s.library == nullptr) {
+    return s.init_error = "compiling the Metal kernels failed: " + describe(error);
+  }
+  return s.init_error = "";
+}
+
+std::string execute(const mp::Problem& problem, const mp::Plan& plan,
+                    const mp::RoleBuffers& memory, bool poison_outputs) {
+  State& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.initialized) return "the Metal executor is not initialized";
+    if (!s.init_error.empty()) return s.init_error;
+  }
+  AutoreleaseScope arp;
+
+  // Pipelines first: nothing is encoded when one of them fails.
+  std::vector<MTL::ComputePipelineState*> pipelines;
+  for (const mp::Dispatch& d : plan.dispatches) {
+    std::string err;
+    MTL::ComputePipelineState* pso = pipeline(s, d, &err);
+    if (pso == nullptr) return err;
+    const uint64_t threads = uint64_t(d.threadgroup[0]) * d.threadgroup[1] * d.threadgroup[2];
+    if (threads > pso->maxTotalThreadsPerThreadgroup()) {
+      return "kernel " + d.kernel + " allows " + std::to_string(pso->maxTotalThreadsPerThreadgroup()) +
+             " threads per threadgroup on this device, the plan asks for " + std::to_string(threads);
+    }
+    pipelines.push_back(pso);
+  }
+
+  // A Metal buffer per role: the plan's scratch, then the caller's operands.
+  CallBuffers call(s);
+  MTL::Buffer* role_buffer[mp::RoleBuffers::kRoles] = {};
+  for (const mp::Scratch& sc : plan.scratch) {
+    MTL::Buffer* b = s.staging.acquire(s.device, sc.bytes);
+    if (b == nullptr) return "could not allocate " + std::to_string(sc.bytes) + " bytes of scratch";
+    call.pooled.push_back(b);
+    role_buffer[int(sc.role)] = b;
+  }
+  for (const mp::Dispatch& d : plan.dispatches) {
+    for (const mp::Binding& b : d.bindings) {
+      const int r = int(b.role);
+      if (b.is_bytes || role_buffer[r] != nullptr) continue;
+      if (memory.data[r] == nullptr) {
+        return "kernel " + d.kernel + ": no memory for " + mp::role_name(b.role) + " (buffer(" +
+               std::to_string(b.index) + "))";
+      }
+      const uint64_t need = mp::required_bytes(problem, b.role);
+      if (memory.size[r] < need) {
+        return std::string("metal: ") + mp::role_name(b.role) +
+               " buffer too small: expected at least " + std::to_string(need) + " bytes, got " +
+               std::to_string(memory.size[r]);
+      }
+      role_buffer[r] = bind_host(s, memory.data[r], memory.size[r], memory.output[r],
+                                 poison_outputs, &call);
+      if (role_buffer[r] == nullptr) {
+        return "could not allocate a " + std::to_string(memory.size[r]) + "-byte staging buffer";
+      }
+    }
+  }
+
+  // One command buffer; a barrier between dispatches (each depends on the previous).
+  MTL::CommandBuffer* cb = s.queue->commandBuffer();
+  MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder(MTL::DispatchTypeConcurrent);
+  for (size_t i = 0; i < plan.dispatches.size(); ++i) {
+    const mp::Dispatch& d = plan.dispatches[i];
+    if (i > 0) enc->memoryBarrier(MTL::BarrierScopeBuffers);
+    enc->setComputePipelineState(pipelines[i]);
+    for (const mp::Binding& b : d.bindings) {
+      if (b.is_bytes) {
+        enc->setBytes(b.bytes.data(), b.bytes.size(), NS::UInteger(b.index));
+      } else {
+        enc->setBuffer(role_buffer[int(b.role)], 0, NS::UInteger(b.index));
+      }
+    }
+    if (d.threadgroup_memory_length > 0) enc->setThreadgroupMemoryLength(d.threadgroup_memory_length, 0);
+    enc->dispatchThreadgroups(MTL::Size(d.grid[0], d.grid[1], d.grid[2]),
+                              MTL::Size(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]));
+  }
+  enc->endEncoding();
+  cb->commit();
+  cb->waitUntilCompleted();
+  if (cb->status() != MTL::CommandBufferStatusCompleted) {
+    return "the Metal command buffer failed: " + describe(cb->error());
+  }
+  for (const Staged& st : call.staged) {
+    if (st.output) std::memcpy(st.host, st.buffer->contents(), st.bytes);
+  }
+  return "";
+}
+
+}  // namespace fatrain::metal

@@ -1,0 +1,3 @@
+// Type-check stub (Linux).
+#pragma once
+typedef struct __IOSurface* IOSurfaceRef;

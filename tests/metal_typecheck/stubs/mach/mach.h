@@ -1,0 +1,4 @@
+// Type-check stub (Linux).
+#pragma once
+typedef int kern_return_t;
+typedef unsigned int task_id_token_t;

@@ -1,0 +1,22 @@
+// Type-check stub (Linux): just the Objective-C runtime declarations
+// metal-cpp uses. Not Apple's header; never linked.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+typedef struct objc_class* Class;
+typedef struct objc_object { Class isa; }* id;
+typedef struct objc_selector* SEL;
+typedef signed char BOOL;
+typedef struct objc_object Protocol;
+#define YES ((BOOL)1)
+#define NO ((BOOL)0)
+#define nil nullptr
+#ifdef __cplusplus
+extern "C" {
+#endif
+SEL sel_registerName(const char* name);
+id objc_lookUpClass(const char* name);
+Protocol* objc_getProtocol(const char* name);
+#ifdef __cplusplus
+}
+#endif

@@ -6,7 +6,6 @@ import functools
 import math
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 
 

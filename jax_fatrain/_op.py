@@ -4,8 +4,9 @@ An implementation is three plain functions (forward, backward, bias_grad) with
 the signatures described in ``_config.py``. This module
 
 * keeps the registry of implementations and says why one is unavailable,
-* gives every FFI-backed implementation a batching rule that folds ``vmap``-ed
-  axes into the batch dimension (one kernel launch, not a loop), and
+* wraps each stage in the sharding rules of ``_sharding.py`` and in a batching
+  rule that folds ``vmap``-ed axes into the batch dimension (one kernel launch,
+  not a loop; FFI calls have no batching rule of their own), and
 * ties forward and backward together with ``jax.custom_vjp``: the forward
   saves (q, k, v, bias, mask, lengths, o, lse); the backward calls the backward
   kernel, and the bias gradient is a separate call that XLA removes when
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_fatrain import _cpu, _xla
+from jax_fatrain import _cpu, _cuda, _metal, _metal_emulated, _sharding, _xla
 from jax_fatrain._config import AttentionConfig
 
 
@@ -36,17 +37,17 @@ class Implementation:
   max_head_dim: int | None
   # JAX platforms the implementation runs on (None: any).
   platforms: tuple[str, ...] | None
-  # Whether `vmap` needs the folding rule below (FFI calls have no batching
-  # rule of their own; pure-JAX code batches itself).
-  needs_batching_rule: bool
 
 
 def _unavailable_reasons() -> dict[str, str]:
-  reasons = {
-      "metal": ("the Metal backend is not part of this build yet (it needs macOS "
-                "with an Apple GPU, and its host executor is still being written)"),
-      "cuda": "the CUDA backend is not part of this build yet",
-  }
+  reasons = {}
+  if _metal.IMPORT_ERROR is not None:
+    reasons["metal"] = _metal.IMPORT_ERROR
+  if _cuda.IMPORT_ERROR is not None:
+    reasons["cuda"] = _cuda.IMPORT_ERROR
+  if _metal_emulated.IMPORT_ERROR is not None:
+    reasons["metal_emulated"] = ("the MSL emulator extension is not built "
+                                 f"({_metal_emulated.IMPORT_ERROR})")
   if _cpu.IMPORT_ERROR is not None:
     reasons["cpu"] = f"the CPU extension failed to import: {_cpu.IMPORT_ERROR}"
   return reasons
@@ -54,13 +55,30 @@ def _unavailable_reasons() -> dict[str, str]:
 
 _IMPLEMENTATIONS: dict[str, Implementation] = {
     "xla": Implementation("xla", _xla.forward, _xla.backward, _xla.bias_grad,
-                          max_head_dim=None, platforms=None,
-                          needs_batching_rule=False),
+                          max_head_dim=None, platforms=None),
 }
 if _cpu.IMPORT_ERROR is None:
   _IMPLEMENTATIONS["cpu"] = Implementation(
       "cpu", _cpu.forward, _cpu.backward, _cpu.bias_grad,
-      max_head_dim=_cpu.MAX_HEAD_DIM, platforms=("cpu",), needs_batching_rule=True)
+      max_head_dim=_cpu.MAX_HEAD_DIM, platforms=("cpu",))
+if _metal.IMPORT_ERROR is None:
+  # Our Metal kernels on the Apple GPU, behind FFI handlers on the cpu platform.
+  _IMPLEMENTATIONS["metal"] = Implementation(
+      "metal", _metal.forward, _metal.backward, _metal.bias_grad,
+      max_head_dim=_metal.MAX_HEAD_DIM, platforms=("cpu",))
+if _metal_emulated.IMPORT_ERROR is None:
+  # The Metal kernels on the MSL emulator (a test tool; never chosen by default).
+  _IMPLEMENTATIONS["metal_emulated"] = Implementation(
+      "metal_emulated", _metal_emulated.forward, _metal_emulated.backward,
+      _metal_emulated.bias_grad, max_head_dim=_metal_emulated.MAX_HEAD_DIM,
+      platforms=("cpu",))
+
+
+if _cuda.IMPORT_ERROR is None:
+  # Our CUDA kernels behind FFI handlers on the CUDA platform.
+  _IMPLEMENTATIONS["cuda"] = Implementation(
+      "cuda", _cuda.forward, _cuda.backward, _cuda.bias_grad,
+      max_head_dim=_cuda.MAX_HEAD_DIM, platforms=("cuda",))
 
 
 def available_implementations() -> tuple[str, ...]:
@@ -72,7 +90,9 @@ def resolve_implementation(name: str | None) -> Implementation:
   """Maps ``implementation=`` to an Implementation, or raises ValueError."""
   if name is None:
     backend = jax.default_backend()
-    for candidate in ("cpu",):
+    # On a Mac with a Metal device, "metal" (its handlers live on XLA's cpu
+    # platform too); elsewhere the CPU kernels.
+    for candidate in ("metal", "cpu"):
       impl = _IMPLEMENTATIONS.get(candidate)
       if impl is not None and backend in impl.platforms:
         return impl
@@ -150,8 +170,15 @@ def _batched(fn: Callable, stage: str) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callable:
-  fn = functools.partial(getattr(impl, stage), config=config)
-  return _batched(fn, stage) if impl.needs_batching_rule else fn
+  # Sharding (_sharding.py): the stage is wrapped in custom_partitioning so
+  # that under a multi-device jit each device runs the kernel on its shard
+  # (batch/heads: no collectives; a sharded sequence: ring attention). On one
+  # device it lowers to the plain call. custom_partitioning has no vmap rule,
+  # so the folding rule above goes *outside* it, for every implementation:
+  # vmap folds its axis into the batch first and the folded call is then
+  # partitioned like any other.
+  fn = _sharding.partitioned(impl, stage, config)
+  return _batched(fn, stage)
 
 
 # ---------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import functools
 import importlib.resources
-import math
 import sys
 import time
 from typing import Any, Callable, Sequence

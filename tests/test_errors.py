@@ -41,8 +41,8 @@ def call(**changes):
     (dict(local_window_size=(1, 2, 3)), TypeError, r"local_window_size must be None, an int or a \(left, right\) pair"),
     (dict(local_window_size=-1), ValueError, r"local_window_size must be non-negative"),
     (dict(scale=float("nan")), ValueError, r"scale must be finite"),
-    (dict(implementation="tpu-magic"), ValueError, r"unknown implementation 'tpu-magic'.*Available here: cpu, xla"),
-    (dict(implementation="metal"), ValueError, r"implementation 'metal' is not available: .*Available here: cpu, xla"),
+    (dict(implementation="tpu-magic"), ValueError, r"unknown implementation 'tpu-magic'.*Available here: cpu, (metal_emulated, )?xla"),
+    (dict(implementation="metal"), ValueError, r"implementation 'metal' is not available: .*Available here: cpu, (metal_emulated, )?xla"),
     (dict(implementation="cuda"), ValueError, r"implementation 'cuda' is not available"),
 ])
 def test_bad_arguments_raise_at_trace_time(changes, error, message):

@@ -5,18 +5,14 @@
 // a crash). The Python layer checks the same rules first and gives friendlier
 // messages; these checks are the last line of defence.
 
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "cpu/attention_cpu.h"
 #include "ffi/attention_ffi.h"
+#include "ffi/pool_parallel_for.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,52 +42,11 @@ void Poison(ffi::AnyBuffer& buffer) {
   }
 }
 
-// ParallelFor on XLA's intra-op pool. The calling thread takes part and items
-// are claimed from a shared counter, so the call finishes even if the pool
-// never runs our tasks (e.g. when the caller itself is the pool's only
-// thread); helpers that start late find nothing left and return at once.
-struct PoolRun {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  int64_t count = 0;
-  void (*body)(void*, int64_t) = nullptr;
-  void* context = nullptr;
-  std::mutex mutex;
-  std::condition_variable all_done;
-
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1)) < count;) {
-      body(context, i);
-      if (finished.fetch_add(1) + 1 == count) {
-        std::lock_guard<std::mutex> lock(mutex);
-        all_done.notify_all();
-      }
-    }
-  }
-};
-
-void RunOnPool(void* self, int64_t count, void (*body)(void*, int64_t),
-               void* context) {
-  if (count <= 0) return;
-  auto* pool = static_cast<ffi::ThreadPool*>(self);
-  auto run = std::make_shared<PoolRun>();
-  run->count = count;
-  run->body = body;
-  run->context = context;
-  const int64_t helpers = std::min<int64_t>(pool->num_threads(), count) - 1;
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool->Schedule([run] { run->Work(); });
-  }
-  run->Work();
-  std::unique_lock<std::mutex> lock(run->mutex);
-  run->all_done.wait(lock, [&] { return run->finished.load() == count; });
-}
-
 fatrain::cpu::ParallelFor MakeParallelFor(ffi::ThreadPool& pool) {
   const int64_t threads = pool.num_threads();
   if (threads <= 1) return fatrain::cpu::serial_parallel_for();
   fatrain::cpu::ParallelFor parallel;
-  parallel.run = RunOnPool;
+  parallel.run = fatrain::ffi_glue::RunOnPool;
   parallel.self = &pool;
   parallel.num_threads = threads;
   return parallel;

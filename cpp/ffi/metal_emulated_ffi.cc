@@ -8,17 +8,15 @@
 // (cpp/ffi/metal_ffi_common.h).
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "metal_ffi_common.h"
+#include "pool_parallel_for.h"
 #include "metal_plan/plan.h"
 #include "msl_emulator/plan_executor.h"
 #include "msl_emulator/runtime.h"
@@ -39,45 +37,10 @@ namespace {
 using fatrain::metal_ffi::Attributes;
 constexpr const char* kWho = "jax_fatrain metal_emulated";
 
-// ParallelFor over XLA's intra-op pool (the caller takes part, so it finishes
-// even when the pool never runs our tasks).
-struct PoolRun {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  int64_t count = 0;
-  void (*body)(void*, int64_t) = nullptr;
-  void* context = nullptr;
-  std::mutex mutex;
-  std::condition_variable all_done;
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1)) < count;) {
-      body(context, i);
-      if (finished.fetch_add(1) + 1 == count) {
-        std::lock_guard<std::mutex> lock(mutex);
-        all_done.notify_all();
-      }
-    }
-  }
-};
-
-void RunOnPool(void* self, int64_t count, void (*body)(void*, int64_t), void* context) {
-  if (count <= 0) return;
-  auto* pool = static_cast<ffi::ThreadPool*>(self);
-  auto run = std::make_shared<PoolRun>();
-  run->count = count;
-  run->body = body;
-  run->context = context;
-  const int64_t helpers = std::min<int64_t>(pool->num_threads(), count) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool->Schedule([run] { run->Work(); });
-  run->Work();
-  std::unique_lock<std::mutex> lock(run->mutex);
-  run->all_done.wait(lock, [&] { return run->finished.load() == count; });
-}
-
 msl::rt::ParallelFor MakeParallel(ffi::ThreadPool& pool) {
   msl::rt::ParallelFor p;
   if (pool.num_threads() <= 1) return p;
-  p.run = RunOnPool;
+  p.run = fatrain::ffi_glue::RunOnPool;
   p.self = &pool;
   p.num_threads = pool.num_threads();
   return p;

@@ -17,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include "ffi/attention_ffi.h"
 #include "metal_plan/plan.h"
 #include "metal_plan/role_buffers.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,18 +27,10 @@ namespace fatrain::metal_ffi {
 namespace ffi = xla::ffi;
 namespace mp = fatrain::metal_plan;
 
-// Must match LAYOUT_CODES in jax_fatrain/_ffi.py.
-constexpr int32_t kLayoutBTNH = 0;
-constexpr int32_t kLayoutBNTH = 1;
-
-struct Attributes {
-  float scale;
-  bool is_causal;
-  int64_t window_left;
-  int64_t window_right;
-  int32_t layout;
-  bool has_bias, has_mask, has_q_lengths, has_kv_lengths;
-};
+// The attribute dictionary and layout codes of every backend (attention_ffi.h).
+using fatrain::ffi_glue::Attributes;
+using fatrain::ffi_glue::kLayoutBNTH;
+using fatrain::ffi_glue::kLayoutBTNH;
 
 // `who` prefixes every message, e.g. "jax_fatrain metal".
 inline ffi::Error InvalidArgument(const char* who, const std::string& message) {
@@ -219,10 +212,4 @@ auto AddInputs(Binding b) {
 
 }  // namespace fatrain::metal_ffi
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    fatrain::metal_ffi::Attributes, ::xla::ffi::StructMember<float>("scale"),
-    ::xla::ffi::StructMember<bool>("is_causal"), ::xla::ffi::StructMember<int64_t>("window_left"),
-    ::xla::ffi::StructMember<int64_t>("window_right"), ::xla::ffi::StructMember<int32_t>("layout"),
-    ::xla::ffi::StructMember<bool>("has_bias"), ::xla::ffi::StructMember<bool>("has_mask"),
-    ::xla::ffi::StructMember<bool>("has_q_lengths"),
-    ::xla::ffi::StructMember<bool>("has_kv_lengths"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(fatrain::ffi_glue::Attributes, FATRAIN_ATTRIBUTE_MEMBERS);

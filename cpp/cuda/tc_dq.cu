@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(NW * 32) dq_tc_kernel(const KParams p) {
       for (int e = 0; e < 4; ++e) {
         float x = s[nt][e] * p.scale_log2;
         if (!full) x = hm.apply(r_glob0 + (e >> 1) * 8, j0 + nt * 8 + tg * 2 + (e & 1), x);
-        const float pv = exp2f(x - L2[e >> 1]);
+        const float pv = exp2_fast(x - L2[e >> 1]);
         s[nt][e] = pv * (dp[nt][e] - Ds[e >> 1]);
       }
     }

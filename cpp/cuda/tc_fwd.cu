@@ -1,18 +1,34 @@
 // Tensor-core FlashAttention-2 forward (mma.sync m16n8k16, ldmatrix, cp.async).
 //
-// Grid (ceil(T / BQ), N, B); NW warps, each owning 16 query rows of the block
-// with the whole head_dim of O in registers. K/V tiles of BK keys are double
+// Grid (ceil(T / BQ), N, B); NW warps, each owning MR * 16 query rows of the
+// block with the whole head_dim of O in registers. K/V tiles of BK keys are double
 // buffered through cp.async. Scores are scaled into base 2 in float32, the
 // online softmax runs in base 2, L is written in natural log.
+#include <cstdlib>
+
 #include "cuda/common.cuh"
 #include "cuda/launch.h"
 
 namespace fatrain::cuda {
 namespace {
 
-template <class E, int D, int NW, int BK>
-__global__ void __launch_bounds__(NW * 32) fwd_tc_kernel(const KParams p) {
-  constexpr int BQ = NW * 16, NT = NW * 32;
+// Tile shape of one forward launch. A warp owns MR * 16 query rows and keeps
+// their O (MR x 16 x D, float32) in registers: with MR = 2 every K or V
+// fragment read from shared memory feeds two mma instead of one, which halves
+// the shared-memory traffic per mma (the limit with 16 rows per warp).
+// MIN_BLOCKS asks ptxas to fit that many blocks on an SM: independent blocks
+// drift apart, so one block's softmax overlaps another's matrix work.
+template <int D_, int NW_, int MR_, int BK_, int MIN_BLOCKS_>
+struct FwdTile {
+  static constexpr int D = D_, NW = NW_, MR = MR_, BK = BK_, MIN_BLOCKS = MIN_BLOCKS_;
+  static constexpr int WR = 16 * MR, BQ = NW * WR, NT = NW * 32;
+  static constexpr int kSmemBytes = (BQ * D + 4 * BK * D) * 2;  // Q + 2 stages of K, V
+};
+
+template <class E, class Tile>
+__global__ void __launch_bounds__(Tile::NT, Tile::MIN_BLOCKS) fwd_tc_kernel(const KParams p) {
+  constexpr int D = Tile::D, MR = Tile::MR, BK = Tile::BK;
+  constexpr int WR = Tile::WR, BQ = Tile::BQ, NT = Tile::NT;
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
   uint16_t* sK = sQ + BQ * D;
@@ -39,12 +55,16 @@ __global__ void __launch_bounds__(NW * 32) fwd_tc_kernel(const KParams p) {
   }
   cp_async_commit();
 
-  float acc[D / 8][4];
+  float acc[MR][D / 8][4];
+  float m[MR][2], l[MR][2];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int row_w = warp * 16;
-  const int r_glob0 = i0 + row_w + g;
+  for (int mr = 0; mr < MR; ++mr) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[mr][i][0] = acc[mr][i][1] = acc[mr][i][2] = acc[mr][i][3] = 0.f;
+    m[mr][0] = m[mr][1] = -INFINITY;
+    l[mr][0] = l[mr][1] = 0.f;
+  }
+  const int row_w = warp * WR;
 
   for (int t = 0; t < n_tiles; ++t) {
     const int j0 = (t_begin + t) * BK;
@@ -61,74 +81,96 @@ __global__ void __launch_bounds__(NW * 32) fwd_tc_kernel(const KParams p) {
     const uint16_t* cK = sK + (t & 1) * BK * D;
     const uint16_t* cV = sV + (t & 1) * BK * D;
 
-    float s[BK / 8][4];
+    // S = Q Kᵀ for the warp's MR x 16 rows and the tile's BK keys.
+    float s[MR][BK / 8][4];
 #pragma unroll
-    for (int i = 0; i < BK / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int mr = 0; mr < MR; ++mr)
+#pragma unroll
+      for (int i = 0; i < BK / 8; ++i) s[mr][i][0] = s[mr][i][1] = s[mr][i][2] = s[mr][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      ldsm_x4(smem_u32(sQ + swz<D>(row_w + (lane & 15), kk * 16 + (lane >> 4) * 8)), a[0], a[1],
-              a[2], a[3]);
+      uint32_t a[MR][4];
+#pragma unroll
+      for (int mr = 0; mr < MR; ++mr)
+        ldsm_x4(smem_u32(sQ + swz<D>(row_w + mr * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)),
+                a[mr][0], a[mr][1], a[mr][2], a[mr][3]);
 #pragma unroll
       for (int np = 0; np < BK / 16; ++np) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4(smem_u32(cK + swz<D>(np * 16 + (lane & 7) + (lane >> 4) * 8,
                                      kk * 16 + ((lane >> 3) & 1) * 8)),
                 b0, b1, b2, b3);
-        Mma<E>::run(s[2 * np], a, b0, b1);
-        Mma<E>::run(s[2 * np + 1], a, b2, b3);
+#pragma unroll
+        for (int mr = 0; mr < MR; ++mr) {
+          Mma<E>::run(s[mr][2 * np], a[mr], b0, b1);
+          Mma<E>::run(s[mr][2 * np + 1], a[mr], b2, b3);
+        }
       }
     }
 
-    const bool full = hm.tile_is_full(i0 + row_w, i0 + row_w + 16, j0, j0 + BK);
+    // Online softmax in base 2 (rows g and g + 8 of each 16-row fragment).
 #pragma unroll
-    for (int nt = 0; nt < BK / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * p.scale_log2;
-        if (!full) x = hm.apply(r_glob0 + (e >> 1) * 8, j0 + nt * 8 + tg * 2 + (e & 1), x);
-        s[nt][e] = x;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < BK / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = quad_max(mx);
-      const float m_new = fmaxf(m[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m[r] - m_use);
-      m[r] = m_new;
-      float sum = 0.f;
+    for (int mr = 0; mr < MR; ++mr) {
+      const int r_glob0 = i0 + row_w + mr * 16 + g;
+      const bool full = hm.tile_is_full(r_glob0 - g, r_glob0 - g + 16, j0, j0 + BK);
 #pragma unroll
       for (int nt = 0; nt < BK / 8; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        acc[dt][2 * r] *= alpha;
-        acc[dt][2 * r + 1] *= alpha;
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mr][nt][e] * p.scale_log2;
+          if (!full) x = hm.apply(r_glob0 + (e >> 1) * 8, j0 + nt * 8 + tg * 2 + (e & 1), x);
+          s[mr][nt][e] = x;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mr][nt][2 * r], s[mr][nt][2 * r + 1]));
+        mx = quad_max(mx);
+        const float m_new = fmaxf(m[mr][r], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = exp2_fast(m[mr][r] - m_use);
+        m[mr][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt) {
+          s[mr][nt][2 * r] = exp2_fast(s[mr][nt][2 * r] - m_use);
+          s[mr][nt][2 * r + 1] = exp2_fast(s[mr][nt][2 * r + 1] - m_use);
+          sum += s[mr][nt][2 * r] + s[mr][nt][2 * r + 1];
+        }
+        l[mr][r] = l[mr][r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          acc[mr][dt][2 * r] *= alpha;
+          acc[mr][dt][2 * r + 1] *= alpha;
+        }
       }
     }
+
+    // O += P V, P straight from the score registers.
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = Cvt<E>::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = Cvt<E>::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = Cvt<E>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = Cvt<E>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      uint32_t a[MR][4];
+#pragma unroll
+      for (int mr = 0; mr < MR; ++mr) {
+        a[mr][0] = Cvt<E>::pack(s[mr][2 * kk][0], s[mr][2 * kk][1]);
+        a[mr][1] = Cvt<E>::pack(s[mr][2 * kk][2], s[mr][2 * kk][3]);
+        a[mr][2] = Cvt<E>::pack(s[mr][2 * kk + 1][0], s[mr][2 * kk + 1][1]);
+        a[mr][3] = Cvt<E>::pack(s[mr][2 * kk + 1][2], s[mr][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4_t(smem_u32(cV + swz<D>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                        dp * 16 + (lane >> 4) * 8)),
                   b0, b1, b2, b3);
-        Mma<E>::run(acc[2 * dp], a, b0, b1);
-        Mma<E>::run(acc[2 * dp + 1], a, b2, b3);
+#pragma unroll
+        for (int mr = 0; mr < MR; ++mr) {
+          Mma<E>::run(acc[mr][2 * dp], a[mr], b0, b1);
+          Mma<E>::run(acc[mr][2 * dp + 1], a[mr], b2, b3);
+        }
       }
     }
     __syncthreads();
@@ -137,44 +179,65 @@ __global__ void __launch_bounds__(NW * 32) fwd_tc_kernel(const KParams p) {
 
   E* ob = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lt = quad_sum(l[r]);
-    const int row = r_glob0 + r * 8;
-    if (row >= p.T) continue;
-    const bool live = lt > 0.f;
-    const float inv = live ? 1.f / lt : 0.f;
-    E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
+  for (int mr = 0; mr < MR; ++mr) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      *reinterpret_cast<uint32_t*>(orow + dt * 8 + tg * 2) =
-          Cvt<E>::pack(acc[dt][2 * r] * inv, acc[dt][2 * r + 1] * inv);
-    }
-    if (tg == 0) {
-      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
-          live ? (m[r] + log2f(lt)) * kLn2 : -INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      const float lt = quad_sum(l[mr][r]);
+      const int row = i0 + row_w + mr * 16 + g + r * 8;
+      if (row >= p.T) continue;
+      const bool live = lt > 0.f;
+      const float inv = live ? 1.f / lt : 0.f;
+      E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + tg * 2) =
+            Cvt<E>::pack(acc[mr][dt][2 * r] * inv, acc[mr][dt][2 * r + 1] * inv);
+      }
+      if (tg == 0) {
+        p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
+            live ? (m[mr][r] + log2f(lt)) * kLn2 : -INFINITY;
+      }
     }
   }
 }
 
-template <class E, int D, int NW, int BK>
+template <class E, class Tile>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  constexpr int BQ = NW * 16;
-  constexpr int kSmem = (BQ * D + 4 * BK * D) * 2;
-  auto kernel = fwd_tc_kernel<E, D, NW, BK>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  auto kernel = fwd_tc_kernel<E, Tile>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (attr != cudaSuccess) return attr;
-  dim3 grid((p.T + BQ - 1) / BQ, p.N, p.B);
-  kernel<<<grid, NW * 32, kSmem, stream>>>(p);
+  dim3 grid((p.T + Tile::BQ - 1) / Tile::BQ, p.N, p.B);
+  kernel<<<grid, Tile::NT, Tile::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
+// Tuning knob for measuring tile shapes on a new GPU:
+// JAX_FATRAIN_CUDA_FWD_TILE=<index into the per-head-dim lists below>.
+int tile_choice() {
+  static const int choice = [] {
+    const char* v = std::getenv("JAX_FATRAIN_CUDA_FWD_TILE");
+    return v ? std::atoi(v) : 0;
+  }();
+  return choice;
+}
+
+// Index 0 of each list is the default: the fastest measured on an H200
+// (tools/cuda_tile_sweep.py). More resident warps beat larger warp tiles
+// (MR = 2 measured slower at every head dim): the kernel is latency bound.
 template <class E>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  const int c = tile_choice();
   switch (p.D) {
-    case 64: return launch<E, 64, 8, 64>(p, stream);
-    case 128: return launch<E, 128, 8, 64>(p, stream);
-    case 256: return launch<E, 256, 8, 32>(p, stream);
+    case 64:
+      if (c == 1) return launch<E, FwdTile<64, 8, 1, 64, 2>>(p, stream);
+      return launch<E, FwdTile<64, 4, 1, 64, 4>>(p, stream);
+    case 128:
+      if (c == 1) return launch<E, FwdTile<128, 4, 1, 32, 4>>(p, stream);
+      return launch<E, FwdTile<128, 8, 1, 64, 2>>(p, stream);
+    case 256:
+      if (c == 1) return launch<E, FwdTile<256, 4, 1, 32, 2>>(p, stream);
+      return launch<E, FwdTile<256, 8, 1, 32, 1>>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -1,0 +1,69 @@
+"""Times the `cuda` kernels' tile shapes on the GPU at hand (a tuning aid).
+
+    JAX_FATRAIN_CUDA_FWD_TILE=i JAX_FATRAIN_CUDA_BWD_TILE=j python tools/cuda_tile_sweep.py
+    python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
+
+Prints one line per configuration: forward and forward+backward TFLOP/s
+(FlashAttention convention, as jax_fatrain.benchmark_cuda) and, for `cuda`,
+the relative error of O and of the gradients against cuDNN on the same inputs,
+so that a tile shape that computes the wrong thing cannot look fast.
+"""
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_fatrain import benchmark_cuda as bench
+
+CONFIGS = [
+    dict(B=4, N=32, K=32, T=4096, D=64, causal=False),
+    dict(B=4, N=32, K=32, T=4096, D=64, causal=True),
+    dict(B=4, N=16, K=16, T=4096, D=128, causal=False),
+    dict(B=4, N=16, K=16, T=4096, D=128, causal=True),
+    dict(B=4, N=8, K=8, T=4096, D=256, causal=False),
+    dict(B=2, N=16, K=2, T=8192, D=256, causal=False),
+]
+
+
+def rel_err(a, b):
+  a = a.astype(jnp.float32)
+  b = b.astype(jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def check(cfg):
+  b, n, kh, t, d = cfg["B"], cfg["N"], cfg["K"], cfg["T"], cfg["D"]
+  ks = jax.random.split(jax.random.PRNGKey(1), 4)
+  q = jax.random.normal(ks[0], (b, t, n, d), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, t, kh, d), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, t, kh, d), jnp.bfloat16)
+  ct = jax.random.normal(ks[3], (b, t, n, d), jnp.float32)
+  out = {}
+  for impl in ("cuda", "cudnn"):
+    attn = bench._attention(impl)
+    f = lambda q, k, v: attn(q, k, v, is_causal=cfg["causal"])
+    o, vjp = jax.vjp(f, q, k, v)
+    out[impl] = (o,) + vjp(ct.astype(o.dtype))
+  return max(rel_err(x, y) for x, y in zip(out["cuda"], out["cudnn"]))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--impl", default="cuda")
+  args = ap.parse_args()
+  tag = (f"fwd_tile={os.environ.get('JAX_FATRAIN_CUDA_FWD_TILE', '0')} "
+         f"bwd_tile={os.environ.get('JAX_FATRAIN_CUDA_BWD_TILE', '0')}"
+         if args.impl == "cuda" else args.impl)
+  for cfg in CONFIGS:
+    r = bench.run_one(cfg, args.impl)
+    err = check(cfg) if args.impl == "cuda" else float("nan")
+    print(f"{tag:22s} D={cfg['D']:3d} N:K={cfg['N']}:{cfg['K']} T={cfg['T']} "
+          f"causal={int(cfg['causal'])}  fwd {r.get('fwd_tflops', 0):6.1f}  "
+          f"f+b {r.get('fwdbwd_tflops', 0):6.1f}  max_rel_err {err:.2e} {r.get('error', '')}",
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -40,10 +40,11 @@ metal_cpp="${METAL_CPP_DIR:-}"
 if [[ -z "$metal_cpp" ]]; then
   # pip prepares the sdist's metadata with its build backend (scikit-build-core):
   # --no-build-isolation uses the one installed here (this package's own build
-  # requirement; fast), else pip sets up an isolated build environment.
-  "$python" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+  # requirement; fast), else pip sets up an isolated build environment, from
+  # wheels (with --no-binary :all: it would compile CMake from source there).
+  "$python" -m pip download --quiet --no-deps --no-binary pymetal-cpp --no-build-isolation \
       pymetal-cpp==0.1.5 -d "$work" >&2 ||
-    "$python" -m pip download --quiet --no-deps --no-binary :all: \
+    "$python" -m pip download --quiet --no-deps --no-binary pymetal-cpp \
       pymetal-cpp==0.1.5 -d "$work" >&2 || skip "pip could not download pymetal-cpp==0.1.5"
   tar -xzf "$work"/pymetal_cpp-0.1.5.tar.gz -C "$work" 'pymetal_cpp-0.1.5/thirdparty/metal-cpp' ||
     skip "the pymetal-cpp sdist has no thirdparty/metal-cpp"

@@ -159,8 +159,8 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   p.lse = op.lse;
   const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
                   aligned16(op.v) && aligned16(op.o);
-  cudaError_t err = tc ? launch_fwd_tc(p, op.q.dtype, stream)
-                       : launch_fwd_simt(p, op.q.dtype, stream);
+  cudaError_t err = tc ? launch_fwd_tc(p, op.q.dtype, stream) : cudaErrorNotSupported;
+  if (err == cudaErrorNotSupported) err = launch_fwd_simt(p, op.q.dtype, stream);
   return cuda_error(err, "forward launch");
 }
 
@@ -185,19 +185,25 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   const bool tc = tensor_core_ok(problem, dt) && aligned16(op.q) && aligned16(op.k) &&
                   aligned16(op.v) && aligned16(op.o) && aligned16(op.d_o) &&
                   aligned16(op.dq) && aligned16(op.dk) && aligned16(op.dv);
-  if (!tc) return cuda_error(launch_bwd_simt(p, dt, stream), "backward (simt)");
-  if (deterministic) {
-    if (const char* e = cuda_error(launch_bwd_tc(p, dt, false, stream), "backward dk/dv"))
-      return e;
-    return cuda_error(launch_dq_tc(p, dt, stream), "backward dq");
+  if (tc) {
+    cudaError_t err;
+    if (deterministic) {
+      err = launch_bwd_tc(p, dt, false, stream);  // dK, dV
+      if (err == cudaSuccess) err = launch_dq_tc(p, dt, stream);
+    } else {
+      p.dq_acc =
+          reinterpret_cast<float*>(static_cast<char*>(scratch) + align256(rows * sizeof(float)));
+      if (const char* e = cuda_error(
+              cudaMemsetAsync(p.dq_acc, 0, rows * problem.head_dim * sizeof(float), stream),
+              "backward dq scratch memset"))
+        return e;
+      err = launch_bwd_tc(p, dt, true, stream);
+      if (err == cudaSuccess) err = launch_dq_convert(p, dt, stream);
+    }
+    // Not enough shared memory on this GPU: the SIMT kernels compute all three.
+    if (err != cudaErrorNotSupported) return cuda_error(err, "backward (tensor core)");
   }
-  p.dq_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + align256(rows * sizeof(float)));
-  if (const char* e = cuda_error(
-          cudaMemsetAsync(p.dq_acc, 0, rows * problem.head_dim * sizeof(float), stream),
-          "backward dq scratch memset"))
-    return e;
-  if (const char* e = cuda_error(launch_bwd_tc(p, dt, true, stream), "backward")) return e;
-  return cuda_error(launch_dq_convert(p, dt, stream), "backward dq convert");
+  return cuda_error(launch_bwd_simt(p, dt, stream), "backward (simt)");
 }
 
 const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradOperands& op,

@@ -9,7 +9,26 @@ namespace fatrain::cuda {
 
 struct KParams;
 
-// Tensor-core path (bf16/f16, head_dim 64/128/256).
+// Readies `kernel` for a launch with `smem_bytes` of dynamic shared memory on
+// the current device. Returns cudaErrorNotSupported, before anything is
+// launched, when the device cannot give one block that much (the D = 256
+// backward needs 209 KB; an A100 allows 163 KB): callers then fall back to
+// the SIMT kernels. Otherwise raises the kernel's limit, on every launch,
+// because that limit belongs to each device's context: set once per process,
+// it would hold only on the first GPU of a multi-GPU process.
+inline cudaError_t prepare_smem(const void* kernel, int smem_bytes) {
+  int device = 0, optin = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e =
+          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      e != cudaSuccess)
+    return e;
+  if (smem_bytes > optin) return cudaErrorNotSupported;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+
+// Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
+// see prepare_smem.
 cudaError_t launch_fwd_tc(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 cudaError_t launch_dq_tc(const KParams& p, DType dtype, cudaStream_t stream);

@@ -259,9 +259,9 @@ template <class E, int D, bool ATOMIC, int MIN_BLOCKS>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
   constexpr int kSmem = bwd_smem_bytes<D>();
   auto kernel = bwd_tc_kernel<E, D, ATOMIC, MIN_BLOCKS>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (attr != cudaSuccess) return attr;
+  if (cudaError_t e = prepare_smem(reinterpret_cast<const void*>(kernel), kSmem);
+      e != cudaSuccess)
+    return e;
   dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
   kernel<<<grid, kNT, kSmem, stream>>>(p);
   return cudaGetLastError();

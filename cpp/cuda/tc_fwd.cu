@@ -204,9 +204,9 @@ __global__ void __launch_bounds__(Tile::NT, Tile::MIN_BLOCKS) fwd_tc_kernel(cons
 template <class E, class Tile>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
   auto kernel = fwd_tc_kernel<E, Tile>;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
+  if (cudaError_t e = prepare_smem(reinterpret_cast<const void*>(kernel), Tile::kSmemBytes);
+      e != cudaSuccess)
+    return e;
   dim3 grid((p.T + Tile::BQ - 1) / Tile::BQ, p.N, p.B);
   kernel<<<grid, Tile::NT, Tile::kSmemBytes, stream>>>(p);
   return cudaGetLastError();

@@ -3,20 +3,24 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+
 #include "cuda/attention_cuda.h"
 
 namespace fatrain::cuda {
 
 struct KParams;
 
-// Readies `kernel` for a launch with `smem_bytes` of dynamic shared memory on
+// Launches a tensor-core kernel with `smem_bytes` of dynamic shared memory on
 // the current device. Returns cudaErrorNotSupported, before anything is
 // launched, when the device cannot give one block that much (the D = 256
 // backward needs 209 KB; an A100 allows 163 KB): callers then fall back to
-// the SIMT kernels. Otherwise raises the kernel's limit, on every launch,
-// because that limit belongs to each device's context: set once per process,
+// the SIMT kernels. The kernel's shared-memory limit is raised on every
+// launch because it belongs to each device's context: set once per process,
 // it would hold only on the first GPU of a multi-GPU process.
-inline cudaError_t prepare_smem(const void* kernel, int smem_bytes) {
+template <class Params>
+cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int smem_bytes,
+                             cudaStream_t stream, const Params& params) {
   int device = 0, optin = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e =
@@ -24,11 +28,24 @@ inline cudaError_t prepare_smem(const void* kernel, int smem_bytes) {
       e != cudaSuccess)
     return e;
   if (smem_bytes > optin) return cudaErrorNotSupported;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           smem_bytes);
+      e != cudaSuccess)
+    return e;
+  kernel<<<grid, threads, smem_bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// A tuning knob: the integer value of environment variable `name`, read once
+// per call site (callers cache it), 0 when unset.
+inline int env_tuning_choice(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : 0;
 }
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
-// see prepare_smem.
+// see launch_with_smem.
 cudaError_t launch_fwd_tc(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 cudaError_t launch_dq_tc(const KParams& p, DType dtype, cudaStream_t stream);

@@ -147,13 +147,8 @@ template <class E, int D, int NW, int BK>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
   constexpr int BQ = NW * 16;
   constexpr int kSmem = (2 * BQ * D + 4 * BK * D) * 2;
-  auto kernel = dq_tc_kernel<E, D, NW, BK>;
-  if (cudaError_t e = prepare_smem(reinterpret_cast<const void*>(kernel), kSmem);
-      e != cudaSuccess)
-    return e;
   dim3 grid((p.T + BQ - 1) / BQ, p.N, p.B);
-  kernel<<<grid, NW * 32, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(dq_tc_kernel<E, D, NW, BK>, grid, NW * 32, kSmem, stream, p);
 }
 
 template <class E>

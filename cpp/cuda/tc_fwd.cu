@@ -4,8 +4,6 @@
 // block with the whole head_dim of O in registers. K/V tiles of BK keys are double
 // buffered through cp.async. Scores are scaled into base 2 in float32, the
 // online softmax runs in base 2, L is written in natural log.
-#include <cstdlib>
-
 #include "cuda/common.cuh"
 #include "cuda/launch.h"
 
@@ -203,22 +201,14 @@ __global__ void __launch_bounds__(Tile::NT, Tile::MIN_BLOCKS) fwd_tc_kernel(cons
 
 template <class E, class Tile>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto kernel = fwd_tc_kernel<E, Tile>;
-  if (cudaError_t e = prepare_smem(reinterpret_cast<const void*>(kernel), Tile::kSmemBytes);
-      e != cudaSuccess)
-    return e;
   dim3 grid((p.T + Tile::BQ - 1) / Tile::BQ, p.N, p.B);
-  kernel<<<grid, Tile::NT, Tile::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_smem(fwd_tc_kernel<E, Tile>, grid, Tile::NT, Tile::kSmemBytes, stream, p);
 }
 
 // Tuning knob for measuring tile shapes on a new GPU:
 // JAX_FATRAIN_CUDA_FWD_TILE=<index into the per-head-dim lists below>.
 int tile_choice() {
-  static const int choice = [] {
-    const char* v = std::getenv("JAX_FATRAIN_CUDA_FWD_TILE");
-    return v ? std::atoi(v) : 0;
-  }();
+  static const int choice = env_tuning_choice("JAX_FATRAIN_CUDA_FWD_TILE");
   return choice;
 }
 

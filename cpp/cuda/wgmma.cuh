@@ -1,0 +1,127 @@
+// Hopper (sm_90a) tensor-core primitives: wgmma operand layouts and fences
+// (internal). Used only by the hopper_*.cu kernels, whose bodies compile for
+// sm_90a alone.
+//
+// Shared-memory operand layout ("SW128 tile"): a [R][C] tile of 16-bit
+// elements (C a multiple of 64, R a multiple of 8) is stored as C / 64
+// column blocks of [R][64]; each row of a block is 128 bytes whose 16-byte
+// chunks are XOR-swizzled by (row % 8). This is the canonical 128-byte-swizzle
+// layout wgmma reads through a matrix descriptor, and it is conflict-free for
+// the cp.async writes that fill it. Tiles start on 1024-byte boundaries (one
+// swizzle atom: 8 rows x 128 bytes).
+//
+// An operand is "K-major" when its reduction (K) dimension runs along the
+// tile's columns (Q, K, V as [seq][head_dim] feeding Q Kᵀ), and "MN-major"
+// when K runs along the rows (V as [keys][head_dim] feeding P V).
+#pragma once
+
+#include "cuda/common.cuh"
+
+namespace fatrain::cuda {
+
+// Byte offset of element (row, col) in a SW128 tile of R rows.
+template <int R>
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
+  return static_cast<uint32_t>((col >> 6) * (R * 128) + row * 128 +
+                               ((((col & 63) >> 3) ^ (row & 7)) << 4) + (col & 7) * 2);
+}
+
+// Copies rows [r0, r0 + ROWS) of a [*, C] 16-bit sequence slice into a SW128
+// tile by cp.async; rows >= rmax are zero-filled.
+template <int ROWS, int C, int NT>
+__device__ __forceinline__ void load_tile_sw128(uint32_t tile, const uint16_t* base,
+                                                int64_t row_stride, int r0, int rmax, int tid) {
+  constexpr int kChunks = ROWS * C / 8;
+#pragma unroll
+  for (int c = tid; c < kChunks; c += NT) {
+    const int r = c / (C / 8), col = (c % (C / 8)) * 8;
+    const int row = r0 + r;
+    const bool ok = row < rmax;
+    const uint16_t* src = ok ? base + static_cast<int64_t>(row) * row_stride + col : base;
+    cp_async16(tile + sw128_offset<ROWS>(r, col), src, ok);
+  }
+}
+
+// wgmma matrix descriptor for a SW128 operand starting at shared address
+// `addr`. lead / stride: the byte offsets the descriptor calls leading and
+// stride dimension offsets.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lead >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((stride >> 4) & 0x3FFF) << 32) |
+         (1ull << 62);  // swizzle mode 1: 128-byte
+}
+
+// K-major operand: rows [row0, row0 + 64 or N) of a SW128 tile of R rows,
+// reduction columns [16 kk, 16 kk + 16). Rows step by 8 every 1024 bytes; the
+// 16 columns sit inside one 128-byte row (the leading offset is unused).
+template <int R>
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int row0, int kk) {
+  const int col = kk * 16;
+  return sw128_desc(tile + (col >> 6) * (R * 128) + row0 * 128 + (col & 63) * 2, 16, 1024);
+}
+
+// MN-major operand: reduction rows [16 kk, 16 kk + 16) of a SW128 tile of R
+// rows, MN columns from col0 on (a multiple of 64, or 32 inside a block).
+// Column blocks of 64 are R * 128 bytes apart, groups of 8 rows 1024.
+template <int R>
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int col0, int kk) {
+  return sw128_desc(tile + (col0 >> 6) * (R * 128) + (col0 & 63) * 2 + kk * 16 * 128, R * 128,
+                    1024);
+}
+
+template <class E, int N> struct Wgmma;
+#include "cuda/wgmma_ops.inc"
+
+// Orders register accesses around asynchronous wgmma: the compiler must not
+// move reads or writes of accumulators across a fence or a wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written by ordinary stores or cp.async and read next by wgmma
+// (the async proxy) needs this in each writing thread before the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Accumulator layout of a 64 x N wgmma (float d[N / 2] per thread): warp w of
+// the warpgroup owns rows 16 w .. 16 w + 15; d[4 j + e] sits at row
+// 16 w + lane / 4 + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2 (the
+// mma.sync m16n8 layout, repeated every 8 columns).
+__device__ __forceinline__ int acc_row(int warp_in_group, int lane, int e) {
+  return warp_in_group * 16 + (lane >> 2) + (e >> 1) * 8;
+}
+__device__ __forceinline__ int acc_col(int j, int lane, int e) {
+  return j * 8 + (lane & 3) * 2 + (e & 1);
+}
+
+// A-operand registers for reduction step kk (columns 16 kk..16 kk + 15) taken
+// from a 64 x N float accumulator: the A fragment layout is the accumulator's,
+// so P = softmax(S) feeds the next wgmma without touching shared memory.
+template <class E, int R>
+__device__ __forceinline__ void acc_to_a(const float (&d)[R], int kk, uint32_t (&a)[4]) {
+  a[0] = Cvt<E>::pack(d[8 * kk + 0], d[8 * kk + 1]);
+  a[1] = Cvt<E>::pack(d[8 * kk + 2], d[8 * kk + 3]);
+  a[2] = Cvt<E>::pack(d[8 * kk + 4], d[8 * kk + 5]);
+  a[3] = Cvt<E>::pack(d[8 * kk + 6], d[8 * kk + 7]);
+}
+
+}  // namespace fatrain::cuda

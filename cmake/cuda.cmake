@@ -15,8 +15,8 @@ find_package(CUDAToolkit REQUIRED)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 
-# sm_80 (Ampere) and sm_90a (Hopper; the kernels use mma.sync / ldmatrix /
-# cp.async, valid on both). Override with -DJAX_FATRAIN_CUDA_GENCODE="...".
+# sm_80 (Ampere) and sm_90a (Hopper): the mma.sync / ldmatrix / cp.async
+# kernels run on both; the hopper_*.cu wgmma kernels only in sm_90a code. Override with -DJAX_FATRAIN_CUDA_GENCODE="...".
 set(JAX_FATRAIN_CUDA_GENCODE
     "-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_90a,code=sm_90a"
     CACHE STRING "nvcc -gencode flags for the CUDA kernels")
@@ -26,6 +26,8 @@ add_library(fatrain_cuda_kernels STATIC
   cpp/cuda/tc_fwd.cu
   cpp/cuda/tc_bwd.cu
   cpp/cuda/tc_dq.cu
+  cpp/cuda/hopper_fwd.cu
+  cpp/cuda/hopper_bwd.cu
   cpp/cuda/simt.cu)
 set_target_properties(fatrain_cuda_kernels PROPERTIES
   CUDA_ARCHITECTURES OFF

@@ -1,6 +1,8 @@
 """Times the `cuda` kernels' tile shapes on the GPU at hand (a tuning aid).
 
     JAX_FATRAIN_CUDA_FWD_TILE=i JAX_FATRAIN_CUDA_BWD_TILE=j python tools/cuda_tile_sweep.py
+    JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=i python tools/cuda_tile_sweep.py  # wgmma kernels
+    JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
 
 Prints one line per configuration: forward and forward+backward TFLOP/s
@@ -53,13 +55,13 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--impl", default="cuda")
   args = ap.parse_args()
-  tag = (f"fwd_tile={os.environ.get('JAX_FATRAIN_CUDA_FWD_TILE', '0')} "
-         f"bwd_tile={os.environ.get('JAX_FATRAIN_CUDA_BWD_TILE', '0')}"
-         if args.impl == "cuda" else args.impl)
+  env = lambda name: os.environ.get(f"JAX_FATRAIN_CUDA_{name}", "-")
+  tag = (f"{env('KERNELS')} fwd={env('FWD_TILE')}/{env('HOPPER_FWD_TILE')} "
+         f"bwd={env('BWD_TILE')}" if args.impl == "cuda" else args.impl)
   for cfg in CONFIGS:
     r = bench.run_one(cfg, args.impl)
     err = check(cfg) if args.impl == "cuda" else float("nan")
-    print(f"{tag:22s} D={cfg['D']:3d} N:K={cfg['N']}:{cfg['K']} T={cfg['T']} "
+    print(f"{tag:28s} D={cfg['D']:3d} N:K={cfg['N']}:{cfg['K']} T={cfg['T']} "
           f"causal={int(cfg['causal'])}  fwd {r.get('fwd_tflops', 0):6.1f}  "
           f"f+b {r.get('fwdbwd_tflops', 0):6.1f}  max_rel_err {err:.2e} {r.get('error', '')}",
           flush=True)

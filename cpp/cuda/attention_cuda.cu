@@ -159,7 +159,9 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   p.lse = op.lse;
   const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
                   aligned16(op.v) && aligned16(op.o);
-  cudaError_t err = tc ? launch_fwd_tc(p, op.q.dtype, stream) : cudaErrorNotSupported;
+  cudaError_t err = cudaErrorNotSupported;
+  if (tc && wgmma_allowed()) err = launch_fwd_wgmma(p, op.q.dtype, stream);
+  if (tc && err == cudaErrorNotSupported) err = launch_fwd_tc(p, op.q.dtype, stream);
   if (err == cudaErrorNotSupported) err = launch_fwd_simt(p, op.q.dtype, stream);
   return cuda_error(err, "forward launch");
 }
@@ -186,9 +188,15 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
                   aligned16(op.v) && aligned16(op.o) && aligned16(op.d_o) &&
                   aligned16(op.dq) && aligned16(op.dk) && aligned16(op.dv);
   if (tc) {
+    // The wgmma kernel where it applies (Hopper, head_dim <= 128), else mma.sync.
+    auto bwd_tc = [&](bool atomic_dq) {
+      cudaError_t e = wgmma_allowed() ? launch_bwd_wgmma(p, dt, atomic_dq, stream)
+                                      : cudaErrorNotSupported;
+      return e == cudaErrorNotSupported ? launch_bwd_tc(p, dt, atomic_dq, stream) : e;
+    };
     cudaError_t err;
     if (deterministic) {
-      err = launch_bwd_tc(p, dt, false, stream);  // dK, dV
+      err = bwd_tc(false);  // dK, dV
       if (err == cudaSuccess) err = launch_dq_tc(p, dt, stream);
     } else {
       p.dq_acc =
@@ -197,7 +205,7 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
               cudaMemsetAsync(p.dq_acc, 0, rows * problem.head_dim * sizeof(float), stream),
               "backward dq scratch memset"))
         return e;
-      err = launch_bwd_tc(p, dt, true, stream);
+      err = bwd_tc(true);
       if (err == cudaSuccess) err = launch_dq_convert(p, dt, stream);
     }
     // Not enough shared memory on this GPU: the SIMT kernels compute all three.

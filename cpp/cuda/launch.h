@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
+#include <string_view>
 
 #include "cuda/attention_cuda.h"
 
@@ -37,6 +38,27 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int
   return cudaGetLastError();
 }
 
+// Whether `kernel` will run machine code built for sm_90a on the current
+// device (the wgmma kernels compile to an empty body for every other target,
+// and an sm_80-only build would otherwise run that body on a Hopper GPU).
+template <class Params>
+bool has_sm90a_code(void (*kernel)(Params)) {
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the fallback launch reports its own errors
+    return false;
+  }
+  return attr.binaryVersion == 90;
+}
+
+// Whether the Hopper wgmma kernels may be used: JAX_FATRAIN_CUDA_KERNELS=mma_sync
+// selects the sm_80 kernels on a Hopper GPU too (for comparing the two; read on
+// every launch so that tests can switch it).
+inline bool wgmma_allowed() {
+  const char* v = std::getenv("JAX_FATRAIN_CUDA_KERNELS");
+  return v == nullptr || std::string_view(v) != "mma_sync";
+}
+
 // A tuning knob: the integer value of environment variable `name`, read once
 // per call site (callers cache it), 0 when unset.
 inline int env_tuning_choice(const char* name) {
@@ -46,6 +68,12 @@ inline int env_tuning_choice(const char* name) {
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
 // see launch_with_smem.
+// Hopper wgmma path (bf16/f16, head_dim 64/128/256; sm_90a builds on a
+// compute-capability-9.0 GPU). cudaErrorNotSupported where it does not apply:
+// callers then use the mma.sync kernels.
+cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream);
+cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
+
 cudaError_t launch_fwd_tc(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 cudaError_t launch_dq_tc(const KParams& p, DType dtype, cudaStream_t stream);

@@ -1,0 +1,250 @@
+// Hopper FlashAttention backward (wgmma from shared memory, sm_90a only),
+// KV tiles outer, head_dim 64 and 128.
+//
+// Grid (ceil(S / 128), K, B), two warpgroups; warpgroup w owns keys
+// [64 w, 64 w + 64) of the block and keeps their dK, dV (64 x D float32) in
+// registers while the block walks the query heads of its GQA group and the
+// query tiles of 64 that can see its keys (Q, dO, L, D double buffered).
+// Per query tile:
+//   1. Sᵀ = K Qᵀ, dPᵀ = V dOᵀ        (ss wgmma, all operands K-major);
+//      Pᵀ = exp2(Sᵀ - L), dSᵀ = Pᵀ (dPᵀ - D) in registers; dSᵀ also goes to
+//      shared memory as 16-bit for step 3.
+//   2. dV += Pᵀ dO, dK += dSᵀ Q       (rs wgmma: A from registers, B MN-major);
+//   3. (atomic mode) dQ += dS K        (ss wgmma, A = dSᵀ and B = K read
+//      MN-major; warpgroup w takes columns [w D/2, (w + 1) D/2)), added to a
+//      float32 scratch with atomics. The deterministic mode leaves dQ to
+//      tc_dq.cu.
+#include "cuda/launch.h"
+#include "cuda/wgmma.cuh"
+
+namespace fatrain::cuda {
+namespace {
+
+constexpr int kBK = 128, kBQ = 64, kNT = 256;
+
+template <int D>
+constexpr int hopper_bwd_smem_bytes() {
+  // K, V; 2 stages of Q, dO; dSᵀ; 2 stages of L, D; alignment slack.
+  return (2 * kBK * D + 4 * kBQ * D + kBK * kBQ) * 2 + 4 * kBQ * 4 + 1024;
+}
+
+template <class E, int D, bool ATOMIC>
+__global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BK = kBK, BQ = kBQ, NT = kNT, DH = D / 2;
+  constexpr uint32_t kQStage = BQ * D * 2;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const uint32_t sK = base, sV = sK + BK * D * 2;
+  const uint32_t sQ = sV + BK * D * 2;      // 2 stages
+  const uint32_t sdO = sQ + 2 * kQStage;    // 2 stages
+  const uint32_t sdS = sdO + 2 * kQStage;   // [BK keys][BQ queries]
+  float* sL = reinterpret_cast<float*>(smem_raw + (sdS + BK * BQ * 2 - smem_u32(smem_raw)));
+  float* sDs = sL + 2 * BQ;
+  uint8_t* sdS_ptr = smem_raw + (sdS - smem_u32(smem_raw));
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
+  const int G = p.N / p.K;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
+
+  HeadMask hm;
+  hm.init(p, b, kvh * G, kLog2e);
+  int qlo, qhi;
+  hm.query_range(j0, min(j0 + BK, p.S), &qlo, &qhi);
+  const int qt_begin = qlo / BQ;
+  const int nq = (j0 >= hm.kv_end || qhi <= qlo) ? 0 : (qhi - qt_begin * BQ + BQ - 1) / BQ;
+  const int total = G * nq;
+
+  load_tile_sw128<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);
+  load_tile_sw128<BK, D, NT>(sV, vb, p.k_ss, j0, p.S, tid);
+
+  auto prefetch = [&](int it, int stage) {
+    const int h = kvh * G + it / nq;
+    const int i0 = (qt_begin + it % nq) * BQ;
+    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + h * p.q_hs;
+    const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
+    load_tile_sw128<BQ, D, NT>(sQ + stage * kQStage, qb, p.q_ss, i0, p.T, tid);
+    load_tile_sw128<BQ, D, NT>(sdO + stage * kQStage, dob, p.q_ss, i0, p.T, tid);
+    if (tid < BQ) {
+      const int i = i0 + tid;
+      float L = INFINITY, Ds = 0.f;
+      if (i < p.T) {
+        const int64_t r = (static_cast<int64_t>(b) * p.N + h) * p.T + i;
+        const float lv = p.lse[r];
+        L = lv == -INFINITY ? INFINITY : lv * kLog2e;
+        Ds = p.dsum[r];
+      }
+      sL[stage * BQ + tid] = L;
+      sDs[stage * BQ + tid] = Ds;
+    }
+  };
+  if (total > 0) prefetch(0, 0);
+  cp_async_commit();
+
+  float dk[D / 2], dv[D / 2], st[BQ / 2], dpt[BQ / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BQ / 2; ++i) st[i] = dpt[i] = 0.f;
+  const int key_w0 = wg * 64 + wq * 16;  // the warp's 16 keys, relative to j0
+
+  for (int it = 0; it < total; ++it) {
+    const int h = kvh * G + it / nq;
+    const int i0 = (qt_begin + it % nq) * BQ;
+    if (it + 1 < total) {
+      prefetch(it + 1, (it + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    hm.init(p, b, h, kLog2e);
+    const uint32_t cQ = sQ + (it & 1) * kQStage, cdO = sdO + (it & 1) * kQStage;
+    const float* cL = sL + (it & 1) * BQ;
+    const float* cDs = sDs + (it & 1) * BQ;
+
+    // 1. Sᵀ and dPᵀ for this warpgroup's 64 keys x the tile's 64 queries.
+    fence_regs(st);
+    fence_regs(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, BQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, wg * 64, kk),
+                                      desc_k_major<BQ>(cQ, 0, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, BQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, wg * 64, kk),
+                                      desc_k_major<BQ>(cdO, 0, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+
+    const bool full = hm.tile_is_full(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
+        const int ql = acc_col(j, lane, e);
+        float x = st[4 * j + e] * p.scale_log2;
+        if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
+        const float pv = exp2_fast(x - cL[ql]);
+        st[4 * j + e] = pv;
+        dpt[4 * j + e] = pv * (dpt[4 * j + e] - cDs[ql]);
+      }
+      if constexpr (ATOMIC) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int kl = key_w0 + (lane >> 2) + hf * 8;
+          *reinterpret_cast<uint32_t*>(sdS_ptr + sw128_offset<BK>(kl, acc_col(j, lane, 0))) =
+              Cvt<E>::pack(dpt[4 * j + 2 * hf], dpt[4 * j + 2 * hf + 1]);
+        }
+      }
+    }
+    if constexpr (ATOMIC) fence_proxy_async();
+
+    // 2. dV += Pᵀ dO, dK += dSᵀ Q.
+    fence_regs(dv);
+    fence_regs(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a<E>(st, kk, a);
+      Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a<E>(dpt, kk, a);
+      Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<BQ>(cQ, 0, kk), 1);
+    }
+    wgmma_commit();
+
+    // 3. dQ (64 queries x D/2 columns of this warpgroup) += dS K.
+    if constexpr (ATOMIC) {
+      __syncthreads();  // dSᵀ of both warpgroups is in shared memory
+      float dq[DH / 2];
+#pragma unroll
+      for (int i = 0; i < DH / 2; ++i) dq[i] = 0.f;
+      fence_regs(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        Wgmma<E, DH>::template ss<1, 1>(dq, desc_mn_major<BK>(sdS, 0, kk),
+                                        desc_mn_major<BK>(sK, wg * DH, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = i0 + acc_row(wq, lane, 2 * r);
+        if (i >= p.T) continue;
+        float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * D + wg * DH;
+#pragma unroll
+        for (int j = 0; j < DH / 8; ++j)
+          atomicAdd(reinterpret_cast<float2*>(dst + acc_col(j, lane, 0)),
+                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+      }
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_regs(dv);
+    fence_regs(dk);
+    __syncthreads();  // stage and dSᵀ are free for the next tile
+  }
+  cp_async_wait<0>();
+
+  E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs;
+  E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + wg * 64 + acc_row(wq, lane, 2 * r);
+    if (j >= p.S) continue;
+    E* dkr = dkb + static_cast<int64_t>(j) * p.k_ss;
+    E* dvr = dvb + static_cast<int64_t>(j) * p.k_ss;
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      const int col = acc_col(c, lane, 0);
+      *reinterpret_cast<uint32_t*>(dkr + col) =
+          Cvt<E>::pack(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvr + col) = Cvt<E>::pack(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
+template <class E, int D, bool ATOMIC>
+cudaError_t launch(const KParams& p, cudaStream_t stream) {
+  auto* kernel = bwd_wgmma_kernel<E, D, ATOMIC>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
+  return launch_with_smem(kernel, grid, kNT, hopper_bwd_smem_bytes<D>(), stream, p);
+}
+
+template <class E, bool ATOMIC>
+cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  switch (p.D) {
+    case 64: return launch<E, 64, ATOMIC>(p, stream);
+    case 128: return launch<E, 128, ATOMIC>(p, stream);
+    default: return cudaErrorNotSupported;  // D = 256: the mma.sync kernel
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream) {
+  if (dtype == DType::kBF16) {
+    return atomic_dq ? launch_d<__nv_bfloat16, true>(p, stream)
+                     : launch_d<__nv_bfloat16, false>(p, stream);
+  }
+  return atomic_dq ? launch_d<__half, true>(p, stream) : launch_d<__half, false>(p, stream);
+}
+
+}  // namespace fatrain::cuda

@@ -1,0 +1,208 @@
+// Hopper FlashAttention forward (wgmma from shared memory, sm_90a only).
+//
+// Grid (ceil(T / 128), N, B), two warpgroups of 128 threads; warpgroup w owns
+// query rows [64 w, 64 w + 64) of the block and their O (64 x D float32) in
+// registers. Per tile of BK keys (K, V double buffered through cp.async into
+// SW128 tiles, see wgmma.cuh):
+//   S = Q Kᵀ     wgmma, A = Q and B = K from shared memory (both K-major);
+//   online softmax in base 2 on the S registers (same masking as tc_fwd.cu);
+//   O += P V     wgmma, A = P from registers, B = V (MN-major).
+// One warpgroup-wide wgmma replaces 4 warps' ldmatrix + mma.sync: the B tile
+// is read from shared memory once per warpgroup instead of once per warp,
+// which was the mma.sync kernels' limit (PERF_NOTES.md).
+#include "cuda/launch.h"
+#include "cuda/wgmma.cuh"
+
+namespace fatrain::cuda {
+namespace {
+
+constexpr int kGroups = 2, kBQ = 64 * kGroups, kNT = 128 * kGroups;
+
+template <int D_, int BK_, int MIN_BLOCKS_>
+struct HopperFwdTile {
+  static constexpr int D = D_, BK = BK_, MIN_BLOCKS = MIN_BLOCKS_;
+  // Q + 2 stages of K and V, plus slack to align the base to 1024 bytes.
+  static constexpr int kSmemBytes = (kBQ * D + 4 * BK * D) * 2 + 1024;
+};
+
+template <class E, class Tile>
+__global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int D = Tile::D, BK = Tile::BK;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t sQ = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const uint32_t sK = sQ + kBQ * D * 2;
+  const uint32_t sV = sK + 2 * BK * D * 2;
+  constexpr uint32_t kStage = BK * D * 2;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3, tg = lane & 3;
+  const int b = blockIdx.z, n = blockIdx.y, i0 = blockIdx.x * kBQ;
+  const int kvh = n / (p.N / p.K);
+  HeadMask hm;
+  hm.init(p, b, n, kLog2e);
+  const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + n * p.q_hs;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
+
+  int lo, hi;
+  hm.key_range(i0, min(i0 + kBQ, p.T), &lo, &hi);
+  const int t_begin = lo / BK;
+  const int n_tiles = (i0 >= hm.q_end || hi <= lo) ? 0 : (hi - t_begin * BK + BK - 1) / BK;
+
+  load_tile_sw128<kBQ, D, kNT>(sQ, qb, p.q_ss, i0, p.T, tid);
+  if (n_tiles > 0) {
+    load_tile_sw128<BK, D, kNT>(sK, kb, p.k_ss, t_begin * BK, p.S, tid);
+    load_tile_sw128<BK, D, kNT>(sV, vb, p.k_ss, t_begin * BK, p.S, tid);
+  }
+  cp_async_commit();
+
+  float o[D / 2], s[BK / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BK / 2; ++i) s[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int warp_row0 = i0 + wg * 64 + wq * 16;  // the warp's 16 rows
+  const int row0 = warp_row0 + (lane >> 2);      // this thread's rows: row0, row0 + 8
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int j0 = (t_begin + t) * BK;
+    if (t + 1 < n_tiles) {
+      const uint32_t st = ((t + 1) & 1) * kStage;
+      load_tile_sw128<BK, D, kNT>(sK + st, kb, p.k_ss, j0 + BK, p.S, tid);
+      load_tile_sw128<BK, D, kNT>(sV + st, vb, p.k_ss, j0 + BK, p.S, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t cK = sK + (t & 1) * kStage, cV = sV + (t & 1) * kStage;
+
+    // S = Q Kᵀ (64 rows x BK keys for this warpgroup).
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<kBQ>(sQ, wg * 64, kk),
+                                      desc_k_major<BK>(cK, 0, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // Online softmax in base 2; this thread holds rows row0 (e < 2) and row0 + 8.
+    const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * p.scale_log2;
+        if (!full) x = hm.apply(row0 + (e >> 1) * 8, j0 + acc_col(j, lane, e), x);
+        s[4 * j + e] = x;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_new = fmaxf(m[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2_fast(m[r] - m_use);
+      m[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+        s[4 * j + 2 * r] = exp2_fast(s[4 * j + 2 * r] - m_use);
+        s[4 * j + 2 * r + 1] = exp2_fast(s[4 * j + 2 * r + 1] - m_use);
+        sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 2 * r] *= alpha;
+        o[4 * j + 2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V.
+    fence_regs(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a<E>(s, kk, a);
+      Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+    __syncthreads();  // both warpgroups are done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+
+  E* ob = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lt = quad_sum(l[r]);
+    const int row = row0 + r * 8;
+    if (row >= p.T) continue;
+    const bool live = lt > 0.f;
+    const float inv = live ? 1.f / lt : 0.f;
+    E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(orow + j * 8 + tg * 2) =
+          Cvt<E>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+    if (tg == 0) {
+      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
+          live ? (m[r] + log2f(lt)) * kLn2 : -INFINITY;
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
+template <class E, class Tile>
+cudaError_t launch(const KParams& p, cudaStream_t stream) {
+  auto* kernel = fwd_wgmma_kernel<E, Tile>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  dim3 grid((p.T + kBQ - 1) / kBQ, p.N, p.B);
+  return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes, stream, p);
+}
+
+// Where this kernel is the default: D = 256 (182-218 against 145-165 TFLOP/s
+// for the mma.sync kernel on an H200, tools/cuda_tile_sweep.py). At D = 64 and
+// 128 the mma.sync kernel measured faster (128-139 vs 87, 153-178 vs 141: two
+// warpgroups per SM, each waiting on its own softmax, leave the tensor cores
+// idle; 16 independent warps hide that better), so there the wgmma shapes
+// run only when asked for: JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=1 (128 keys per
+// tile) or 2 (64 keys).
+template <class E>
+cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  static const int c = env_tuning_choice("JAX_FATRAIN_CUDA_HOPPER_FWD_TILE");
+  switch (p.D) {
+    case 64:
+      if (c == 1) return launch<E, HopperFwdTile<64, 128, 1>>(p, stream);
+      if (c == 2) return launch<E, HopperFwdTile<64, 64, 2>>(p, stream);
+      return cudaErrorNotSupported;
+    case 128:
+      if (c == 1) return launch<E, HopperFwdTile<128, 128, 1>>(p, stream);
+      if (c == 2) return launch<E, HopperFwdTile<128, 64, 1>>(p, stream);
+      return cudaErrorNotSupported;
+    case 256: return launch<E, HopperFwdTile<256, 64, 1>>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? launch_d<__nv_bfloat16>(p, stream)
+                               : launch_d<__half>(p, stream);
+}
+
+}  // namespace fatrain::cuda

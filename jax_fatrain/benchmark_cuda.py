@@ -100,6 +100,9 @@ def main(argv=None):
   ap.add_argument("--masked-only", action="store_true",
                   help="only the boolean-mask and additive-bias rows")
   ap.add_argument("--no-xla", action="store_true", help="skip the slow XLA reference")
+  ap.add_argument("--part", default="1/1",
+                  help="K/N: run only the K-th of N equal slices of the rows (to split a "
+                       "run across time-limited sessions)")
   ap.add_argument("--json", help="also write the raw rows here")
   args = ap.parse_args(argv)
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
@@ -111,7 +114,12 @@ def main(argv=None):
   print("|" + "---|" * 14)
   fmt = lambda r, key: (f"{r[key]:.0f}" if r and key in r else
                         ("err" if r and "error" in r else "-"))
-  for cfg in configs(args.quick, args.masked_only):
+  part, parts = (int(x) for x in args.part.split("/"))
+  if not 1 <= part <= parts:
+    ap.error(f"--part must be K/N with 1 <= K <= N, got {args.part}")
+  rows = configs(args.quick, args.masked_only)
+  per = -(-len(rows) // parts)
+  for cfg in rows[(part - 1) * per:part * per]:
     row = {impl: run_one(cfg, impl) for impl in impls}
     results.append(dict(cfg, **row))
     ours, cudnn = row["cuda"], row["cudnn"]

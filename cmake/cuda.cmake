@@ -35,6 +35,11 @@ set_target_properties(fatrain_cuda_kernels PROPERTIES
   CUDA_SEPARABLE_COMPILATION OFF)
 target_compile_options(fatrain_cuda_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:${JAX_FATRAIN_CUDA_GENCODE} -O3 --expt-relaxed-constexpr>)
+# The wgmma kernels have a body only in sm_90a code; the host side launches
+# them only when this build made some (see has_sm90a_code in cpp/cuda/launch.h).
+if(JAX_FATRAIN_CUDA_GENCODE MATCHES "sm_90a")
+  target_compile_definitions(fatrain_cuda_kernels PRIVATE JAX_FATRAIN_CUDA_SM90A)
+endif()
 target_include_directories(fatrain_cuda_kernels PUBLIC cpp)
 target_link_libraries(fatrain_cuda_kernels PUBLIC CUDA::cudart_static)
 

@@ -39,16 +39,25 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int
 }
 
 // Whether `kernel` will run machine code built for sm_90a on the current
-// device (the wgmma kernels compile to an empty body for every other target,
-// and an sm_80-only build would otherwise run that body on a Hopper GPU).
+// device. The wgmma kernels compile to an empty body for every other target,
+// which must never run. The loaded code tells two cases apart (measured on an
+// H200: sm_90a machine code reports binary and PTX version 90; compute_80 PTX
+// compiled by the driver reports binary 90, PTX 80), but not sm_90a from plain
+// sm_90 (both 90/90): that comes from the build, where cmake/cuda.cmake
+// defines JAX_FATRAIN_CUDA_SM90A only when the gencode list has sm_90a.
 template <class Params>
 bool has_sm90a_code(void (*kernel)(Params)) {
+#if defined(JAX_FATRAIN_CUDA_SM90A)
   cudaFuncAttributes attr;
   if (cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) != cudaSuccess) {
     cudaGetLastError();  // clear it: the fallback launch reports its own errors
     return false;
   }
-  return attr.binaryVersion == 90;
+  return attr.binaryVersion == 90 && attr.ptxVersion == 90;
+#else
+  (void)kernel;
+  return false;
+#endif
 }
 
 // Whether the Hopper wgmma kernels may be used: JAX_FATRAIN_CUDA_KERNELS=mma_sync

@@ -129,7 +129,42 @@ struct HeadMask {
     if (wl >= 0) h = min(h, j1 + wl);
     *lo = l; *hi = h;
   }
+  // The key tiles of `tile` keys that query rows [i0, i1) can see: tiles
+  // first .. first + count - 1 (count 0 when none).
+  __device__ __forceinline__ void key_tiles(int i0, int i1, int tile, int* first,
+                                            int* count) const {
+    int lo, hi;
+    key_range(i0, i1, &lo, &hi);
+    *first = lo / tile;
+    *count = (i0 >= q_end || hi <= lo) ? 0 : (hi - *first * tile + tile - 1) / tile;
+  }
+  // The query tiles of `tile` rows that keys [j0, j1) are seen by, likewise.
+  __device__ __forceinline__ void query_tiles(int j0, int j1, int tile, int* first,
+                                              int* count) const {
+    int lo, hi;
+    query_range(j0, j1, &lo, &hi);
+    *first = lo / tile;
+    *count = (j0 >= kv_end || hi <= lo) ? 0 : (hi - *first * tile + tile - 1) / tile;
+  }
 };
+
+// The backward's per-row statistics of query rows [i0, i0 + n) of head h,
+// one row per thread tid < n: L in base 2 (+inf for a fully masked row, so
+// that its P is 0) and D = rowsum(dO * O); rows >= T get +inf and 0.
+__device__ __forceinline__ void load_row_stats(const KParams& p, int b, int h, int i0, int n,
+                                               int tid, float* s_l, float* s_dsum) {
+  if (tid >= n) return;
+  const int i = i0 + tid;
+  float L = INFINITY, Ds = 0.f;
+  if (i < p.T) {
+    const int64_t r = (static_cast<int64_t>(b) * p.N + h) * p.T + i;
+    const float lv = p.lse[r];
+    L = lv == -INFINITY ? INFINITY : lv * kLog2e;
+    Ds = p.dsum[r];
+  }
+  s_l[tid] = L;
+  s_dsum[tid] = Ds;
+}
 
 // ---------------------------------------------------------------------------
 // Tensor-core primitives (sm_80+).

@@ -44,10 +44,8 @@ __global__ void __launch_bounds__(kNT, MIN_BLOCKS) bwd_tc_kernel(const KParams p
 
   HeadMask hm;
   hm.init(p, b, kvh * G, kLog2e);
-  int qlo, qhi;
-  hm.query_range(j0, min(j0 + BK, p.S), &qlo, &qhi);
-  const int qt_begin = qlo / BQ;
-  const int nq = (j0 >= hm.kv_end || qhi <= qlo) ? 0 : (qhi - qt_begin * BQ + BQ - 1) / BQ;
+  int qt_begin, nq;
+  hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
   const int total = G * nq;
 
   load_tile<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);
@@ -60,18 +58,7 @@ __global__ void __launch_bounds__(kNT, MIN_BLOCKS) bwd_tc_kernel(const KParams p
     const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
     load_tile<BQ, D, NT>(sQ + stage * BQ * D, qb, p.q_ss, i0, p.T, tid);
     load_tile<BQ, D, NT>(sdO + stage * BQ * D, dob, p.q_ss, i0, p.T, tid);
-    if (tid < BQ) {
-      const int i = i0 + tid;
-      float L = INFINITY, Ds = 0.f;
-      if (i < p.T) {
-        const int64_t r = (static_cast<int64_t>(b) * p.N + h) * p.T + i;
-        const float lv = p.lse[r];
-        L = lv == -INFINITY ? INFINITY : lv * kLog2e;
-        Ds = p.dsum[r];
-      }
-      sL[stage * BQ + tid] = L;
-      sDs[stage * BQ + tid] = Ds;
-    }
+    load_row_stats(p, b, h, i0, BQ, tid, sL + stage * BQ, sDs + stage * BQ);
   };
   if (total > 0) prefetch(0, 0);
   cp_async_commit();

@@ -26,10 +26,8 @@ __global__ void __launch_bounds__(NW * 32) dq_tc_kernel(const KParams p) {
   const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
   const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
 
-  int lo, hi;
-  hm.key_range(i0, min(i0 + BQ, p.T), &lo, &hi);
-  const int t_begin = lo / BK;
-  const int n_tiles = (i0 >= hm.q_end || hi <= lo) ? 0 : (hi - t_begin * BK + BK - 1) / BK;
+  int t_begin, n_tiles;
+  hm.key_tiles(i0, min(i0 + BQ, p.T), BK, &t_begin, &n_tiles);
 
   load_tile<BQ, D, NT>(sQ, qb, p.q_ss, i0, p.T, tid);
   load_tile<BQ, D, NT>(sdO, dob, p.q_ss, i0, p.T, tid);

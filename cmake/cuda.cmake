@@ -16,7 +16,8 @@ set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 
 # sm_80 (Ampere) and sm_90a (Hopper): the mma.sync / ldmatrix / cp.async
-# kernels run on both; the hopper_*.cu wgmma kernels only in sm_90a code. Override with -DJAX_FATRAIN_CUDA_GENCODE="...".
+# kernels run on both; the hopper_*.cu wgmma kernels only in sm_90a code.
+# Override with -DJAX_FATRAIN_CUDA_GENCODE="...".
 set(JAX_FATRAIN_CUDA_GENCODE
     "-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_90a,code=sm_90a"
     CACHE STRING "nvcc -gencode flags for the CUDA kernels")

@@ -75,14 +75,15 @@ inline int env_tuning_choice(const char* name) {
   return v ? std::atoi(v) : 0;
 }
 
-// Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
-// see launch_with_smem.
-// Hopper wgmma path (bf16/f16, head_dim 64/128/256; sm_90a builds on a
-// compute-capability-9.0 GPU). cudaErrorNotSupported where it does not apply:
-// callers then use the mma.sync kernels.
+// Hopper wgmma path (bf16/f16; sm_90a builds on a compute-capability-9.0
+// GPU; hopper_*.cu say which head dims and problems each covers).
+// cudaErrorNotSupported where it does not apply: callers then use the
+// mma.sync kernels.
 cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 
+// Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
+// see launch_with_smem.
 cudaError_t launch_fwd_tc(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 cudaError_t launch_dq_tc(const KParams& p, DType dtype, cudaStream_t stream);

@@ -2,11 +2,14 @@
 //
 // Grid (ceil(T / 128), N, B), two warpgroups of 128 threads; warpgroup w owns
 // query rows [64 w, 64 w + 64) of the block and their O (64 x D float32) in
-// registers. Per tile of BK keys (K, V double buffered through cp.async into
-// SW128 tiles, see wgmma.cuh):
-//   S = Q Kᵀ     wgmma, A = Q and B = K from shared memory (both K-major);
-//   online softmax in base 2 on the S registers (same masking as tc_fwd.cu);
-//   O += P V     wgmma, A = P from registers, B = V (MN-major).
+// registers. K and V tiles of BK keys are double buffered through cp.async
+// into SW128 tiles (see wgmma.cuh). Per tile t:
+//   S_t = Q K_tᵀ      wgmma, A = Q and B = K from shared memory (both K-major);
+//   O += P_{t-1} V_{t-1}   wgmma, A = P from registers, B = V (MN-major),
+//                     issued right behind S_t so that it runs on the tensor
+//                     cores while this warpgroup computes the softmax of S_t;
+//   online softmax in base 2 on the S registers (same masking as tc_fwd.cu),
+//   then O is rescaled once its wgmma is done and P_t kept as 16-bit pairs.
 // One warpgroup-wide wgmma replaces 4 warps' ldmatrix + mma.sync: the B tile
 // is read from shared memory once per warpgroup instead of once per warp,
 // which was the mma.sync kernels' limit (PERF_NOTES.md).
@@ -48,46 +51,65 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
   int t_begin, n_tiles;
   hm.key_tiles(i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
 
+  // Loads are grouped so that one wait per tile suffices: the prologue brings
+  // Q and K_0; step t brings K_{t+1} and V_t while it computes with K_t and
+  // V_{t-1} (each slot's previous tile was finished in step t - 1).
   load_tile_sw128<kBQ, D, kNT>(sQ, qb, p.q_ss, i0, p.T, tid);
-  if (n_tiles > 0) {
-    load_tile_sw128<BK, D, kNT>(sK, kb, p.k_ss, t_begin * BK, p.S, tid);
-    load_tile_sw128<BK, D, kNT>(sV, vb, p.k_ss, t_begin * BK, p.S, tid);
-  }
+  if (n_tiles > 0) load_tile_sw128<BK, D, kNT>(sK, kb, p.k_ss, t_begin * BK, p.S, tid);
   cp_async_commit();
 
   float o[D / 2], s[BK / 2];
+  uint32_t pv[BK / 4];  // P of the previous tile, 16-bit pairs: the A operand of O += P V
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < BK / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BK / 4; ++i) pv[i] = 0u;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int warp_row0 = i0 + wg * 64 + wq * 16;  // the warp's 16 rows
   const int row0 = warp_row0 + (lane >> 2);      // this thread's rows: row0, row0 + 8
 
+  // O += P V for the tile whose values sit in slot `cV` (issued, not waited).
+  auto issue_pv = [&](uint32_t cV) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint32_t a[4] = {pv[4 * kk], pv[4 * kk + 1], pv[4 * kk + 2], pv[4 * kk + 3]};
+      Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
+    }
+    wgmma_commit();
+  };
+
+  // Step t overlaps this warpgroup's softmax of tile t with its O += P V of
+  // tile t - 1 on the tensor cores (FlashAttention-3's intra-warpgroup
+  // pipelining): issue S_t = Q K_tᵀ, issue O += P_{t-1} V_{t-1}, wait for S_t
+  // only, compute P_t and the row statistics, then wait for O and rescale it.
   for (int t = 0; t < n_tiles; ++t) {
     const int j0 = (t_begin + t) * BK;
-    if (t + 1 < n_tiles) {
-      const uint32_t st = ((t + 1) & 1) * kStage;
-      load_tile_sw128<BK, D, kNT>(sK + st, kb, p.k_ss, j0 + BK, p.S, tid);
-      load_tile_sw128<BK, D, kNT>(sV + st, vb, p.k_ss, j0 + BK, p.S, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();
-    const uint32_t cK = sK + (t & 1) * kStage, cV = sV + (t & 1) * kStage;
+    __syncthreads();  // K_t and V_{t-1} landed; every warp is done with step t - 1
+    const uint32_t cK = sK + (t & 1) * kStage, cV_prev = sV + ((t + 1) & 1) * kStage;
+    if (t + 1 < n_tiles)
+      load_tile_sw128<BK, D, kNT>(sK + ((t + 1) & 1) * kStage, kb, p.k_ss, j0 + BK, p.S, tid);
+    load_tile_sw128<BK, D, kNT>(sV + (t & 1) * kStage, vb, p.k_ss, j0, p.S, tid);
+    cp_async_commit();
 
-    // S = Q Kᵀ (64 rows x BK keys for this warpgroup).
     fence_regs(s);
+    fence_regs(o);
+    fence_regs(pv);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
       Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<kBQ>(sQ, wg * 64, kk),
                                       desc_k_major<BK>(cK, 0, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    if (t > 0) {
+      issue_pv(cV_prev);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
     fence_regs(s);
 
     // Online softmax in base 2; this thread holds rows row0 (e < 2) and row0 + 8.
@@ -101,6 +123,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
         s[4 * j + e] = x;
       }
     }
+    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -109,7 +132,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
       mx = quad_max(mx);
       const float m_new = fmaxf(m[r], mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2_fast(m[r] - m_use);
+      alpha[r] = exp2_fast(m[r] - m_use);
       m[r] = m_new;
       float sum = 0.f;
 #pragma unroll
@@ -118,29 +141,34 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
         s[4 * j + 2 * r + 1] = exp2_fast(s[4 * j + 2 * r + 1] - m_use);
         sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
       }
-      l[r] = l[r] * alpha + sum;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[4 * j + 2 * r] *= alpha;
-        o[4 * j + 2 * r + 1] *= alpha;
-      }
+      l[r] = l[r] * alpha[r] + sum;
     }
 
-    // O += P V.
-    fence_regs(o);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a<E>(s, kk, a);
-      Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
-    }
-    wgmma_commit();
+    // O += P_{t-1} V_{t-1} is done: rescale O to this tile's maximum and keep
+    // P_t for the next step.
     wgmma_wait<0>();
     fence_regs(o);
-    __syncthreads();  // both warpgroups are done with this stage before it is refilled
+    fence_regs(pv);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e >> 1];
+    }
+#pragma unroll
+    for (int i = 0; i < BK / 4; ++i) pv[i] = Cvt<E>::pack(s[2 * i], s[2 * i + 1]);
   }
-  cp_async_wait<0>();
+  if (n_tiles > 0) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // V of the last tile landed
+    fence_regs(o);
+    fence_regs(pv);
+    wgmma_fence();
+    issue_pv(sV + ((n_tiles - 1) & 1) * kStage);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pv);
+  }
 
   E* ob = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs;
 #pragma unroll
@@ -172,25 +200,29 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes, stream, p);
 }
 
-// Where this kernel is the default: D = 256 (182-218 against 145-165 TFLOP/s
-// for the mma.sync kernel on an H200, tools/cuda_tile_sweep.py). At D = 64 and
-// 128 the mma.sync kernel measured faster (128-139 vs 87, 153-178 vs 141: two
-// warpgroups per SM, each waiting on its own softmax, leave the tensor cores
-// idle; 16 independent warps hide that better), so there the wgmma shapes
-// run only when asked for: JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=1 (128 keys per
-// tile) or 2 (64 keys).
+// Tile shapes measured on an H200 (tools/cuda_tile_sweep.py, bf16, T = 4096,
+// forward TFLOP/s non-causal / causal; the mma.sync kernel in brackets):
+//   D =  64: BK  64, 2 blocks per SM 139 / 126; BK 128, 1 block 90 / 57;
+//            BK 128, 2 blocks (spills) 128 / 99   [mma.sync 129 / 120]
+//   D = 128: BK  64, 2 blocks (316-byte spill) 187 / 159; BK 64, 1 block
+//            145 / 122; BK 128, 1 block 150 / 132  [175 / 137]
+//   D = 256: BK  64, 1 block 226 (GQA 16:2, T = 8192: 248)  [145-165]
+// Two blocks per SM win where they fit: their warpgroups do not wait on each
+// other's barriers, so one block's softmax overlaps the other's wgmma.
+// JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=1 or 2 selects the other shapes for
+// re-measuring on another GPU.
 template <class E>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   static const int c = env_tuning_choice("JAX_FATRAIN_CUDA_HOPPER_FWD_TILE");
   switch (p.D) {
     case 64:
       if (c == 1) return launch<E, HopperFwdTile<64, 128, 1>>(p, stream);
-      if (c == 2) return launch<E, HopperFwdTile<64, 64, 2>>(p, stream);
-      return cudaErrorNotSupported;
+      if (c == 2) return launch<E, HopperFwdTile<64, 128, 2>>(p, stream);
+      return launch<E, HopperFwdTile<64, 64, 2>>(p, stream);
     case 128:
       if (c == 1) return launch<E, HopperFwdTile<128, 128, 1>>(p, stream);
       if (c == 2) return launch<E, HopperFwdTile<128, 64, 1>>(p, stream);
-      return cudaErrorNotSupported;
+      return launch<E, HopperFwdTile<128, 64, 2>>(p, stream);
     case 256: return launch<E, HopperFwdTile<256, 64, 1>>(p, stream);
     default: return cudaErrorInvalidValue;
   }

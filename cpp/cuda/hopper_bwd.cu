@@ -81,15 +81,13 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   for (int it = 0; it < total; ++it) {
     const int h = kvh * G + it / nq;
     const int i0 = (qt_begin + it % nq) * BQ;
-    if (it + 1 < total) {
-      prefetch(it + 1, (it + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();
     fence_proxy_async();
+    // This tile's stage landed; every warp is done with the previous tile, so
+    // its stage and dSᵀ may be overwritten.
     __syncthreads();
+    if (it + 1 < total) prefetch(it + 1, (it + 1) & 1);
+    cp_async_commit();
     hm.init(p, b, h, kLog2e);
     const uint32_t cQ = sQ + (it & 1) * kQStage, cdO = sdO + (it & 1) * kQStage;
     const float* cL = sL + (it & 1) * BQ;
@@ -184,9 +182,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     }
     fence_regs(dv);
     fence_regs(dk);
-    __syncthreads();  // stage and dSᵀ are free for the next tile
   }
-  cp_async_wait<0>();
 
   E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs;
   E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs;

@@ -22,6 +22,47 @@ namespace {
 
 constexpr int kBK = 128, kBQ = 64, kNT = 256;
 
+// dQ rows [i0, i0 + 64) x columns [col0, col0 + NC) of head h, a 64 x NC
+// wgmma accumulator, added to the float32 scratch with float2 atomics.
+template <int NC>
+__device__ __forceinline__ void add_dq_tile(const KParams& p, const float (&dq)[NC / 2], int b,
+                                            int h, int i0, int col0, int wq, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + acc_row(wq, lane, 2 * r);
+    if (i >= p.T) continue;
+    float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * p.D + col0;
+#pragma unroll
+    for (int j = 0; j < NC / 8; ++j)
+      atomicAdd(reinterpret_cast<float2*>(dst + acc_col(j, lane, 0)),
+                make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+  }
+}
+
+// Writes dK (times the softmax scale) and dV for keys [j0, j0 + 64) x columns
+// [col0, col0 + NC), 64 x NC wgmma accumulators, to the outputs of head kvh.
+template <class E, int NC>
+__device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[NC / 2],
+                                            const float (&dv)[NC / 2], int b, int kvh, int j0,
+                                            int col0, int wq, int lane) {
+  E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs + col0;
+  E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs + col0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + acc_row(wq, lane, 2 * r);
+    if (j >= p.S) continue;
+    E* dkr = dkb + static_cast<int64_t>(j) * p.k_ss;
+    E* dvr = dvb + static_cast<int64_t>(j) * p.k_ss;
+#pragma unroll
+    for (int c = 0; c < NC / 8; ++c) {
+      const int col = acc_col(c, lane, 0);
+      *reinterpret_cast<uint32_t*>(dkr + col) =
+          Cvt<E>::pack(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvr + col) = Cvt<E>::pack(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
+    }
+  }
+}
+
 template <int D>
 constexpr int hopper_bwd_smem_bytes() {
   // K, V; 2 stages of Q, dO; dSᵀ; 2 stages of L, D; alignment slack.
@@ -167,16 +208,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(dq);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int i = i0 + acc_row(wq, lane, 2 * r);
-        if (i >= p.T) continue;
-        float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * D + wg * DH;
-#pragma unroll
-        for (int j = 0; j < DH / 8; ++j)
-          atomicAdd(reinterpret_cast<float2*>(dst + acc_col(j, lane, 0)),
-                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-      }
+      add_dq_tile<DH>(p, dq, b, h, i0, wg * DH, wq, lane);
     } else {
       wgmma_wait<0>();
     }
@@ -184,22 +216,175 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     fence_regs(dk);
   }
 
-  E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs;
-  E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs;
+  store_dk_dv<E, D>(p, dk, dv, b, kvh, j0 + wg * 64, 0, wq, lane);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
+// head_dim 256: dK and dV of 64 keys x 256 would take 256 registers per
+// thread, so here both warpgroups share the block's 64 keys and split the
+// head dim instead: warpgroup w keeps dK, dV columns [128 w, 128 w + 128).
+// Grid (ceil(S / 64), K, B); per query tile of 64 (Q, dO, L, D double
+// buffered):
+//   1. Sᵀ, dPᵀ for the 64 keys x queries [32 w, 32 w + 32) (ss wgmma, N = 32);
+//      Pᵀ and dSᵀ go to shared memory as 16-bit [key][query] tiles, because
+//      step 2 needs all 64 queries of them in each warpgroup;
+//   2. dV += Pᵀ dO, dK += dSᵀ Q on this warpgroup's columns (ss wgmma, A
+//      K-major from those tiles, B MN-major);
+//   3. (atomic mode) dQ += dS K on the same columns (A = dSᵀ read MN-major),
+//      added with atomics as in the kernel above.
+constexpr int kBK256 = 64;
+
+constexpr int hopper_bwd256_smem_bytes() {
+  // K, V; 2 stages of Q, dO; Pᵀ and dSᵀ; 2 stages of L, D; alignment slack.
+  return (2 * kBK256 * 256 + 4 * kBQ * 256 + 2 * kBK256 * kBQ) * 2 + 4 * kBQ * 4 + 1024;
+}
+
+template <class E, bool ATOMIC>
+__global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int D = 256, BK = kBK256, BQ = kBQ, NT = kNT, DW = D / 2, QW = BQ / 2;
+  constexpr uint32_t kQStage = BQ * D * 2;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const uint32_t sK = base, sV = sK + BK * D * 2;
+  const uint32_t sQ = sV + BK * D * 2;      // 2 stages
+  const uint32_t sdO = sQ + 2 * kQStage;    // 2 stages
+  const uint32_t sP = sdO + 2 * kQStage;    // Pᵀ: [BK keys][BQ queries]
+  const uint32_t sdS = sP + BK * BQ * 2;    // dSᵀ, likewise
+  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
+  float* sL = reinterpret_cast<float*>(smem_ptr(sdS + BK * BQ * 2));
+  float* sDs = sL + 2 * BQ;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
+  const int G = p.N / p.K;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
+
+  HeadMask hm;
+  hm.init(p, b, kvh * G, kLog2e);
+  int qt_begin, nq;
+  hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
+  const int total = G * nq;
+
+  load_tile_sw128<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);
+  load_tile_sw128<BK, D, NT>(sV, vb, p.k_ss, j0, p.S, tid);
+  auto prefetch = [&](int it, int stage) {
+    const int h = kvh * G + it / nq;
+    const int i0 = (qt_begin + it % nq) * BQ;
+    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + h * p.q_hs;
+    const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
+    load_tile_sw128<BQ, D, NT>(sQ + stage * kQStage, qb, p.q_ss, i0, p.T, tid);
+    load_tile_sw128<BQ, D, NT>(sdO + stage * kQStage, dob, p.q_ss, i0, p.T, tid);
+    load_row_stats(p, b, h, i0, BQ, tid, sL + stage * BQ, sDs + stage * BQ);
+  };
+  if (total > 0) prefetch(0, 0);
+  cp_async_commit();
+
+  float dk[DW / 2], dv[DW / 2], st[QW / 2], dpt[QW / 2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = j0 + wg * 64 + acc_row(wq, lane, 2 * r);
-    if (j >= p.S) continue;
-    E* dkr = dkb + static_cast<int64_t>(j) * p.k_ss;
-    E* dvr = dvb + static_cast<int64_t>(j) * p.k_ss;
+  for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
 #pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      const int col = acc_col(c, lane, 0);
-      *reinterpret_cast<uint32_t*>(dkr + col) =
-          Cvt<E>::pack(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dvr + col) = Cvt<E>::pack(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
+  for (int i = 0; i < QW / 2; ++i) st[i] = dpt[i] = 0.f;
+  const int key_w0 = wq * 16;  // the warp's 16 keys, relative to j0
+  const int q_w0 = wg * QW;    // the warpgroup's 32 queries in step 1, relative to i0
+
+  for (int it = 0; it < total; ++it) {
+    const int h = kvh * G + it / nq;
+    const int i0 = (qt_begin + it % nq) * BQ;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    // This tile's stage landed; every warp is done with the previous tile, so
+    // its stage, Pᵀ and dSᵀ may be overwritten.
+    __syncthreads();
+    if (it + 1 < total) prefetch(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    hm.init(p, b, h, kLog2e);
+    const uint32_t cQ = sQ + (it & 1) * kQStage, cdO = sdO + (it & 1) * kQStage;
+    const float* cL = sL + (it & 1) * BQ;
+    const float* cDs = sDs + (it & 1) * BQ;
+
+    // 1. Sᵀ and dPᵀ for the 64 keys x this warpgroup's 32 queries.
+    fence_regs(st);
+    fence_regs(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, QW>::template ss<0, 0>(st, desc_k_major<BK>(sK, 0, kk),
+                                      desc_k_major<BQ>(cQ, q_w0, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, QW>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, 0, kk),
+                                      desc_k_major<BQ>(cdO, q_w0, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+
+    const bool full = hm.tile_is_full(i0 + q_w0, i0 + q_w0 + QW, j0 + key_w0, j0 + key_w0 + 16);
+#pragma unroll
+    for (int j = 0; j < QW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
+        const int ql = q_w0 + acc_col(j, lane, e);
+        float x = st[4 * j + e] * p.scale_log2;
+        if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
+        const float pv = exp2_fast(x - cL[ql]);
+        st[4 * j + e] = pv;
+        dpt[4 * j + e] = pv * (dpt[4 * j + e] - cDs[ql]);
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const uint32_t off =
+            sw128_offset<BK>(key_w0 + (lane >> 2) + hf * 8, q_w0 + acc_col(j, lane, 0));
+        *reinterpret_cast<uint32_t*>(smem_ptr(sP + off)) =
+            Cvt<E>::pack(st[4 * j + 2 * hf], st[4 * j + 2 * hf + 1]);
+        *reinterpret_cast<uint32_t*>(smem_ptr(sdS + off)) =
+            Cvt<E>::pack(dpt[4 * j + 2 * hf], dpt[4 * j + 2 * hf + 1]);
+      }
     }
+    fence_proxy_async();
+    __syncthreads();  // Pᵀ and dSᵀ of both warpgroups are in shared memory
+
+    // 2. dV += Pᵀ dO, dK += dSᵀ Q on columns [128 w, 128 w + 128).
+    fence_regs(dv);
+    fence_regs(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      Wgmma<E, DW>::template ss<0, 1>(dv, desc_k_major<BK>(sP, 0, kk),
+                                      desc_mn_major<BQ>(cdO, wg * DW, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      Wgmma<E, DW>::template ss<0, 1>(dk, desc_k_major<BK>(sdS, 0, kk),
+                                      desc_mn_major<BQ>(cQ, wg * DW, kk), 1);
+    wgmma_commit();
+
+    // 3. dQ (64 queries x this warpgroup's 128 columns) += dS K.
+    if constexpr (ATOMIC) {
+      float dq[DW / 2];
+#pragma unroll
+      for (int i = 0; i < DW / 2; ++i) dq[i] = 0.f;
+      fence_regs(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        Wgmma<E, DW>::template ss<1, 1>(dq, desc_mn_major<BK>(sdS, 0, kk),
+                                        desc_mn_major<BK>(sK, wg * DW, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq);
+      add_dq_tile<DW>(p, dq, b, h, i0, wg * DW, wq, lane);
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_regs(dv);
+    fence_regs(dk);
   }
+
+  store_dk_dv<E, DW>(p, dk, dv, b, kvh, j0, wg * DW, wq, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
@@ -221,7 +406,13 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   switch (p.D) {
     case 64: return launch<E, 64, ATOMIC>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);
-    default: return cudaErrorNotSupported;  // D = 256: the mma.sync kernel
+    case 256: {
+      auto* kernel = bwd_wgmma_d256_kernel<E, ATOMIC>;
+      if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+      dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
+      return launch_with_smem(kernel, grid, kNT, hopper_bwd256_smem_bytes(), stream, p);
+    }
+    default: return cudaErrorNotSupported;
   }
 }
 

@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     const float* cL = sL + (it & 1) * BQ;
     const float* cDs = sDs + (it & 1) * BQ;
 
-    // 1. Sᵀ and dPᵀ for this warpgroup's 64 keys x the tile's 64 queries.
+    // 1. Sᵀ and dPᵀ for this warpgroup's 64 keys x the tile's 64 queries,
+    // committed separately: Pᵀ and dV += Pᵀ dO go ahead while dPᵀ computes.
     fence_regs(st);
     fence_regs(dpt);
     wgmma_fence();
@@ -142,15 +143,16 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     for (int kk = 0; kk < D / 16; ++kk)
       Wgmma<E, BQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, wg * 64, kk),
                                       desc_k_major<BQ>(cQ, 0, kk), kk > 0);
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
       Wgmma<E, BQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, wg * 64, kk),
                                       desc_k_major<BQ>(cdO, 0, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     fence_regs(st);
-    fence_regs(dpt);
 
+    // Pᵀ = exp2(Sᵀ - L).
     const bool full = hm.tile_is_full(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
 #pragma unroll
     for (int j = 0; j < BQ / 8; ++j) {
@@ -160,10 +162,29 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
         const int ql = acc_col(j, lane, e);
         float x = st[4 * j + e] * p.scale_log2;
         if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
-        const float pv = exp2_fast(x - cL[ql]);
-        st[4 * j + e] = pv;
-        dpt[4 * j + e] = pv * (dpt[4 * j + e] - cDs[ql]);
+        st[4 * j + e] = exp2_fast(x - cL[ql]);
       }
+    }
+
+    // 2a. dV += Pᵀ dO (A = Pᵀ from registers, B = dO MN-major).
+    fence_regs(dv);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a<E>(st, kk, a);
+      Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dPᵀ is done; dV may still run
+    fence_regs(dpt);
+
+    // dSᵀ = Pᵀ (dPᵀ - D), also to shared memory as 16-bit for step 3.
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cDs[acc_col(j, lane, e)]);
       if constexpr (ATOMIC) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -175,16 +196,9 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     }
     if constexpr (ATOMIC) fence_proxy_async();
 
-    // 2. dV += Pᵀ dO, dK += dSᵀ Q.
-    fence_regs(dv);
+    // 2b. dK += dSᵀ Q.
     fence_regs(dk);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a<E>(st, kk, a);
-      Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
-    }
 #pragma unroll
     for (int kk = 0; kk < BQ / 16; ++kk) {
       uint32_t a[4];
@@ -313,16 +327,21 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
     for (int kk = 0; kk < D / 16; ++kk)
       Wgmma<E, QW>::template ss<0, 0>(st, desc_k_major<BK>(sK, 0, kk),
                                       desc_k_major<BQ>(cQ, q_w0, kk), kk > 0);
+    wgmma_commit();  // Pᵀ is computed while dPᵀ runs
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
       Wgmma<E, QW>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, 0, kk),
                                       desc_k_major<BQ>(cdO, q_w0, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     fence_regs(st);
-    fence_regs(dpt);
 
+    // The thread's element (j, e) sits at key key_w0 + kl_of(e), query
+    // q_w0 + acc_col(j, lane, e); pairs e = 2 hf, 2 hf + 1 share a key.
     const bool full = hm.tile_is_full(i0 + q_w0, i0 + q_w0 + QW, j0 + key_w0, j0 + key_w0 + 16);
+    auto off = [&](int j, int hf) {
+      return sw128_offset<BK>(key_w0 + (lane >> 2) + hf * 8, q_w0 + acc_col(j, lane, 0));
+    };
 #pragma unroll
     for (int j = 0; j < QW / 8; ++j) {
 #pragma unroll
@@ -331,19 +350,24 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
         const int ql = q_w0 + acc_col(j, lane, e);
         float x = st[4 * j + e] * p.scale_log2;
         if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
-        const float pv = exp2_fast(x - cL[ql]);
-        st[4 * j + e] = pv;
-        dpt[4 * j + e] = pv * (dpt[4 * j + e] - cDs[ql]);
+        st[4 * j + e] = exp2_fast(x - cL[ql]);
       }
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const uint32_t off =
-            sw128_offset<BK>(key_w0 + (lane >> 2) + hf * 8, q_w0 + acc_col(j, lane, 0));
-        *reinterpret_cast<uint32_t*>(smem_ptr(sP + off)) =
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<uint32_t*>(smem_ptr(sP + off(j, hf))) =
             Cvt<E>::pack(st[4 * j + 2 * hf], st[4 * j + 2 * hf + 1]);
-        *reinterpret_cast<uint32_t*>(smem_ptr(sdS + off)) =
+    }
+    wgmma_wait<0>();
+    fence_regs(dpt);
+#pragma unroll
+    for (int j = 0; j < QW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cDs[q_w0 + acc_col(j, lane, e)]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<uint32_t*>(smem_ptr(sdS + off(j, hf))) =
             Cvt<E>::pack(dpt[4 * j + 2 * hf], dpt[4 * j + 2 * hf + 1]);
-      }
     }
     fence_proxy_async();
     __syncthreads();  // Pᵀ and dSᵀ of both warpgroups are in shared memory

@@ -61,9 +61,10 @@ LARGE = [
 ]
 
 
-# On a Hopper GPU the wgmma kernels run by default (head_dim <= 128 for the
-# backward); JAX_FATRAIN_CUDA_KERNELS=mma_sync runs the sm_80 kernels there
-# too, so both families are checked on the one GPU we have.
+# On a Hopper GPU the wgmma kernels run by default (for the backward, when
+# there is no elementwise mask or bias); JAX_FATRAIN_CUDA_KERNELS=mma_sync runs
+# the sm_80 kernels there too, so both families are checked on the one GPU we
+# have.
 @pytest.mark.parametrize("deterministic,kernels",
                          [(False, "default"), (True, "default"), (False, "mma_sync")])
 @pytest.mark.parametrize("case", LARGE, ids=lambda c: c.id)

@@ -188,7 +188,8 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
                   aligned16(op.v) && aligned16(op.o) && aligned16(op.d_o) &&
                   aligned16(op.dq) && aligned16(op.dk) && aligned16(op.dv);
   if (tc) {
-    // The wgmma kernel where it applies (Hopper, head_dim <= 128), else mma.sync.
+    // The wgmma kernel where it applies (Hopper, no elementwise mask or bias),
+    // else mma.sync.
     auto bwd_tc = [&](bool atomic_dq) {
       cudaError_t e = wgmma_allowed() ? launch_bwd_wgmma(p, dt, atomic_dq, stream)
                                       : cudaErrorNotSupported;

@@ -202,10 +202,12 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 
 // Tile shapes measured on an H200 (tools/cuda_tile_sweep.py, bf16, T = 4096,
 // forward TFLOP/s non-causal / causal; the mma.sync kernel in brackets):
-//   D =  64: BK  64, 2 blocks per SM 139 / 126; BK 128, 1 block 90 / 57;
-//            BK 128, 2 blocks (spills) 128 / 99   [mma.sync 129 / 120]
-//   D = 128: BK  64, 2 blocks (316-byte spill) 187 / 159; BK 64, 1 block
-//            145 / 122; BK 128, 1 block 150 / 132  [175 / 137]
+//   D =  64: BK  64, 2 blocks per SM 133-140 / 116-126; BK 128, 1 block
+//            90 / 57; BK 128, 2 blocks (spills) 128 / 99
+//            [mma.sync 129-135 / 114-121: a tie, so Hopper keeps one
+//            forward kernel family at every head dim]
+//   D = 128: BK  64, 2 blocks (316-byte spill) 186-189 / 149-162; BK 64,
+//            1 block 145 / 122; BK 128, 1 block 150 / 132  [165-175 / 133-141]
 //   D = 256: BK  64, 1 block 226 (GQA 16:2, T = 8192: 248)  [145-165]
 // Two blocks per SM win where they fit: their warpgroups do not wait on each
 // other's barriers, so one block's softmax overlaps the other's wgmma.

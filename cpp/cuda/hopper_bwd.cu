@@ -1,15 +1,18 @@
 // Hopper FlashAttention backward (wgmma from shared memory, sm_90a only),
-// KV tiles outer, head_dim 64 and 128.
+// KV tiles outer: bwd_wgmma_kernel for head_dim 64 and 128, below it
+// bwd_wgmma_d256_kernel for head_dim 256.
 //
 // Grid (ceil(S / 128), K, B), two warpgroups; warpgroup w owns keys
 // [64 w, 64 w + 64) of the block and keeps their dK, dV (64 x D float32) in
 // registers while the block walks the query heads of its GQA group and the
 // query tiles of 64 that can see its keys (Q, dO, L, D double buffered).
 // Per query tile:
-//   1. Sᵀ = K Qᵀ, dPᵀ = V dOᵀ        (ss wgmma, all operands K-major);
-//      Pᵀ = exp2(Sᵀ - L), dSᵀ = Pᵀ (dPᵀ - D) in registers; dSᵀ also goes to
-//      shared memory as 16-bit for step 3.
-//   2. dV += Pᵀ dO, dK += dSᵀ Q       (rs wgmma: A from registers, B MN-major);
+//   1. Sᵀ = K Qᵀ, dPᵀ = V dOᵀ        (ss wgmma, all operands K-major, two
+//      commit groups); Pᵀ = exp2(Sᵀ - L) once Sᵀ is done, dSᵀ = Pᵀ (dPᵀ - D)
+//      once dPᵀ is, in registers; dSᵀ also goes to shared memory as 16-bit
+//      for step 3.
+//   2. dV += Pᵀ dO (issued before dPᵀ is waited for), dK += dSᵀ Q
+//                                     (rs wgmma: A from registers, B MN-major);
 //   3. (atomic mode) dQ += dS K        (ss wgmma, A = dSᵀ and B = K read
 //      MN-major; warpgroup w takes columns [w D/2, (w + 1) D/2)), added to a
 //      float32 scratch with atomics. The deterministic mode leaves dQ to

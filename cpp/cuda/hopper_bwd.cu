@@ -66,6 +66,29 @@ __device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[
   }
 }
 
+// The block's K and V rows [j0, j0 + BK) of KV head kvh (SW128, cp.async).
+template <int BK, int D>
+__device__ __forceinline__ void load_key_block(const KParams& p, int b, int kvh, int j0,
+                                               uint32_t sK, uint32_t sV, int tid) {
+  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
+  load_tile_sw128<BK, D, kNT>(sK, kb, p.k_ss, j0, p.S, tid);
+  load_tile_sw128<BK, D, kNT>(sV, vb, p.k_ss, j0, p.S, tid);
+}
+
+// One query step's Q and dO rows [i0, i0 + kBQ) of head h (SW128, cp.async)
+// and their L and D row statistics.
+template <int D>
+__device__ __forceinline__ void load_query_step(const KParams& p, int b, int h, int i0,
+                                                uint32_t sQ, uint32_t sdO, float* sL,
+                                                float* sDs, int tid) {
+  const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + h * p.q_hs;
+  const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
+  load_tile_sw128<kBQ, D, kNT>(sQ, qb, p.q_ss, i0, p.T, tid);
+  load_tile_sw128<kBQ, D, kNT>(sdO, dob, p.q_ss, i0, p.T, tid);
+  load_row_stats(p, b, h, i0, kBQ, tid, sL, sDs);
+}
+
 template <int D>
 constexpr int hopper_bwd_smem_bytes() {
   // K, V; 2 stages of Q, dO; dSᵀ; 2 stages of L, D; alignment slack.
@@ -91,8 +114,6 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
   const int G = p.N / p.K;
-  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
-  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
 
   HeadMask hm;
   hm.init(p, b, kvh * G, kLog2e);
@@ -100,17 +121,13 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
   const int total = G * nq;
 
-  load_tile_sw128<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);
-  load_tile_sw128<BK, D, NT>(sV, vb, p.k_ss, j0, p.S, tid);
+  load_key_block<BK, D>(p, b, kvh, j0, sK, sV, tid);
 
   auto prefetch = [&](int it, int stage) {
     const int h = kvh * G + it / nq;
     const int i0 = (qt_begin + it % nq) * BQ;
-    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + h * p.q_hs;
-    const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
-    load_tile_sw128<BQ, D, NT>(sQ + stage * kQStage, qb, p.q_ss, i0, p.T, tid);
-    load_tile_sw128<BQ, D, NT>(sdO + stage * kQStage, dob, p.q_ss, i0, p.T, tid);
-    load_row_stats(p, b, h, i0, BQ, tid, sL + stage * BQ, sDs + stage * BQ);
+    load_query_step<D>(p, b, h, i0, sQ + stage * kQStage, sdO + stage * kQStage,
+                       sL + stage * BQ, sDs + stage * BQ, tid);
   };
   if (total > 0) prefetch(0, 0);
   cp_async_commit();
@@ -276,8 +293,6 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
   const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
   const int G = p.N / p.K;
-  const uint16_t* kb = static_cast<const uint16_t*>(p.k) + b * p.k_bs + kvh * p.k_hs;
-  const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
 
   HeadMask hm;
   hm.init(p, b, kvh * G, kLog2e);
@@ -285,16 +300,12 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
   hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
   const int total = G * nq;
 
-  load_tile_sw128<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);
-  load_tile_sw128<BK, D, NT>(sV, vb, p.k_ss, j0, p.S, tid);
+  load_key_block<BK, D>(p, b, kvh, j0, sK, sV, tid);
   auto prefetch = [&](int it, int stage) {
     const int h = kvh * G + it / nq;
     const int i0 = (qt_begin + it % nq) * BQ;
-    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + b * p.q_bs + h * p.q_hs;
-    const uint16_t* dob = static_cast<const uint16_t*>(p.d_o) + b * p.q_bs + h * p.q_hs;
-    load_tile_sw128<BQ, D, NT>(sQ + stage * kQStage, qb, p.q_ss, i0, p.T, tid);
-    load_tile_sw128<BQ, D, NT>(sdO + stage * kQStage, dob, p.q_ss, i0, p.T, tid);
-    load_row_stats(p, b, h, i0, BQ, tid, sL + stage * BQ, sDs + stage * BQ);
+    load_query_step<D>(p, b, h, i0, sQ + stage * kQStage, sdO + stage * kQStage,
+                       sL + stage * BQ, sDs + stage * BQ, tid);
   };
   if (total > 0) prefetch(0, 0);
   cp_async_commit();

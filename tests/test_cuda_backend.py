@@ -58,6 +58,14 @@ LARGE = [
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S), bias_shape=(1, N, T, S)),
     Case(batch=1, q_len=300, kv_len=300, q_heads=16, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True),
+    # Shapes whose mask or bias the Hopper kernels stage through shared memory
+    # (one score tensor, contiguous keys, S a multiple of 16 bytes' worth).
+    Case(batch=2, q_len=320, kv_len=384, q_heads=4, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, bias_shape=(1, N, T, S)),
+    Case(batch=2, q_len=300, kv_len=256, q_heads=4, kv_heads=4, head_dim=64,
+         dtype=jnp.float16, is_causal=True, mask_shape=(B, 1, T, S)),
+    Case(batch=2, q_len=200, kv_len=512, q_heads=2, kv_heads=1, head_dim=128,
+         dtype=jnp.bfloat16, mask_shape=(B, 1, 1, S), window=(100, 50)),
 ]
 
 

@@ -65,6 +65,25 @@ bool tensor_core_ok(const AttentionProblem& p, DType dtype) {
 
 size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
+// Whether the Hopper kernels may stage the score tensor a tile at a time with
+// 16-byte copies (KParams::staged): exactly one of mask and bias, a mask or a
+// 16-bit bias, contiguous along keys, every row 16-byte aligned and S a
+// multiple of 16 bytes' worth of keys. Returns its bytes per element, else 0
+// (the kernels then load each score's mask or bias on its own).
+int staged_score_bytes(const AttentionProblem& pr) {
+  const bool has_bias = pr.bias.data != nullptr, has_mask = pr.mask.data != nullptr;
+  if (has_bias == has_mask) return 0;
+  const ScoreTensor& t = has_bias ? pr.bias : pr.mask;
+  const int bytes = has_mask ? 1 : (t.dtype == DType::kF32 ? 4 : 2);
+  if (bytes == 4) return 0;
+  const int64_t per_chunk = 16 / bytes;
+  if (t.dims[3] != pr.kv_len || t.strides[3] != 1 || pr.kv_len % per_chunk != 0) return 0;
+  for (int a = 0; a < 3; ++a)
+    if (t.strides[a] % per_chunk != 0) return 0;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return 0;
+  return bytes;
+}
+
 KParams make_params(const AttentionProblem& pr, const SeqTensor& q, const SeqTensor& k) {
   KParams p;
   std::memset(&p, 0, sizeof(p));
@@ -87,6 +106,7 @@ KParams make_params(const AttentionProblem& pr, const SeqTensor& q, const SeqTen
     p.mask_st[a] = pr.mask.strides[a];
   }
   p.mask = static_cast<const uint8_t*>(pr.mask.data);
+  p.staged = staged_score_bytes(pr);
   return p;
 }
 

@@ -31,6 +31,10 @@ struct KParams {
   const int32_t* q_lengths; const int32_t* kv_lengths;
   const void* bias; int bias_dtype; int64_t bias_st[4]; int64_t bias_dims[4];
   const uint8_t* mask; int64_t mask_st[4];
+  // Bytes per element of the one score tensor (mask 1, 16-bit bias 2) that the
+  // Hopper kernels may stage a tile at a time through shared memory, 0 for none
+  // (see staged_score_bytes in attention_cuda.cu for when it applies).
+  int staged;
 };
 
 template <class E> struct Cvt;
@@ -87,19 +91,39 @@ struct HeadMask {
     mst2 = p.mask_st[2]; mst3 = p.mask_st[3];
     bias_mul = mul;
   }
-  __device__ __forceinline__ bool visible(int i, int j) const {
+  // Lengths, causality and window; not the mask.
+  __device__ __forceinline__ bool in_range(int i, int j) const {
     if (i >= q_end || j >= kv_end) return false;
     if (causal && j > i) return false;
     if (wl >= 0 && j < i - wl) return false;
     if (wr >= 0 && j > i + wr) return false;
-    if (mask && !mask[i * mst2 + j * mst3]) return false;
     return true;
+  }
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return in_range(i, j) && !(mask && !mask[i * mst2 + j * mst3]);
   }
   // x: the scaled score (in the kernel's base); returns it masked and biased.
   __device__ __forceinline__ float apply(int i, int j, float x) const {
     if (!visible(i, j)) return -INFINITY;
     if (bias) x += bias_mul * load_score_f(bias, bias_dtype, i * bst2 + j * bst3);
     return x;
+  }
+  // apply() where the kernel staged the score tensor (KParams::staged = EB):
+  // `staged` points at element (i, j) of the staged tile, a mask byte (EB = 1)
+  // or a 16-bit bias value (EB = 2), the only score tensor present.
+  template <int EB>
+  __device__ __forceinline__ float apply_staged(int i, int j, float x,
+                                                const uint8_t* staged) const {
+    if (!in_range(i, j)) return -INFINITY;
+    if constexpr (EB == 1) {
+      return *staged ? x : -INFINITY;
+    } else {
+      const uint16_t raw = *reinterpret_cast<const uint16_t*>(staged);
+      const float v = bias_dtype == static_cast<int>(DType::kBF16)
+                          ? __bfloat162float(__ushort_as_bfloat16(raw))
+                          : __half2float(__ushort_as_half(raw));
+      return x + bias_mul * v;
+    }
   }
   __device__ __forceinline__ bool has_elementwise() const { return bias || mask; }
   // Whether the tile [i0,i1) x [j0,j1) needs no per-element work.
@@ -235,6 +259,40 @@ __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, 
     const bool ok = row < rmax;
     const uint16_t* src = ok ? base + static_cast<int64_t>(row) * row_stride + ch * 8 : base;
     cp_async16(t0 + 2 * swz<D>(r, ch * 8), src, ok);
+  }
+}
+
+// Staged score tiles (KParams::staged = EB > 0): rows [i0, i0 + ROWS) x keys
+// [j0, j0 + COLS) of head (b, n)'s mask (EB = 1) or 16-bit bias (EB = 2),
+// copied row-major by 16-byte cp.async into `dst`, each row padded by 16 bytes
+// so that the accumulator-layout reads (8 rows or 8 keys per warp) spread over
+// the banks. Rows >= T and keys >= S are zero-filled (they are masked by
+// in_range anyway). The host guarantees contiguous keys, 16-byte aligned rows
+// and S a multiple of 16 / EB, so a chunk never straddles the end of a row.
+template <int COLS, int EB>
+__host__ __device__ constexpr int staged_row_bytes() { return COLS * EB + 16; }
+
+template <int ROWS, int COLS, int EB, int NT>
+__device__ __forceinline__ void stage_score_tile(const KParams& p, int b, int n, uint32_t dst,
+                                                 int i0, int j0, int tid) {
+  static_assert(COLS * EB % 16 == 0, "a staged row is whole 16-byte chunks");
+  constexpr int kChunks = COLS * EB / 16, kRow = staged_row_bytes<COLS, EB>();
+  const char* base;
+  int64_t row_bytes;
+  if constexpr (EB == 1) {
+    base = reinterpret_cast<const char*>(p.mask) + b * p.mask_st[0] + n * p.mask_st[1];
+    row_bytes = p.mask_st[2];
+  } else {
+    base = static_cast<const char*>(p.bias) + (b * p.bias_st[0] + n * p.bias_st[1]) * EB;
+    row_bytes = p.bias_st[2] * EB;
+  }
+#pragma unroll
+  for (int c = tid; c < ROWS * kChunks; c += NT) {
+    const int r = c / kChunks, k = c % kChunks;
+    const int i = i0 + r, j = j0 + k * (16 / EB);
+    const bool ok = i < p.T && j < p.S;
+    const char* src = ok ? base + i * row_bytes + static_cast<int64_t>(j) * EB : base;
+    cp_async16(dst + r * kRow + k * 16, src, ok);
   }
 }
 

@@ -89,13 +89,24 @@ __device__ __forceinline__ void load_query_step(const KParams& p, int b, int h, 
   load_row_stats(p, b, h, i0, kBQ, tid, sL, sDs);
 }
 
-template <int D>
-constexpr int hopper_bwd_smem_bytes() {
-  // K, V; 2 stages of Q, dO; dSᵀ; 2 stages of L, D; alignment slack.
-  return (2 * kBK * D + 4 * kBQ * D + kBK * kBQ) * 2 + 4 * kBQ * 4 + 1024;
+// Bytes of one slot of staged score tiles, [kBQ queries][kBK keys] (EB bytes
+// per element, 0: none staged).
+template <int EB>
+__host__ __device__ constexpr int bwd_score_slot_bytes() {
+  return EB == 0 ? 0 : kBQ * staged_row_bytes<kBK, EB>();
 }
 
-template <class E, int D, bool ATOMIC>
+template <int D, int EB>
+constexpr int hopper_bwd_smem_bytes() {
+  // K, V; 2 stages of Q, dO; dSᵀ; 2 stages of L, D; 2 slots of staged scores;
+  // alignment slack.
+  return (2 * kBK * D + 4 * kBQ * D + kBK * kBQ) * 2 + 4 * kBQ * 4 +
+         2 * bwd_score_slot_bytes<EB>() + 1024;
+}
+
+// EB > 0: the mask (1) or 16-bit bias (2) is staged in shared memory with the
+// Q and dO tiles of the same step (KParams::staged).
+template <class E, int D, bool ATOMIC, int EB>
 __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BK = kBK, BQ = kBQ, NT = kNT, DH = D / 2;
@@ -109,6 +120,9 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   float* sL = reinterpret_cast<float*>(smem_raw + (sdS + BK * BQ * 2 - smem_u32(smem_raw)));
   float* sDs = sL + 2 * BQ;
   uint8_t* sdS_ptr = smem_raw + (sdS - smem_u32(smem_raw));
+  // 2 slots of staged scores after the row statistics, when EB > 0.
+  const uint32_t sScore = sdS + BK * BQ * 2 + 4 * BQ * 4;
+  constexpr int kScoreSlot = bwd_score_slot_bytes<EB>(), kScoreRow = staged_row_bytes<BK, EB>();
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;
@@ -128,6 +142,8 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     const int i0 = (qt_begin + it % nq) * BQ;
     load_query_step<D>(p, b, h, i0, sQ + stage * kQStage, sdO + stage * kQStage,
                        sL + stage * BQ, sDs + stage * BQ, tid);
+    if constexpr (EB > 0)
+      stage_score_tile<BQ, BK, EB, NT>(p, b, h, sScore + stage * kScoreSlot, i0, j0, tid);
   };
   if (total > 0) prefetch(0, 0);
   cp_async_commit();
@@ -181,7 +197,13 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
         const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
         const int ql = acc_col(j, lane, e);
         float x = st[4 * j + e] * p.scale_log2;
-        if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
+        if constexpr (EB > 0) {
+          const uint8_t* sc = smem_raw + (sScore + (it & 1) * kScoreSlot - smem_u32(smem_raw)) +
+                              ql * kScoreRow + kl * EB;
+          x = hm.apply_staged<EB>(i0 + ql, j0 + kl, x, sc);
+        } else if (!full) {
+          x = hm.apply(i0 + ql, j0 + kl, x);
+        }
         st[4 * j + e] = exp2_fast(x - cL[ql]);
       }
     }
@@ -426,21 +448,29 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-template <class E, int D, bool ATOMIC>
+template <class E, int D, bool ATOMIC, int EB = 0>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto* kernel = bwd_wgmma_kernel<E, D, ATOMIC>;
+  auto* kernel = bwd_wgmma_kernel<E, D, ATOMIC, EB>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
-  return launch_with_smem(kernel, grid, kNT, hopper_bwd_smem_bytes<D>(), stream, p);
+  return launch_with_smem(kernel, grid, kNT, hopper_bwd_smem_bytes<D, EB>(), stream, p);
 }
 
 template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
-  // With an elementwise mask or bias the mma.sync kernel measured faster
-  // (forward+backward 102 vs 87 TFLOP/s with a boolean mask, 95 vs 81 with a
-  // bias, D = 128 on an H200): each score then waits on a global load, which
-  // its 16 resident warps per SM hide better than these 8.
-  if (p.mask != nullptr || p.bias != nullptr) return cudaErrorNotSupported;
+  // With an elementwise mask or bias loaded one score at a time the mma.sync
+  // kernel measured faster (forward+backward 102 vs 87 TFLOP/s with a boolean
+  // mask, 95 vs 81 with a bias, D = 128 on an H200): each score then waits on
+  // a global load, which its 16 resident warps per SM hide better than these
+  // 8. Staged through shared memory with the step's Q and dO (D = 64 and 128;
+  // at D = 256 the slots do not fit), the loads overlap the previous step.
+  if (p.mask != nullptr || p.bias != nullptr) {
+    if (p.staged == 1 && p.D == 64) return launch<E, 64, ATOMIC, 1>(p, stream);
+    if (p.staged == 2 && p.D == 64) return launch<E, 64, ATOMIC, 2>(p, stream);
+    if (p.staged == 1 && p.D == 128) return launch<E, 128, ATOMIC, 1>(p, stream);
+    if (p.staged == 2 && p.D == 128) return launch<E, 128, ATOMIC, 2>(p, stream);
+    return cudaErrorNotSupported;
+  }
   switch (p.D) {
     case 64: return launch<E, 64, ATOMIC>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);

@@ -28,7 +28,16 @@ struct HopperFwdTile {
   static constexpr int kSmemBytes = (kBQ * D + 4 * BK * D) * 2 + 1024;
 };
 
-template <class E, class Tile>
+// Shared memory for the two slots of staged score tiles (EB bytes per
+// element, 0: none staged).
+template <class Tile, int EB>
+__host__ __device__ constexpr int staged_slot_bytes() {
+  return EB == 0 ? 0 : kBQ * staged_row_bytes<Tile::BK, EB>();
+}
+
+// EB > 0: the mask (1) or 16-bit bias (2) is staged in shared memory with the
+// K tile of the same step (KParams::staged).
+template <class E, class Tile, int EB>
 __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int D = Tile::D, BK = Tile::BK;
@@ -37,6 +46,9 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
   const uint32_t sK = sQ + kBQ * D * 2;
   const uint32_t sV = sK + 2 * BK * D * 2;
   constexpr uint32_t kStage = BK * D * 2;
+  const uint32_t sScore = sV + 2 * kStage;  // 2 slots of staged_slot_bytes, when EB > 0
+  constexpr uint32_t kScoreSlot = staged_slot_bytes<Tile, EB>();
+  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3, tg = lane & 3;
@@ -56,6 +68,9 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
   // V_{t-1} (each slot's previous tile was finished in step t - 1).
   load_tile_sw128<kBQ, D, kNT>(sQ, qb, p.q_ss, i0, p.T, tid);
   if (n_tiles > 0) load_tile_sw128<BK, D, kNT>(sK, kb, p.k_ss, t_begin * BK, p.S, tid);
+  if constexpr (EB > 0) {
+    if (n_tiles > 0) stage_score_tile<kBQ, BK, EB, kNT>(p, b, n, sScore, i0, t_begin * BK, tid);
+  }
   cp_async_commit();
 
   float o[D / 2], s[BK / 2];
@@ -90,8 +105,12 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
     fence_proxy_async();
     __syncthreads();  // K_t and V_{t-1} landed; every warp is done with step t - 1
     const uint32_t cK = sK + (t & 1) * kStage, cV_prev = sV + ((t + 1) & 1) * kStage;
-    if (t + 1 < n_tiles)
+    if (t + 1 < n_tiles) {
       load_tile_sw128<BK, D, kNT>(sK + ((t + 1) & 1) * kStage, kb, p.k_ss, j0 + BK, p.S, tid);
+      if constexpr (EB > 0)
+        stage_score_tile<kBQ, BK, EB, kNT>(p, b, n, sScore + ((t + 1) & 1) * kScoreSlot, i0,
+                                           j0 + BK, tid);
+    }
     load_tile_sw128<BK, D, kNT>(sV + (t & 1) * kStage, vb, p.k_ss, j0, p.S, tid);
     cp_async_commit();
 
@@ -119,7 +138,14 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[4 * j + e] * p.scale_log2;
-        if (!full) x = hm.apply(row0 + (e >> 1) * 8, j0 + acc_col(j, lane, e), x);
+        const int i = row0 + (e >> 1) * 8, jj = j0 + acc_col(j, lane, e);
+        if constexpr (EB > 0) {
+          const uint8_t* st = smem_ptr(sScore + (t & 1) * kScoreSlot) +
+                              (i - i0) * staged_row_bytes<BK, EB>() + (jj - j0) * EB;
+          x = hm.apply_staged<EB>(i, jj, x, st);
+        } else if (!full) {
+          x = hm.apply(i, jj, x);
+        }
         s[4 * j + e] = x;
       }
     }
@@ -192,12 +218,13 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-template <class E, class Tile>
+template <class E, class Tile, int EB = 0>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto* kernel = fwd_wgmma_kernel<E, Tile>;
+  auto* kernel = fwd_wgmma_kernel<E, Tile, EB>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   dim3 grid((p.T + kBQ - 1) / kBQ, p.N, p.B);
-  return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes, stream, p);
+  return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes + 2 * staged_slot_bytes<Tile, EB>(),
+                          stream, p);
 }
 
 // Tile shapes measured on an H200 (tools/cuda_tile_sweep.py, bf16, T = 4096,
@@ -216,6 +243,13 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 template <class E>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   static const int c = env_tuning_choice("JAX_FATRAIN_CUDA_HOPPER_FWD_TILE");
+  // A staged mask or bias adds two slots of 128 rows x 64 keys: D = 64 keeps
+  // its shape, D = 128 drops to one block per SM (two no longer fit), and
+  // D = 256 does not fit at all, so there each score loads on its own.
+  if (p.staged == 1 && p.D == 64) return launch<E, HopperFwdTile<64, 64, 2>, 1>(p, stream);
+  if (p.staged == 2 && p.D == 64) return launch<E, HopperFwdTile<64, 64, 2>, 2>(p, stream);
+  if (p.staged == 1 && p.D == 128) return launch<E, HopperFwdTile<128, 64, 1>, 1>(p, stream);
+  if (p.staged == 2 && p.D == 128) return launch<E, HopperFwdTile<128, 64, 1>, 2>(p, stream);
   switch (p.D) {
     case 64:
       if (c == 1) return launch<E, HopperFwdTile<64, 128, 1>>(p, stream);

@@ -1,0 +1,113 @@
+// Hopper (sm_90) bulk tensor copies (TMA) and mbarriers (internal).
+//
+// NOT YET RUN ON A GPU: tools/tma_check.cu is the first thing to run with
+// these. Meant for a producer-warp pipeline: one thread issues a TMA load of a
+// tile into shared memory, the load completes on an mbarrier by transaction
+// bytes, consumer warpgroups wait on that mbarrier's phase. TMA writes through
+// the async proxy, which wgmma reads too, so no proxy fence is needed between
+// them (unlike cp.async tiles).
+//
+// Tensor maps describe one 16-bit [B][T][N][D] operand as a 4-D tensor
+// {D, T, N, B} (innermost first) with boxes of {64, ROWS, 1, 1}: 64 elements
+// = 128 bytes, the 128-byte swizzle span, so a box lands exactly as one column
+// block of a SW128 tile (wgmma.cuh); D > 64 takes D / 64 loads.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fatrain::cuda {
+
+// ---- host ------------------------------------------------------------------
+
+// Fills `map` for a 16-bit operand at `base` with element strides
+// (seq_stride, head_stride, batch_stride) and dims {d, seq, heads, batch};
+// boxes of 64 x `rows`. Rows past `seq` read as zeros. cudaErrorNotSupported
+// when the driver lacks cuTensorMapEncodeTiled or the layout does not qualify
+// (16-byte aligned base and strides).
+inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64_t d,
+                                       int64_t seq, int64_t heads, int64_t batch,
+                                       int64_t seq_stride, int64_t head_stride,
+                                       int64_t batch_stride, int rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                         cudaEnableDefault, &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return cudaErrorNotSupported;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(seq),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(seq_stride) * 2,
+                                 static_cast<cuuint64_t>(head_stride) * 2,
+                                 static_cast<cuuint64_t>(batch_stride) * 2};
+  for (cuuint64_t s : strides)
+    if (s % 16 != 0) return cudaErrorNotSupported;
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims,
+                            strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// ---- device (sm_90) ----------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// Makes initialised mbarriers visible to the async proxy (before the
+// __syncthreads that publishes them).
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrives once and adds `bytes` to the transaction count the phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until phase `parity` (0 or 1) of the mbarrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One box of `map` at element coordinates (c0 = column, c1 = row, c2 = head,
+// c3 = batch) into shared memory at `dst` (1024-byte aligned), completing on
+// `bar` with the box's bytes. One thread issues it.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace fatrain::cuda

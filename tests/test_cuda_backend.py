@@ -72,12 +72,15 @@ LARGE = [
 # On a Hopper GPU the wgmma kernels run by default (for the backward, when
 # there is no elementwise mask or bias); JAX_FATRAIN_CUDA_KERNELS=mma_sync runs
 # the sm_80 kernels there too, so both families are checked on the one GPU we
-# have.
+# have. "ws" runs the warp-specialised Hopper forward (hopper_fwd_ws.cu).
 @pytest.mark.parametrize("deterministic,kernels",
-                         [(False, "default"), (True, "default"), (False, "mma_sync")])
+                         [(False, "default"), (True, "default"), (False, "mma_sync"),
+                          (False, "ws")])
 @pytest.mark.parametrize("case", LARGE, ids=lambda c: c.id)
 def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch):
-  if kernels != "default":
+  if kernels == "ws":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", "ws")
+  elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
   x = make_inputs(case, seed=7)
   out, lse = jax.jit(lambda q, k, v: jax_fatrain.dot_product_attention(

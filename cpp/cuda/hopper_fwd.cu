@@ -14,6 +14,7 @@
 // is read from shared memory once per warpgroup instead of once per warp,
 // which was the mma.sync kernels' limit (PERF_NOTES.md).
 #include "cuda/launch.h"
+#include "cuda/hopper_fwd_common.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace fatrain::cuda {
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
   auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int wg = warp >> 2, wq = warp & 3, tg = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, n = blockIdx.y, i0 = blockIdx.x * kBQ;
   const int kvh = n / (p.N / p.K);
   HeadMask hm;
@@ -133,55 +134,18 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
 
     // Online softmax in base 2; this thread holds rows row0 (e < 2) and row0 + 8.
     const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
-#pragma unroll
-    for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * j + e] * p.scale_log2;
-        const int i = row0 + (e >> 1) * 8, jj = j0 + acc_col(j, lane, e);
-        if constexpr (EB > 0) {
-          const uint8_t* st = smem_ptr(sScore + (t & 1) * kScoreSlot) +
-                              (i - i0) * staged_row_bytes<BK, EB>() + (jj - j0) * EB;
-          x = hm.apply_staged<EB>(i, jj, x, st);
-        } else if (!full) {
-          x = hm.apply(i, jj, x);
-        }
-        s[4 * j + e] = x;
-      }
-    }
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < BK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-      mx = quad_max(mx);
-      const float m_new = fmaxf(m[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2_fast(m[r] - m_use);
-      m[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < BK / 8; ++j) {
-        s[4 * j + 2 * r] = exp2_fast(s[4 * j + 2 * r] - m_use);
-        s[4 * j + 2 * r + 1] = exp2_fast(s[4 * j + 2 * r + 1] - m_use);
-        sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
-      }
-      l[r] = l[r] * alpha[r] + sum;
-    }
+    const uint8_t* staged_row0 = nullptr;
+    if constexpr (EB > 0)
+      staged_row0 = smem_ptr(sScore + (t & 1) * kScoreSlot) + (row0 - i0) * staged_row_bytes<BK, EB>();
+    online_softmax_tile<BK, EB>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane, staged_row0);
 
     // O += P_{t-1} V_{t-1} is done: rescale O to this tile's maximum and keep
     // P_t for the next step.
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(pv);
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e >> 1];
-    }
-#pragma unroll
-    for (int i = 0; i < BK / 4; ++i) pv[i] = Cvt<E>::pack(s[2 * i], s[2 * i + 1]);
+    rescale_o_keep_p<E, D, BK>(o, alpha, s, pv);
   }
   if (n_tiles > 0) {
     cp_async_wait<0>();
@@ -196,25 +160,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
     fence_regs(pv);
   }
 
-  E* ob = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lt = quad_sum(l[r]);
-    const int row = row0 + r * 8;
-    if (row >= p.T) continue;
-    const bool live = lt > 0.f;
-    const float inv = live ? 1.f / lt : 0.f;
-    E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      *reinterpret_cast<uint32_t*>(orow + j * 8 + tg * 2) =
-          Cvt<E>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    }
-    if (tg == 0) {
-      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
-          live ? (m[r] + log2f(lt)) * kLn2 : -INFINITY;
-    }
-  }
+  store_o_lse<E, D>(p, o, m, l, b, n, row0, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 

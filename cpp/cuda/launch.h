@@ -19,9 +19,9 @@ struct KParams;
 // the SIMT kernels. The kernel's shared-memory limit is raised on every
 // launch because it belongs to each device's context: set once per process,
 // it would hold only on the first GPU of a multi-GPU process.
-template <class Params>
-cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int smem_bytes,
-                             cudaStream_t stream, const Params& params) {
+template <class... Params>
+cudaError_t launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads, int smem_bytes,
+                             cudaStream_t stream, const Params&... params) {
   int device = 0, optin = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e =
@@ -34,7 +34,7 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int
                                            smem_bytes);
       e != cudaSuccess)
     return e;
-  kernel<<<grid, threads, smem_bytes, stream>>>(params);
+  kernel<<<grid, threads, smem_bytes, stream>>>(params...);
   return cudaGetLastError();
 }
 
@@ -45,8 +45,8 @@ cudaError_t launch_with_smem(void (*kernel)(Params), dim3 grid, int threads, int
 // compiled by the driver reports binary 90, PTX 80), but not sm_90a from plain
 // sm_90 (both 90/90): that comes from the build, where cmake/cuda.cmake
 // defines JAX_FATRAIN_CUDA_SM90A only when the gencode list has sm_90a.
-template <class Params>
-bool has_sm90a_code(void (*kernel)(Params)) {
+template <class... Params>
+bool has_sm90a_code(void (*kernel)(Params...)) {
 #if defined(JAX_FATRAIN_CUDA_SM90A)
   cudaFuncAttributes attr;
   if (cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) != cudaSuccess) {
@@ -80,6 +80,13 @@ inline int env_tuning_choice(const char* name) {
 // cudaErrorNotSupported where it does not apply: callers then use the
 // mma.sync kernels.
 cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream);
+// The warp-specialised variant (hopper_fwd_ws.cu, TMA producer + ping-pong),
+// not yet run on a GPU: used only when JAX_FATRAIN_CUDA_HOPPER_FWD=ws.
+cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream);
+inline bool hopper_fwd_ws_requested() {
+  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_FWD");
+  return v != nullptr && std::string_view(v) == "ws";
+}
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:

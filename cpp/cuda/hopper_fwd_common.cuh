@@ -1,0 +1,103 @@
+// The per-warpgroup pieces of the Hopper forward kernels (internal): the
+// online softmax of one 64 x BK score tile in wgmma accumulator layout, the
+// rescale of O, and the final O / logsumexp store. Used by hopper_fwd.cu and
+// hopper_fwd_ws.cu, which differ only in how tiles reach shared memory.
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace fatrain::cuda {
+
+// s: this thread's scores of a 64 x BK tile (rows row0 and row0 + 8, keys
+// j0 + acc_col(j, lane, e)); m, l: the running row max (base 2) and sum.
+// Scales and masks s, replaces it by exp2(s - m_new), updates m and l and
+// returns in alpha the factor O must be rescaled by. EB > 0: the mask (1) or
+// 16-bit bias (2) is read from the step's staged tile (stage_score_tile), of
+// which staged_row0 points at row row0, key j0.
+template <int BK, int EB = 0>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&m)[2],
+                                                    float (&l)[2], float (&alpha)[2],
+                                                    const HeadMask& hm, float scale_log2,
+                                                    bool full, int row0, int j0, int lane,
+                                                    const uint8_t* staged_row0 = nullptr) {
+#pragma unroll
+  for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * j + e] * scale_log2;
+      const int i = row0 + (e >> 1) * 8, jj = j0 + acc_col(j, lane, e);
+      if constexpr (EB > 0) {
+        x = hm.apply_staged<EB>(
+            i, jj, x, staged_row0 + (e >> 1) * 8 * staged_row_bytes<BK, EB>() + (jj - j0) * EB);
+      } else if (!full) {
+        x = hm.apply(i, jj, x);
+      }
+      s[4 * j + e] = x;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = quad_max(mx);
+    const float m_new = fmaxf(m[r], mx);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = exp2_fast(m[r] - m_use);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) {
+      s[4 * j + 2 * r] = exp2_fast(s[4 * j + 2 * r] - m_use);
+      s[4 * j + 2 * r + 1] = exp2_fast(s[4 * j + 2 * r + 1] - m_use);
+      sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+    }
+    l[r] = l[r] * alpha[r] + sum;
+  }
+}
+
+// O *= alpha per row; P (the exponentiated s) kept as 16-bit pairs, the A
+// operand of the next O += P V.
+template <class E, int D, int BK>
+__device__ __forceinline__ void rescale_o_keep_p(float (&o)[D / 2], const float (&alpha)[2],
+                                                 const float (&s)[BK / 2],
+                                                 uint32_t (&pv)[BK / 4]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e >> 1];
+  }
+#pragma unroll
+  for (int i = 0; i < BK / 4; ++i) pv[i] = Cvt<E>::pack(s[2 * i], s[2 * i + 1]);
+}
+
+// Writes O / l and the natural-log logsumexp of this thread's rows row0 and
+// row0 + 8 of head (b, n); fully masked rows get O = 0 and L = -inf.
+template <class E, int D>
+__device__ __forceinline__ void store_o_lse(const KParams& p, const float (&o)[D / 2],
+                                            const float (&m)[2], const float (&l)[2], int b, int n,
+                                            int row0, int lane) {
+  const int tg = lane & 3;
+  E* ob = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lt = quad_sum(l[r]);
+    const int row = row0 + r * 8;
+    if (row >= p.T) continue;
+    const bool live = lt > 0.f;
+    const float inv = live ? 1.f / lt : 0.f;
+    E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(orow + j * 8 + tg * 2) =
+          Cvt<E>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+    if (tg == 0) {
+      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
+          live ? (m[r] + log2f(lt)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+}  // namespace fatrain::cuda

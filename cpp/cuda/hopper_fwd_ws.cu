@@ -1,0 +1,227 @@
+// Hopper FlashAttention forward with a TMA producer and two consumer
+// warpgroups that take turns on the tensor cores (FlashAttention-3's
+// warp specialisation and ping-pong; sm_90a only).
+//
+// NOT YET RUN ON A GPU. Opt-in with JAX_FATRAIN_CUDA_HOPPER_FWD=ws until it
+// has passed tests/test_cuda_backend.py and tools/cuda_tile_sweep.py there.
+//
+// Grid (ceil(T / 128), N, B), three warpgroups:
+//   warpgroup 0, the producer: gives its registers back (setmaxnreg) and one
+//     thread loads Q once, then K and V tiles of BK keys into kStages slots
+//     with bulk tensor copies (tma.cuh), each completing on the slot's
+//     "full" mbarrier; before refilling a slot it waits on its "empty"
+//     mbarrier, which every consumer thread arrives on once done with it.
+//   warpgroups 1 and 2, the consumers: query rows [64 c, 64 c + 64) of the
+//     block each (c = warpgroup - 1), the same per-tile work as hopper_fwd.cu
+//     (S_t = Q K_tᵀ and O += P_{t-1} V_{t-1} issued together, softmax of S_t
+//     while the second runs). Named barriers order their issues: consumer c
+//     issues its products only after the other consumer issued its own, so
+//     one warpgroup's softmax runs while the other's products do.
+// Tiles past the sequence ends read as zeros (the tensor maps' bounds); the
+// masking is hm.apply's, as everywhere.
+#include "cuda/hopper_fwd_common.cuh"
+#include "cuda/launch.h"
+#include "cuda/tma.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace fatrain::cuda {
+namespace {
+
+constexpr int kConsumers = 2, kBQ = 64 * kConsumers, kNT = 128 * (kConsumers + 1);
+constexpr int kStages = 2;
+
+struct FwdTensorMaps {
+  CUtensorMap q, k, v;
+};
+
+template <int D_, int BK_>
+struct WsTile {
+  static constexpr int D = D_, BK = BK_;
+  static constexpr int kQBytes = kBQ * D * 2, kKVBytes = BK * D * 2;
+  // Q; kStages slots of K and of V; 1 + 4 kStages mbarriers; alignment slack.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 8 * (1 + 4 * kStages) + 1024;
+};
+
+template <class E, class Tile>
+__global__ void __launch_bounds__(kNT, 1)
+    fwd_ws_kernel(const __grid_constant__ FwdTensorMaps maps, const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int D = Tile::D, BK = Tile::BK;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t sQ = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const uint32_t sK = sQ + Tile::kQBytes;
+  const uint32_t sV = sK + kStages * Tile::kKVBytes;
+  const uint32_t bars = sV + kStages * Tile::kKVBytes;
+  const uint32_t q_full = bars;
+  auto k_full = [&](int s) { return bars + 8 * (1 + s); };
+  auto v_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2;
+  const int b = blockIdx.z, n = blockIdx.y, i0 = blockIdx.x * kBQ;
+  const int kvh = n / (p.N / p.K);
+  HeadMask hm;
+  hm.init(p, b, n, kLog2e);
+  int t_begin, n_tiles;
+  hm.key_tiles(i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
+
+  if (tid == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), kConsumers * 128);
+      mbar_init(v_empty(s), kConsumers * 128);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();  // the last block-wide barrier: producer threads exit early
+
+  if (wg == 0) {
+    setmaxnreg_dec<24>();
+    if (tid != 0) return;
+    // Slot s holds tiles s, s + kStages, ...; its u-th fill (u >= 1) waits
+    // for the u-th completion of its empty barrier, parity (u - 1) & 1.
+    mbar_arrive_expect_tx(q_full, Tile::kQBytes);
+    for (int cb = 0; cb < D / 64; ++cb)
+      tma_load_4d(sQ + cb * kBQ * 128, &maps.q, q_full, 64 * cb, i0, n, b);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % kStages, use = t / kStages, j0 = (t_begin + t) * BK;
+      if (use > 0) mbar_wait(k_empty(s), (use - 1) & 1);
+      mbar_arrive_expect_tx(k_full(s), Tile::kKVBytes);
+      for (int cb = 0; cb < D / 64; ++cb)
+        tma_load_4d(sK + s * Tile::kKVBytes + cb * BK * 128, &maps.k, k_full(s), 64 * cb, j0,
+                    kvh, b);
+      if (use > 0) mbar_wait(v_empty(s), (use - 1) & 1);
+      mbar_arrive_expect_tx(v_full(s), Tile::kKVBytes);
+      for (int cb = 0; cb < D / 64; ++cb)
+        tma_load_4d(sV + s * Tile::kKVBytes + cb * BK * 128, &maps.v, v_full(s), 64 * cb, j0,
+                    kvh, b);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<240>();
+  constexpr int kTurnBarrier0 = 1;  // named barriers 1, 2: the consumers' turns
+  const int c = wg - 1, wq = warp & 3;
+  const int warp_row0 = i0 + c * 64 + wq * 16;  // the warp's 16 rows
+  const int row0 = warp_row0 + (lane >> 2);     // this thread's rows: row0, row0 + 8
+  const int my_turn = kTurnBarrier0 + c, other_turn = kTurnBarrier0 + 1 - c;
+  // Consumer 0 issues first; every later issue waits for the other's. Each
+  // step arrives on the other's barrier, so consumer 0 takes one extra turn
+  // after its loop to absorb consumer 1's last arrival.
+  if (c == 1 && n_tiles > 0) named_bar_arrive(kTurnBarrier0, 2 * 128);
+
+  float o[D / 2], s[BK / 2];
+  uint32_t pv[BK / 4];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BK / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BK / 4; ++i) pv[i] = 0u;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  auto issue_pv = [&](uint32_t cV) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint32_t a[4] = {pv[4 * kk], pv[4 * kk + 1], pv[4 * kk + 2], pv[4 * kk + 3]};
+      Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
+    }
+    wgmma_commit();
+  };
+
+  mbar_wait(q_full, 0);
+  for (int t = 0; t < n_tiles; ++t) {
+    const int j0 = (t_begin + t) * BK;
+    const int s_cur = t % kStages, s_prev = (t + kStages - 1) % kStages;
+    mbar_wait(k_full(s_cur), (t / kStages) & 1);
+    if (t > 0) mbar_wait(v_full(s_prev), ((t - 1) / kStages) & 1);
+
+    named_bar_sync(my_turn, 2 * 128);
+    fence_regs(s);
+    fence_regs(o);
+    fence_regs(pv);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<kBQ>(sQ, c * 64, kk),
+                                      desc_k_major<BK>(sK + s_cur * Tile::kKVBytes, 0, kk),
+                                      kk > 0);
+    wgmma_commit();
+    // (No branch may sit between the issue and the wait other than this one:
+    // ptxas serialises wgmma across compiler-inserted fences in divergent code.)
+    if (t > 0) {
+      issue_pv(sV + s_prev * Tile::kKVBytes);
+      named_bar_arrive(other_turn, 2 * 128);
+      wgmma_wait<1>();
+    } else {
+      named_bar_arrive(other_turn, 2 * 128);
+      wgmma_wait<0>();
+    }
+    fence_regs(s);
+    mbar_arrive(k_empty(s_cur));  // S_t is done with K_t
+
+    const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
+    float alpha[2];
+    online_softmax_tile<BK>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane);
+
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pv);
+    if (t > 0) mbar_arrive(v_empty(s_prev));  // O += P V is done with V_{t-1}
+    rescale_o_keep_p<E, D, BK>(o, alpha, s, pv);
+  }
+  if (c == 0 && n_tiles > 0) named_bar_sync(my_turn, 2 * 128);
+  if (n_tiles > 0) {
+    const int s_last = (n_tiles - 1) % kStages;
+    mbar_wait(v_full(s_last), ((n_tiles - 1) / kStages) & 1);
+    fence_regs(o);
+    fence_regs(pv);
+    wgmma_fence();
+    issue_pv(sV + s_last * Tile::kKVBytes);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pv);
+  }
+  store_o_lse<E, D>(p, o, m, l, b, n, row0, lane);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
+template <class E, class Tile>
+cudaError_t launch(const KParams& p, cudaStream_t stream) {
+  auto* kernel = fwd_ws_kernel<E, Tile>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  FwdTensorMaps maps;
+  const int D = Tile::D;
+  if (make_seq_tensor_map(&maps.q, p.q, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, kBQ) !=
+          cudaSuccess ||
+      make_seq_tensor_map(&maps.k, p.k, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, Tile::BK) !=
+          cudaSuccess ||
+      make_seq_tensor_map(&maps.v, p.v, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, Tile::BK) !=
+          cudaSuccess)
+    return cudaErrorNotSupported;
+  dim3 grid((p.T + kBQ - 1) / kBQ, p.N, p.B);
+  return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes, stream, maps, p);
+}
+
+template <class E>
+cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  switch (p.D) {
+    case 64: return launch<E, WsTile<64, 128>>(p, stream);
+    case 128: return launch<E, WsTile<128, 128>>(p, stream);
+    case 256: return launch<E, WsTile<256, 64>>(p, stream);
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? launch_d<__nv_bfloat16>(p, stream)
+                               : launch_d<__half>(p, stream);
+}
+
+}  // namespace fatrain::cuda

@@ -72,14 +72,16 @@ LARGE = [
 # On a Hopper GPU the wgmma kernels run by default (for the backward, when
 # there is no elementwise mask or bias); JAX_FATRAIN_CUDA_KERNELS=mma_sync runs
 # the sm_80 kernels there too, so both families are checked on the one GPU we
-# have. "ws" runs the warp-specialised Hopper forward (hopper_fwd_ws.cu).
+# have. The Hopper forward is by default the warp-specialised kernel at
+# D = 256 and the cp.async one below; "ws" and "cp_async" run one of them at
+# every head dim (hopper_fwd_ws.cu, hopper_fwd.cu).
 @pytest.mark.parametrize("deterministic,kernels",
                          [(False, "default"), (True, "default"), (False, "mma_sync"),
-                          (False, "ws")])
+                          (False, "ws"), (False, "cp_async")])
 @pytest.mark.parametrize("case", LARGE, ids=lambda c: c.id)
 def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch):
-  if kernels == "ws":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", "ws")
+  if kernels in ("ws", "cp_async"):
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", kernels)
   elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
   x = make_inputs(case, seed=7)

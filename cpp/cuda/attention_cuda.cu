@@ -180,7 +180,7 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
                   aligned16(op.v) && aligned16(op.o);
   cudaError_t err = cudaErrorNotSupported;
-  if (tc && wgmma_allowed() && hopper_fwd_ws_requested())
+  if (tc && wgmma_allowed() && hopper_fwd_use_ws(p.D))
     err = launch_fwd_wgmma_ws(p, op.q.dtype, stream);
   if (tc && wgmma_allowed() && err == cudaErrorNotSupported)
     err = launch_fwd_wgmma(p, op.q.dtype, stream);

@@ -80,12 +80,21 @@ inline int env_tuning_choice(const char* name) {
 // cudaErrorNotSupported where it does not apply: callers then use the
 // mma.sync kernels.
 cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream);
-// The warp-specialised variant (hopper_fwd_ws.cu, TMA producer + ping-pong),
-// not yet run on a GPU: used only when JAX_FATRAIN_CUDA_HOPPER_FWD=ws.
+// The warp-specialised variant (hopper_fwd_ws.cu: a TMA producer warpgroup and
+// two consumer warpgroups taking turns on the tensor cores).
 cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream);
-inline bool hopper_fwd_ws_requested() {
+// Which Hopper forward runs. On an H200 (tools/cuda_tile_sweep.py, bf16,
+// forward TFLOP/s, cp.async kernel -> warp-specialised) the warp-specialised
+// kernel wins at D = 256 (T = 4096: 214-227 -> 313-329; GQA 16:2, T = 8192:
+// 247-248 -> 397-402) and loses at D = 128 (198-204 -> 182-187) and D = 64
+// (141 -> 101-103), where the cp.async kernel keeps two blocks per SM.
+// JAX_FATRAIN_CUDA_HOPPER_FWD=ws or =cp_async forces one kernel at every head
+// dim (read on every launch so that tests can switch it).
+inline bool hopper_fwd_use_ws(int head_dim) {
   const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_FWD");
-  return v != nullptr && std::string_view(v) == "ws";
+  if (v != nullptr && std::string_view(v) == "ws") return true;
+  if (v != nullptr && std::string_view(v) == "cp_async") return false;
+  return head_dim == 256;
 }
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 

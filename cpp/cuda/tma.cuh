@@ -1,7 +1,8 @@
 // Hopper (sm_90) bulk tensor copies (TMA) and mbarriers (internal).
 //
-// NOT YET RUN ON A GPU: tools/tma_check.cu is the first thing to run with
-// these. Meant for a producer-warp pipeline: one thread issues a TMA load of a
+// tools/tma_check.cu checks them on their own (on an H200: every case equal to
+// the cp.async tile, byte for byte); hopper_fwd_ws.cu uses them. A
+// producer-warp pipeline: one thread issues a TMA load of a
 // tile into shared memory, the load completes on an mbarrier by transaction
 // bytes, consumer warpgroups wait on that mbarrier's phase. TMA writes through
 // the async proxy, which wgmma reads too, so no proxy fence is needed between

@@ -76,25 +76,10 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
 
   float o[D / 2], s[BK / 2];
   uint32_t pv[BK / 4];  // P of the previous tile, 16-bit pairs: the A operand of O += P V
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BK / 2; ++i) s[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BK / 4; ++i) pv[i] = 0u;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float m[2], l[2];
+  init_fwd_state<D, BK>(o, s, pv, m, l);
   const int warp_row0 = i0 + wg * 64 + wq * 16;  // the warp's 16 rows
   const int row0 = warp_row0 + (lane >> 2);      // this thread's rows: row0, row0 + 8
-
-  // O += P V for the tile whose values sit in slot `cV` (issued, not waited).
-  auto issue_pv = [&](uint32_t cV) {
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint32_t a[4] = {pv[4 * kk], pv[4 * kk + 1], pv[4 * kk + 2], pv[4 * kk + 3]};
-      Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
-    }
-    wgmma_commit();
-  };
 
   // Step t overlaps this warpgroup's softmax of tile t with its O += P V of
   // tile t - 1 on the tensor cores (FlashAttention-3's intra-warpgroup
@@ -119,13 +104,9 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
     fence_regs(o);
     fence_regs(pv);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<kBQ>(sQ, wg * 64, kk),
-                                      desc_k_major<BK>(cK, 0, kk), kk > 0);
-    wgmma_commit();
+    issue_qk<E, D, BK, kBQ>(s, sQ, wg * 64, cK);
     if (t > 0) {
-      issue_pv(cV_prev);
+      issue_pv<E, D, BK>(o, pv, cV_prev);
       wgmma_wait<1>();
     } else {
       wgmma_wait<0>();
@@ -154,7 +135,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
     fence_regs(o);
     fence_regs(pv);
     wgmma_fence();
-    issue_pv(sV + ((n_tiles - 1) & 1) * kStage);
+    issue_pv<E, D, BK>(o, pv, sV + ((n_tiles - 1) & 1) * kStage);
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(pv);

@@ -9,6 +9,49 @@
 
 namespace fatrain::cuda {
 
+// A consumer warpgroup's running state before its first tile: O, S and P
+// zeroed (the first wgmma of each overwrites or accumulates onto them), row
+// max -inf, row sum 0.
+template <int D, int BK>
+__device__ __forceinline__ void init_fwd_state(float (&o)[D / 2], float (&s)[BK / 2],
+                                               uint32_t (&pv)[BK / 4], float (&m)[2],
+                                               float (&l)[2]) {
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BK / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BK / 4; ++i) pv[i] = 0u;
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.f;
+}
+
+// Issues (and commits, without waiting) S = Q Kᵀ for the warpgroup's 64
+// query rows from row q_row of the SW128 Q tile at sQ (QROWS rows in all)
+// and the BK-key SW128 tile at cK.
+template <class E, int D, int BK, int QROWS>
+__device__ __forceinline__ void issue_qk(float (&s)[BK / 2], uint32_t sQ, int q_row,
+                                         uint32_t cK) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<QROWS>(sQ, q_row, kk),
+                                    desc_k_major<BK>(cK, 0, kk), kk > 0);
+  wgmma_commit();
+}
+
+// Issues (and commits, without waiting) O += P V for a BK-key tile: P from
+// registers (pv, 16-bit pairs), V the SW128 tile at shared address cV.
+template <class E, int D, int BK>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pv)[BK / 4],
+                                         uint32_t cV) {
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+    const uint32_t a[4] = {pv[4 * kk], pv[4 * kk + 1], pv[4 * kk + 2], pv[4 * kk + 3]};
+    Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
+  }
+  wgmma_commit();
+}
+
 // s: this thread's scores of a 64 x BK tile (rows row0 and row0 + 8, keys
 // j0 + acc_col(j, lane, e)); m, l: the running row max (base 2) and sum.
 // Scales and masks s, replaces it by exp2(s - m_new), updates m and l and

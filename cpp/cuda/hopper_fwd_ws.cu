@@ -117,22 +117,8 @@ __global__ void __launch_bounds__(kNT, 1)
 
   float o[D / 2], s[BK / 2];
   uint32_t pv[BK / 4];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BK / 2; ++i) s[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BK / 4; ++i) pv[i] = 0u;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  auto issue_pv = [&](uint32_t cV) {
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint32_t a[4] = {pv[4 * kk], pv[4 * kk + 1], pv[4 * kk + 2], pv[4 * kk + 3]};
-      Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
-    }
-    wgmma_commit();
-  };
+  float m[2], l[2];
+  init_fwd_state<D, BK>(o, s, pv, m, l);
 
   mbar_wait(q_full, 0);
   for (int t = 0; t < n_tiles; ++t) {
@@ -146,16 +132,11 @@ __global__ void __launch_bounds__(kNT, 1)
     fence_regs(o);
     fence_regs(pv);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<kBQ>(sQ, c * 64, kk),
-                                      desc_k_major<BK>(sK + s_cur * Tile::kKVBytes, 0, kk),
-                                      kk > 0);
-    wgmma_commit();
+    issue_qk<E, D, BK, kBQ>(s, sQ, c * 64, sK + s_cur * Tile::kKVBytes);
     // (No branch may sit between the issue and the wait other than this one:
     // ptxas serialises wgmma across compiler-inserted fences in divergent code.)
     if (t > 0) {
-      issue_pv(sV + s_prev * Tile::kKVBytes);
+      issue_pv<E, D, BK>(o, pv, sV + s_prev * Tile::kKVBytes);
       named_bar_arrive(other_turn, 2 * 128);
       wgmma_wait<1>();
     } else {
@@ -182,7 +163,7 @@ __global__ void __launch_bounds__(kNT, 1)
     fence_regs(o);
     fence_regs(pv);
     wgmma_fence();
-    issue_pv(sV + s_last * Tile::kKVBytes);
+    issue_pv<E, D, BK>(o, pv, sV + s_last * Tile::kKVBytes);
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(pv);

@@ -66,6 +66,36 @@ __device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[
   }
 }
 
+// The query steps one key block walks: the G query heads of its KV head,
+// each times the query tiles of kBQ rows that can see keys [j0, j0 + BK).
+// Step `it` is head head(it), rows [row0(it), row0(it) + kBQ). init() also
+// sets hm up for the group's first head.
+struct QuerySteps {
+  int G, kvh, qt_begin, nq, total;
+  __device__ __forceinline__ void init(const KParams& p, HeadMask& hm, int b, int kvh_, int j0,
+                                       int BK) {
+    G = p.N / p.K;
+    kvh = kvh_;
+    hm.init(p, b, kvh * G, kLog2e);
+    hm.query_tiles(j0, min(j0 + BK, p.S), kBQ, &qt_begin, &nq);
+    total = G * nq;
+  }
+  __device__ __forceinline__ int head(int it) const { return kvh * G + it / nq; }
+  __device__ __forceinline__ int row0(int it) const { return (qt_begin + it % nq) * kBQ; }
+};
+
+// The start of query step it: its stage has landed and every warp is done
+// with step it - 1, so that step's stage (and whatever else it wrote to
+// shared memory) may be overwritten; step it + 1 is prefetched.
+template <class Prefetch>
+__device__ __forceinline__ void begin_query_step(int it, int total, Prefetch&& prefetch) {
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  if (it + 1 < total) prefetch(it + 1, (it + 1) & 1);
+  cp_async_commit();
+}
+
 // The block's K and V rows [j0, j0 + BK) of KV head kvh (SW128, cp.async).
 template <int BK, int D>
 __device__ __forceinline__ void load_key_block(const KParams& p, int b, int kvh, int j0,
@@ -127,19 +157,15 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
-  const int G = p.N / p.K;
-
   HeadMask hm;
-  hm.init(p, b, kvh * G, kLog2e);
-  int qt_begin, nq;
-  hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
-  const int total = G * nq;
+  QuerySteps steps;
+  steps.init(p, hm, b, kvh, j0, BK);
+  const int total = steps.total;
 
   load_key_block<BK, D>(p, b, kvh, j0, sK, sV, tid);
 
   auto prefetch = [&](int it, int stage) {
-    const int h = kvh * G + it / nq;
-    const int i0 = (qt_begin + it % nq) * BQ;
+    const int h = steps.head(it), i0 = steps.row0(it);
     load_query_step<D>(p, b, h, i0, sQ + stage * kQStage, sdO + stage * kQStage,
                        sL + stage * BQ, sDs + stage * BQ, tid);
     if constexpr (EB > 0)
@@ -156,15 +182,8 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   const int key_w0 = wg * 64 + wq * 16;  // the warp's 16 keys, relative to j0
 
   for (int it = 0; it < total; ++it) {
-    const int h = kvh * G + it / nq;
-    const int i0 = (qt_begin + it % nq) * BQ;
-    cp_async_wait<0>();
-    fence_proxy_async();
-    // This tile's stage landed; every warp is done with the previous tile, so
-    // its stage and dSᵀ may be overwritten.
-    __syncthreads();
-    if (it + 1 < total) prefetch(it + 1, (it + 1) & 1);
-    cp_async_commit();
+    const int h = steps.head(it), i0 = steps.row0(it);
+    begin_query_step(it, total, prefetch);  // the previous step's dSᵀ is free too
     hm.init(p, b, h, kLog2e);
     const uint32_t cQ = sQ + (it & 1) * kQStage, cdO = sdO + (it & 1) * kQStage;
     const float* cL = sL + (it & 1) * BQ;
@@ -314,18 +333,14 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
-  const int G = p.N / p.K;
-
   HeadMask hm;
-  hm.init(p, b, kvh * G, kLog2e);
-  int qt_begin, nq;
-  hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
-  const int total = G * nq;
+  QuerySteps steps;
+  steps.init(p, hm, b, kvh, j0, BK);
+  const int total = steps.total;
 
   load_key_block<BK, D>(p, b, kvh, j0, sK, sV, tid);
   auto prefetch = [&](int it, int stage) {
-    const int h = kvh * G + it / nq;
-    const int i0 = (qt_begin + it % nq) * BQ;
+    const int h = steps.head(it), i0 = steps.row0(it);
     load_query_step<D>(p, b, h, i0, sQ + stage * kQStage, sdO + stage * kQStage,
                        sL + stage * BQ, sDs + stage * BQ, tid);
   };
@@ -341,15 +356,8 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
   const int q_w0 = wg * QW;    // the warpgroup's 32 queries in step 1, relative to i0
 
   for (int it = 0; it < total; ++it) {
-    const int h = kvh * G + it / nq;
-    const int i0 = (qt_begin + it % nq) * BQ;
-    cp_async_wait<0>();
-    fence_proxy_async();
-    // This tile's stage landed; every warp is done with the previous tile, so
-    // its stage, Pᵀ and dSᵀ may be overwritten.
-    __syncthreads();
-    if (it + 1 < total) prefetch(it + 1, (it + 1) & 1);
-    cp_async_commit();
+    const int h = steps.head(it), i0 = steps.row0(it);
+    begin_query_step(it, total, prefetch);  // the previous step's Pᵀ, dSᵀ are free too
     hm.init(p, b, h, kLog2e);
     const uint32_t cQ = sQ + (it & 1) * kQStage, cdO = sdO + (it & 1) * kQStage;
     const float* cL = sL + (it & 1) * BQ;

@@ -180,10 +180,10 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
                   aligned16(op.v) && aligned16(op.o);
   cudaError_t err = cudaErrorNotSupported;
-  if (tc && wgmma_allowed() && hopper_fwd_use_ws(p.D))
-    err = launch_fwd_wgmma_ws(p, op.q.dtype, stream);
-  if (tc && wgmma_allowed() && err == cudaErrorNotSupported)
-    err = launch_fwd_wgmma(p, op.q.dtype, stream);
+  if (tc && wgmma_allowed()) {
+    if (hopper_fwd_use_ws(p.D)) err = launch_fwd_wgmma_ws(p, op.q.dtype, stream);
+    if (err == cudaErrorNotSupported) err = launch_fwd_wgmma(p, op.q.dtype, stream);
+  }
   if (tc && err == cudaErrorNotSupported) err = launch_fwd_tc(p, op.q.dtype, stream);
   if (err == cudaErrorNotSupported) err = launch_fwd_simt(p, op.q.dtype, stream);
   return cuda_error(err, "forward launch");

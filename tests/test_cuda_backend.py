@@ -58,6 +58,10 @@ LARGE = [
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S), bias_shape=(1, N, T, S)),
     Case(batch=1, q_len=300, kv_len=300, q_heads=16, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True),
+    # A mask read one score at a time at D = 256 (never staged there): the
+    # kernel instances built for problems with a mask or bias.
+    Case(batch=1, q_len=333, kv_len=300, q_heads=4, kv_heads=2, head_dim=256,
+         dtype=jnp.bfloat16, is_causal=True, mask_shape=(B, 1, T, S)),
     # Shapes whose mask or bias the Hopper kernels stage through shared memory
     # (one score tensor, contiguous keys, S a multiple of 16 bytes' worth).
     Case(batch=2, q_len=320, kv_len=384, q_heads=4, kv_heads=2, head_dim=128,

@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
                               ql * kScoreRow + kl * EB;
           x = hm.apply_staged<EB>(i0 + ql, j0 + kl, x, sc);
         } else if (!full) {
-          x = hm.apply(i0 + ql, j0 + kl, x);
+          x = hm.apply_bounds(i0 + ql, j0 + kl, x);  // launch_d: no unstaged mask or bias
         }
         st[4 * j + e] = exp2_fast(x - cL[ql]);
       }
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
         const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
         const int ql = q_w0 + acc_col(j, lane, e);
         float x = st[4 * j + e] * p.scale_log2;
-        if (!full) x = hm.apply(i0 + ql, j0 + kl, x);
+        if (!full) x = hm.apply_bounds(i0 + ql, j0 + kl, x);  // launch_d: no mask or bias
         st[4 * j + e] = exp2_fast(x - cL[ql]);
       }
 #pragma unroll

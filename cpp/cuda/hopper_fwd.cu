@@ -37,8 +37,9 @@ __host__ __device__ constexpr int staged_slot_bytes() {
 }
 
 // EB > 0: the mask (1) or 16-bit bias (2) is staged in shared memory with the
-// K tile of the same step (KParams::staged).
-template <class E, class Tile, int EB>
+// K tile of the same step (KParams::staged). EB = 0: LOADED, a mask or bias
+// is read one score at a time; !LOADED, the problem has neither.
+template <class E, class Tile, int EB, bool LOADED>
 __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int D = Tile::D, BK = Tile::BK;
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
     const uint8_t* staged_row0 = nullptr;
     if constexpr (EB > 0)
       staged_row0 = smem_ptr(sScore + (t & 1) * kScoreSlot) + (row0 - i0) * staged_row_bytes<BK, EB>();
-    online_softmax_tile<BK, EB>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane, staged_row0);
+    online_softmax_tile<BK, EB, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane, staged_row0);
 
     // O += P_{t-1} V_{t-1} is done: rescale O to this tile's maximum and keep
     // P_t for the next step.
@@ -145,9 +146,9 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-template <class E, class Tile, int EB = 0>
+template <class E, class Tile, int EB = 0, bool LOADED = false>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto* kernel = fwd_wgmma_kernel<E, Tile, EB>;
+  auto* kernel = fwd_wgmma_kernel<E, Tile, EB, LOADED>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   dim3 grid((p.T + kBQ - 1) / kBQ, p.N, p.B);
   return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes + 2 * staged_slot_bytes<Tile, EB>(),
@@ -177,6 +178,17 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   if (p.staged == 2 && p.D == 64) return launch<E, HopperFwdTile<64, 64, 2>, 2>(p, stream);
   if (p.staged == 1 && p.D == 128) return launch<E, HopperFwdTile<128, 64, 1>, 1>(p, stream);
   if (p.staged == 2 && p.D == 128) return launch<E, HopperFwdTile<128, 64, 1>, 2>(p, stream);
+  // A mask or bias read one score at a time: the default shapes only (the
+  // JAX_FATRAIN_CUDA_HOPPER_FWD_TILE alternatives are built for problems
+  // without one, to keep the number of instances down).
+  if (p.mask != nullptr || p.bias != nullptr) {
+    switch (p.D) {
+      case 64: return launch<E, HopperFwdTile<64, 64, 2>, 0, true>(p, stream);
+      case 128: return launch<E, HopperFwdTile<128, 64, 2>, 0, true>(p, stream);
+      case 256: return launch<E, HopperFwdTile<256, 64, 1>, 0, true>(p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (p.D) {
     case 64:
       if (c == 1) return launch<E, HopperFwdTile<64, 128, 1>>(p, stream);

@@ -57,8 +57,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pv)
 // Scales and masks s, replaces it by exp2(s - m_new), updates m and l and
 // returns in alpha the factor O must be rescaled by. EB > 0: the mask (1) or
 // 16-bit bias (2) is read from the step's staged tile (stage_score_tile), of
-// which staged_row0 points at row row0, key j0.
-template <int BK, int EB = 0>
+// which staged_row0 points at row row0, key j0. EB = 0: LOADED, each score
+// loads its own mask and bias values; !LOADED, the problem has neither.
+template <int BK, int EB, bool LOADED>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&m)[2],
                                                     float (&l)[2], float (&alpha)[2],
                                                     const HeadMask& hm, float scale_log2,
@@ -74,7 +75,8 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&
         x = hm.apply_staged<EB>(
             i, jj, x, staged_row0 + (e >> 1) * 8 * staged_row_bytes<BK, EB>() + (jj - j0) * EB);
       } else if (!full) {
-        x = hm.apply(i, jj, x);
+        if constexpr (LOADED) x = hm.apply(i, jj, x);
+        else x = hm.apply_bounds(i, jj, x);
       }
       s[4 * j + e] = x;
     }

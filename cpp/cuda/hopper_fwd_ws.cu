@@ -43,7 +43,9 @@ struct WsTile {
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 8 * (1 + 4 * kStages) + 1024;
 };
 
-template <class E, class Tile>
+// LOADED: a mask or bias is read one score at a time; otherwise the problem
+// has neither.
+template <class E, class Tile, bool LOADED>
 __global__ void __launch_bounds__(kNT, 1)
     fwd_ws_kernel(const __grid_constant__ FwdTensorMaps maps, const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -148,7 +150,7 @@ __global__ void __launch_bounds__(kNT, 1)
 
     const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
     float alpha[2];
-    online_softmax_tile<BK>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane);
+    online_softmax_tile<BK, 0, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane);
 
     wgmma_wait<0>();
     fence_regs(o);
@@ -172,9 +174,9 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-template <class E, class Tile>
+template <class E, class Tile, bool LOADED>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto* kernel = fwd_ws_kernel<E, Tile>;
+  auto* kernel = fwd_ws_kernel<E, Tile, LOADED>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   FwdTensorMaps maps;
   const int D = Tile::D;
@@ -189,21 +191,27 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes, stream, maps, p);
 }
 
-template <class E>
+template <class E, bool LOADED>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   switch (p.D) {
-    case 64: return launch<E, WsTile<64, 128>>(p, stream);
-    case 128: return launch<E, WsTile<128, 128>>(p, stream);
-    case 256: return launch<E, WsTile<256, 64>>(p, stream);
+    case 64: return launch<E, WsTile<64, 128>, LOADED>(p, stream);
+    case 128: return launch<E, WsTile<128, 128>, LOADED>(p, stream);
+    case 256: return launch<E, WsTile<256, 64>, LOADED>(p, stream);
     default: return cudaErrorNotSupported;
   }
+}
+
+template <class E>
+cudaError_t launch_e(const KParams& p, cudaStream_t stream) {
+  return p.mask != nullptr || p.bias != nullptr ? launch_d<E, true>(p, stream)
+                                                : launch_d<E, false>(p, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream) {
-  return dtype == DType::kBF16 ? launch_d<__nv_bfloat16>(p, stream)
-                               : launch_d<__half>(p, stream);
+  return dtype == DType::kBF16 ? launch_e<__nv_bfloat16>(p, stream)
+                               : launch_e<__half>(p, stream);
 }
 
 }  // namespace fatrain::cuda

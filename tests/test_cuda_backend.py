@@ -58,8 +58,9 @@ LARGE = [
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S), bias_shape=(1, N, T, S)),
     Case(batch=1, q_len=300, kv_len=300, q_heads=16, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True),
-    # A mask read one score at a time at D = 256 (never staged there): the
-    # kernel instances built for problems with a mask or bias.
+    # A mask read one score at a time (kv_len 300 is not a whole number of
+    # 16-byte chunks, so no kernel stages it): the kernel instances built for
+    # problems with a mask or bias.
     Case(batch=1, q_len=333, kv_len=300, q_heads=4, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True, mask_shape=(B, 1, T, S)),
     # Shapes whose mask or bias the Hopper kernels stage through shared memory
@@ -70,21 +71,26 @@ LARGE = [
          dtype=jnp.float16, is_causal=True, mask_shape=(B, 1, T, S)),
     Case(batch=2, q_len=200, kv_len=512, q_heads=2, kv_heads=1, head_dim=128,
          dtype=jnp.bfloat16, mask_shape=(B, 1, 1, S), window=(100, 50)),
+    # The warp-specialised forward's other staged tiles: a bias at D = 64, a
+    # mask at D = 256.
+    Case(batch=1, q_len=400, kv_len=272, q_heads=4, kv_heads=2, head_dim=64,
+         dtype=jnp.bfloat16, bias_shape=(B, 1, T, S)),
+    Case(batch=1, q_len=270, kv_len=320, q_heads=4, kv_heads=1, head_dim=256,
+         dtype=jnp.bfloat16, is_causal=True, mask_shape=(1, N, T, S)),
 ]
 
 
 # On a Hopper GPU the wgmma kernels run by default (for the backward, when
 # there is no elementwise mask or bias); JAX_FATRAIN_CUDA_KERNELS=mma_sync runs
 # the sm_80 kernels there too, so both families are checked on the one GPU we
-# have. The Hopper forward is by default the warp-specialised kernel at
-# D = 256 and the cp.async one below; "ws" and "cp_async" run one of them at
-# every head dim (hopper_fwd_ws.cu, hopper_fwd.cu).
+# have. The Hopper forward is by default the warp-specialised kernel
+# (hopper_fwd_ws.cu); "cp_async" runs the other one (hopper_fwd.cu).
 @pytest.mark.parametrize("deterministic,kernels",
                          [(False, "default"), (True, "default"), (False, "mma_sync"),
-                          (False, "ws"), (False, "cp_async")])
+                          (False, "cp_async")])
 @pytest.mark.parametrize("case", LARGE, ids=lambda c: c.id)
 def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch):
-  if kernels in ("ws", "cp_async"):
+  if kernels == "cp_async":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", kernels)
   elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)

@@ -2,7 +2,7 @@
 
     JAX_FATRAIN_CUDA_FWD_TILE=i JAX_FATRAIN_CUDA_BWD_TILE=j python tools/cuda_tile_sweep.py
     JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=i python tools/cuda_tile_sweep.py  # wgmma kernels
-    JAX_FATRAIN_CUDA_HOPPER_FWD=ws|cp_async python tools/cuda_tile_sweep.py  # one Hopper fwd at all D
+    JAX_FATRAIN_CUDA_HOPPER_FWD=cp_async python tools/cuda_tile_sweep.py  # the cp.async Hopper fwd
     JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
 

@@ -181,7 +181,7 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
                   aligned16(op.v) && aligned16(op.o);
   cudaError_t err = cudaErrorNotSupported;
   if (tc && wgmma_allowed()) {
-    if (hopper_fwd_use_ws(p.D)) err = launch_fwd_wgmma_ws(p, op.q.dtype, stream);
+    if (hopper_fwd_use_ws()) err = launch_fwd_wgmma_ws(p, op.q.dtype, stream);
     if (err == cudaErrorNotSupported) err = launch_fwd_wgmma(p, op.q.dtype, stream);
   }
   if (tc && err == cudaErrorNotSupported) err = launch_fwd_tc(p, op.q.dtype, stream);

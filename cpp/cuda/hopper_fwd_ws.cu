@@ -2,9 +2,8 @@
 // warpgroups that take turns on the tensor cores (FlashAttention-3's
 // warp specialisation and ping-pong; sm_90a only).
 //
-// The default Hopper forward at D = 256, where it measured 1.4-1.6x faster
-// than hopper_fwd.cu; at D <= 128 that kernel, two blocks per SM, stays
-// faster (launch.h's hopper_fwd_use_ws has the numbers).
+// The default Hopper forward, 1.1-1.6x faster than hopper_fwd.cu (launch.h's
+// hopper_fwd_use_ws has the numbers).
 //
 // Grid (ceil(T / 128), N, B), three warpgroups:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg) and one
@@ -18,8 +17,11 @@
 //     while the second runs). Named barriers order their issues: consumer c
 //     issues its products only after the other consumer issued its own, so
 //     one warpgroup's softmax runs while the other's products do.
-// Tiles past the sequence ends read as zeros (the tensor maps' bounds); the
-// masking is hm.apply's, one score at a time (no staged mask or bias here).
+// Tiles past the sequence ends read as zeros (the tensor maps' bounds). A
+// mask or 16-bit bias that qualifies for staging (KParams::staged) is copied
+// a tile ahead by each consumer for its own 64 rows (cp.async, 16-byte
+// chunks; no other warpgroup reads them, so a barrier over the consumer's own
+// 128 threads orders the slots); otherwise each score reads its own.
 #include "cuda/hopper_fwd_common.cuh"
 #include "cuda/launch.h"
 #include "cuda/tma.cuh"
@@ -35,26 +37,33 @@ struct FwdTensorMaps {
   CUtensorMap q, k, v;
 };
 
-template <int D_, int BK_>
+// EB: bytes per element of a staged mask (1) or bias (2), 0 for none.
+template <int D_, int BK_, int EB_ = 0>
 struct WsTile {
-  static constexpr int D = D_, BK = BK_;
+  static constexpr int D = D_, BK = BK_, EB = EB_;
   static constexpr int kQBytes = kBQ * D * 2, kKVBytes = BK * D * 2;
-  // Q; kStages slots of K and of V; 1 + 4 kStages mbarriers; alignment slack.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 8 * (1 + 4 * kStages) + 1024;
+  static constexpr int kScoreSlotBytes = EB == 0 ? 0 : kBQ * staged_row_bytes<BK, EB>();
+  // Q; kStages slots of K and of V; 2 slots of staged scores; 1 + 4 kStages
+  // mbarriers; alignment slack.
+  static constexpr int kSmemBytes =
+      kQBytes + 2 * kStages * kKVBytes + 2 * kScoreSlotBytes + 8 * (1 + 4 * kStages) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
-// LOADED: a mask or bias is read one score at a time; otherwise the problem
-// has neither.
+// Tile::EB > 0: the mask or bias is staged (see the top of the file).
+// LOADED (with EB = 0): a mask or bias is read one score at a time; neither:
+// the problem has no mask or bias.
 template <class E, class Tile, bool LOADED>
 __global__ void __launch_bounds__(kNT, 1)
     fwd_ws_kernel(const __grid_constant__ FwdTensorMaps maps, const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int D = Tile::D, BK = Tile::BK;
+  constexpr int D = Tile::D, BK = Tile::BK, EB = Tile::EB;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023) & ~1023u;
   const uint32_t sK = sQ + Tile::kQBytes;
   const uint32_t sV = sK + kStages * Tile::kKVBytes;
-  const uint32_t bars = sV + kStages * Tile::kKVBytes;
+  const uint32_t sScore = sV + kStages * Tile::kKVBytes;  // 2 slots, when EB > 0
+  const uint32_t bars = sScore + 2 * Tile::kScoreSlotBytes;
   const uint32_t q_full = bars;
   auto k_full = [&](int s) { return bars + 8 * (1 + s); };
   auto v_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
@@ -122,10 +131,33 @@ __global__ void __launch_bounds__(kNT, 1)
   float m[2], l[2];
   init_fwd_state<D, BK>(o, s, pv, m, l);
 
+  // Staged scores: this consumer's 64 rows of tile t sit in slot t & 1, at
+  // the rows' offset from i0; tile t + 1 is copied while tile t computes.
+  constexpr int kStageBarrier0 = 3;  // named barriers 3, 4: each consumer's own
+  const int consumer_tid = tid - 128 * wg;
+  auto stage_scores = [&](int t) {
+    if constexpr (EB > 0)
+      stage_score_tile<64, BK, EB, 128>(
+          p, b, n, sScore + (t & 1) * Tile::kScoreSlotBytes + c * 64 * staged_row_bytes<BK, EB>(),
+          i0 + c * 64, (t_begin + t) * BK, consumer_tid);
+  };
+  if constexpr (EB > 0) {
+    if (n_tiles > 0) stage_scores(0);
+    cp_async_commit();
+  }
+
   mbar_wait(q_full, 0);
   for (int t = 0; t < n_tiles; ++t) {
     const int j0 = (t_begin + t) * BK;
     const int s_cur = t % kStages, s_prev = (t + kStages - 1) % kStages;
+    if constexpr (EB > 0) {
+      cp_async_wait<0>();
+      // This consumer's copies of tile t landed, and its threads are all done
+      // with tile t - 1's slot, which tile t + 1 now takes.
+      named_bar_sync(kStageBarrier0 + c, 128);
+      if (t + 1 < n_tiles) stage_scores(t + 1);
+      cp_async_commit();
+    }
     mbar_wait(k_full(s_cur), (t / kStages) & 1);
     if (t > 0) mbar_wait(v_full(s_prev), ((t - 1) / kStages) & 1);
 
@@ -150,7 +182,12 @@ __global__ void __launch_bounds__(kNT, 1)
 
     const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
     float alpha[2];
-    online_softmax_tile<BK, 0, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane);
+    const uint8_t* staged_row0 = nullptr;
+    if constexpr (EB > 0)
+      staged_row0 = smem_raw + (sScore + (t & 1) * Tile::kScoreSlotBytes - smem_u32(smem_raw)) +
+                    (row0 - i0) * staged_row_bytes<BK, EB>();
+    online_softmax_tile<BK, EB, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane,
+                                        staged_row0);
 
     wgmma_wait<0>();
     fence_regs(o);
@@ -201,8 +238,23 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   }
 }
 
+// A staged mask or bias: the default tiles where its two slots fit in shared
+// memory; a bias at D = 128 takes 64-key tiles (two 128 x 128 bias slots do
+// not fit beside 128-key K and V stages), and at D = 256 only a mask fits, so
+// a bias there is read one score at a time.
+template <class E>
+cudaError_t launch_staged(const KParams& p, cudaStream_t stream) {
+  if (p.staged == 1 && p.D == 64) return launch<E, WsTile<64, 128, 1>, false>(p, stream);
+  if (p.staged == 2 && p.D == 64) return launch<E, WsTile<64, 128, 2>, false>(p, stream);
+  if (p.staged == 1 && p.D == 128) return launch<E, WsTile<128, 128, 1>, false>(p, stream);
+  if (p.staged == 2 && p.D == 128) return launch<E, WsTile<128, 64, 2>, false>(p, stream);
+  if (p.staged == 1 && p.D == 256) return launch<E, WsTile<256, 64, 1>, false>(p, stream);
+  return launch_d<E, true>(p, stream);
+}
+
 template <class E>
 cudaError_t launch_e(const KParams& p, cudaStream_t stream) {
+  if (p.staged != 0) return launch_staged<E>(p, stream);
   return p.mask != nullptr || p.bias != nullptr ? launch_d<E, true>(p, stream)
                                                 : launch_d<E, false>(p, stream);
 }

@@ -83,18 +83,17 @@ cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream)
 // The warp-specialised variant (hopper_fwd_ws.cu: a TMA producer warpgroup and
 // two consumer warpgroups taking turns on the tensor cores).
 cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream);
-// Which Hopper forward runs. On an H200 (tools/cuda_tile_sweep.py, bf16,
-// forward TFLOP/s, cp.async kernel -> warp-specialised) the warp-specialised
-// kernel wins at D = 256 (T = 4096: 214-227 -> 313-329; GQA 16:2, T = 8192:
-// 247-248 -> 397-402) and loses at D = 128 (198-204 -> 182-187) and D = 64
-// (141 -> 101-103), where the cp.async kernel keeps two blocks per SM.
-// JAX_FATRAIN_CUDA_HOPPER_FWD=ws or =cp_async forces one kernel at every head
-// dim (read on every launch so that tests can switch it).
-inline bool hopper_fwd_use_ws(int head_dim) {
+// Which Hopper forward runs: the warp-specialised kernel, unless
+// JAX_FATRAIN_CUDA_HOPPER_FWD=cp_async asks for the other one for every
+// problem (read on every launch so that tests can switch it). On an H200
+// (tools/cuda_tile_sweep.py, bf16, T = 4096, forward TFLOP/s, cp.async ->
+// warp-specialised, two runs each in one session): D = 64 173-189 -> 200-203,
+// causal 153-161 -> 153-163; D = 128 234 -> 314-318, causal 187-191 ->
+// 223-285. At D = 256 an earlier session measured 214-227 -> 313-329 (GQA
+// 16:2, T = 8192: 247-248 -> 397-402). PERF_NOTES.md has the masked rows.
+inline bool hopper_fwd_use_ws() {
   const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_FWD");
-  if (v != nullptr && std::string_view(v) == "ws") return true;
-  if (v != nullptr && std::string_view(v) == "cp_async") return false;
-  return head_dim == 256;
+  return v == nullptr || std::string_view(v) != "cp_async";
 }
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 

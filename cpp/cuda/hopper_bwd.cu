@@ -17,72 +17,14 @@
 //      MN-major; warpgroup w takes columns [w D/2, (w + 1) D/2)), added to a
 //      float32 scratch with atomics. The deterministic mode leaves dQ to
 //      tc_dq.cu.
+#include "cuda/hopper_bwd_common.cuh"
 #include "cuda/launch.h"
 #include "cuda/wgmma.cuh"
 
 namespace fatrain::cuda {
 namespace {
 
-constexpr int kBK = 128, kBQ = 64, kNT = 256;
-
-// dQ rows [i0, i0 + 64) x columns [col0, col0 + NC) of head h, a 64 x NC
-// wgmma accumulator, added to the float32 scratch with float2 atomics.
-template <int NC>
-__device__ __forceinline__ void add_dq_tile(const KParams& p, const float (&dq)[NC / 2], int b,
-                                            int h, int i0, int col0, int wq, int lane) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = i0 + acc_row(wq, lane, 2 * r);
-    if (i >= p.T) continue;
-    float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * p.D + col0;
-#pragma unroll
-    for (int j = 0; j < NC / 8; ++j)
-      atomicAdd(reinterpret_cast<float2*>(dst + acc_col(j, lane, 0)),
-                make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-  }
-}
-
-// Writes dK (times the softmax scale) and dV for keys [j0, j0 + 64) x columns
-// [col0, col0 + NC), 64 x NC wgmma accumulators, to the outputs of head kvh.
-template <class E, int NC>
-__device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[NC / 2],
-                                            const float (&dv)[NC / 2], int b, int kvh, int j0,
-                                            int col0, int wq, int lane) {
-  E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs + col0;
-  E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs + col0;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = j0 + acc_row(wq, lane, 2 * r);
-    if (j >= p.S) continue;
-    E* dkr = dkb + static_cast<int64_t>(j) * p.k_ss;
-    E* dvr = dvb + static_cast<int64_t>(j) * p.k_ss;
-#pragma unroll
-    for (int c = 0; c < NC / 8; ++c) {
-      const int col = acc_col(c, lane, 0);
-      *reinterpret_cast<uint32_t*>(dkr + col) =
-          Cvt<E>::pack(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dvr + col) = Cvt<E>::pack(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
-    }
-  }
-}
-
-// The query steps one key block walks: the G query heads of its KV head,
-// each times the query tiles of kBQ rows that can see keys [j0, j0 + BK).
-// Step `it` is head head(it), rows [row0(it), row0(it) + kBQ). init() also
-// sets hm up for the group's first head.
-struct QuerySteps {
-  int G, kvh, qt_begin, nq, total;
-  __device__ __forceinline__ void init(const KParams& p, HeadMask& hm, int b, int kvh_, int j0,
-                                       int BK) {
-    G = p.N / p.K;
-    kvh = kvh_;
-    hm.init(p, b, kvh * G, kLog2e);
-    hm.query_tiles(j0, min(j0 + BK, p.S), kBQ, &qt_begin, &nq);
-    total = G * nq;
-  }
-  __device__ __forceinline__ int head(int it) const { return kvh * G + it / nq; }
-  __device__ __forceinline__ int row0(int it) const { return (qt_begin + it % nq) * kBQ; }
-};
+constexpr int kBK = 128, kBQ = kBwdBQ, kNT = 256;
 
 // The start of query step it: its stage has landed and every warp is done
 // with step it - 1, so that step's stage (and whatever else it wrote to
@@ -189,84 +131,29 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     const float* cL = sL + (it & 1) * BQ;
     const float* cDs = sDs + (it & 1) * BQ;
 
-    // 1. Sᵀ and dPᵀ for this warpgroup's 64 keys x the tile's 64 queries,
-    // committed separately: Pᵀ and dV += Pᵀ dO go ahead while dPᵀ computes.
-    fence_regs(st);
-    fence_regs(dpt);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, BQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, wg * 64, kk),
-                                      desc_k_major<BQ>(cQ, 0, kk), kk > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, BQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, wg * 64, kk),
-                                      desc_k_major<BQ>(cdO, 0, kk), kk > 0);
-    wgmma_commit();
+    // 1. Sᵀ and dPᵀ for this warpgroup's 64 keys x the tile's 64 queries;
+    // Pᵀ and dV += Pᵀ dO go ahead while dPᵀ computes.
+    issue_st_dpt<E, D, BK>(st, dpt, sK, sV, wg * 64, cQ, cdO);
     wgmma_wait<1>();
     fence_regs(st);
-
-    // Pᵀ = exp2(Sᵀ - L).
     const bool full = hm.tile_is_full(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
-        const int ql = acc_col(j, lane, e);
-        float x = st[4 * j + e] * p.scale_log2;
-        if constexpr (EB > 0) {
-          const uint8_t* sc = smem_raw + (sScore + (it & 1) * kScoreSlot - smem_u32(smem_raw)) +
-                              ql * kScoreRow + kl * EB;
-          x = hm.apply_staged<EB>(i0 + ql, j0 + kl, x, sc);
-        } else if (!full) {
-          x = hm.apply_bounds(i0 + ql, j0 + kl, x);  // launch_d: no unstaged mask or bias
-        }
-        st[4 * j + e] = exp2_fast(x - cL[ql]);
-      }
-    }
+    const uint8_t* staged = smem_raw + (sScore + (it & 1) * kScoreSlot - smem_u32(smem_raw));
+    compute_pt<EB, kScoreRow>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane, full,
+                              staged);
 
-    // 2a. dV += Pᵀ dO (A = Pᵀ from registers, B = dO MN-major).
-    fence_regs(dv);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a<E>(st, kk, a);
-      Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
-    }
-    wgmma_commit();
+    // 2a. dV += Pᵀ dO; dSᵀ once dPᵀ is done, also to shared memory as 16-bit
+    // for step 3.
+    issue_dv<E, D>(dv, st, cdO);
     wgmma_wait<1>();  // dPᵀ is done; dV may still run
     fence_regs(dpt);
-
-    // dSᵀ = Pᵀ (dPᵀ - D), also to shared memory as 16-bit for step 3.
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cDs[acc_col(j, lane, e)]);
-      if constexpr (ATOMIC) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int kl = key_w0 + (lane >> 2) + hf * 8;
-          *reinterpret_cast<uint32_t*>(sdS_ptr + sw128_offset<BK>(kl, acc_col(j, lane, 0))) =
-              Cvt<E>::pack(dpt[4 * j + 2 * hf], dpt[4 * j + 2 * hf + 1]);
-        }
-      }
+    compute_dst(dpt, st, cDs, 0, lane);
+    if constexpr (ATOMIC) {
+      store_key_major<E, BK>(sdS_ptr, dpt, key_w0, 0, lane);
+      fence_proxy_async();
     }
-    if constexpr (ATOMIC) fence_proxy_async();
 
     // 2b. dK += dSᵀ Q.
-    fence_regs(dk);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a<E>(dpt, kk, a);
-      Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<BQ>(cQ, 0, kk), 1);
-    }
-    wgmma_commit();
+    issue_dk<E, D>(dk, dpt, cQ);
 
     // 3. dQ (64 queries x D/2 columns of this warpgroup) += dS K.
     if constexpr (ATOMIC) {
@@ -317,7 +204,7 @@ constexpr int hopper_bwd256_smem_bytes() {
 template <class E, bool ATOMIC>
 __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int D = 256, BK = kBK256, BQ = kBQ, NT = kNT, DW = D / 2, QW = BQ / 2;
+  constexpr int D = 256, BK = kBK256, BQ = kBQ, DW = D / 2, QW = BQ / 2;
   constexpr uint32_t kQStage = BQ * D * 2;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;

@@ -1,0 +1,188 @@
+// The pieces the two Hopper backward kernels share (internal): the query
+// steps a key block walks, the per-step products and elementwise work of a
+// warpgroup that owns 64 keys, and the final dK / dV store. hopper_bwd.cu loads
+// its tiles with cp.async from every thread, hopper_bwd_ws.cu with TMA from a
+// producer warp; both keep dK and dV of their keys in wgmma accumulators.
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace fatrain::cuda {
+
+// Query rows per backward step (one wgmma M or N of 64).
+constexpr int kBwdBQ = 64;
+
+// dQ rows [i0, i0 + 64) x columns [col0, col0 + NC) of head h, a 64 x NC
+// wgmma accumulator, added to the float32 scratch with float2 atomics.
+template <int NC>
+__device__ __forceinline__ void add_dq_tile(const KParams& p, const float (&dq)[NC / 2], int b,
+                                            int h, int i0, int col0, int wq, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + acc_row(wq, lane, 2 * r);
+    if (i >= p.T) continue;
+    float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * p.D + col0;
+#pragma unroll
+    for (int j = 0; j < NC / 8; ++j)
+      atomicAdd(reinterpret_cast<float2*>(dst + acc_col(j, lane, 0)),
+                make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+  }
+}
+
+// Writes dK (times the softmax scale) and dV for keys [j0, j0 + 64) x columns
+// [col0, col0 + NC), 64 x NC wgmma accumulators, to the outputs of head kvh.
+template <class E, int NC>
+__device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[NC / 2],
+                                            const float (&dv)[NC / 2], int b, int kvh, int j0,
+                                            int col0, int wq, int lane) {
+  E* dkb = static_cast<E*>(p.dk) + b * p.k_bs + kvh * p.k_hs + col0;
+  E* dvb = static_cast<E*>(p.dv) + b * p.k_bs + kvh * p.k_hs + col0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + acc_row(wq, lane, 2 * r);
+    if (j >= p.S) continue;
+    E* dkr = dkb + static_cast<int64_t>(j) * p.k_ss;
+    E* dvr = dvb + static_cast<int64_t>(j) * p.k_ss;
+#pragma unroll
+    for (int c = 0; c < NC / 8; ++c) {
+      const int col = acc_col(c, lane, 0);
+      *reinterpret_cast<uint32_t*>(dkr + col) =
+          Cvt<E>::pack(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvr + col) = Cvt<E>::pack(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
+    }
+  }
+}
+
+// The query steps one key block walks: the G query heads of its KV head,
+// each times the query tiles of kBwdBQ rows that can see keys [j0, j0 + BK).
+// Step `it` is head head(it), rows [row0(it), row0(it) + kBwdBQ). init() also
+// sets hm up for the group's first head.
+struct QuerySteps {
+  int G, kvh, qt_begin, nq, total;
+  __device__ __forceinline__ void init(const KParams& p, HeadMask& hm, int b, int kvh_, int j0,
+                                       int BK) {
+    G = p.N / p.K;
+    kvh = kvh_;
+    hm.init(p, b, kvh * G, kLog2e);
+    hm.query_tiles(j0, min(j0 + BK, p.S), kBwdBQ, &qt_begin, &nq);
+    total = G * nq;
+  }
+  __device__ __forceinline__ int head(int it) const { return kvh * G + it / nq; }
+  __device__ __forceinline__ int row0(int it) const { return (qt_begin + it % nq) * kBwdBQ; }
+};
+
+
+// ---- One query step of a warpgroup: elementwise work and products ----
+// Accumulators in the wgmma layout: st, dpt are 64 keys x NQ queries of the
+// step (queries q_w0 .. q_w0 + NQ - 1, relative to the step's first row; the
+// warp's 16 keys are key_w0 .. key_w0 + 15, relative to the key block).
+
+// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for keys [key_row0, key_row0 + 64) of the BK-row
+// K and V tiles, committed as two groups: Pᵀ is computed while dPᵀ runs.
+template <class E, int D, int BK>
+__device__ __forceinline__ void issue_st_dpt(float (&st)[kBwdBQ / 2], float (&dpt)[kBwdBQ / 2],
+                                             uint32_t sK, uint32_t sV, int key_row0, uint32_t cQ,
+                                             uint32_t cdO) {
+  fence_regs(st);
+  fence_regs(dpt);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    Wgmma<E, kBwdBQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, key_row0, kk),
+                                        desc_k_major<kBwdBQ>(cQ, 0, kk), kk > 0);
+  wgmma_commit();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    Wgmma<E, kBwdBQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, key_row0, kk),
+                                        desc_k_major<kBwdBQ>(cdO, 0, kk), kk > 0);
+  wgmma_commit();
+}
+
+// Pᵀ = exp2(scale_log2 Sᵀ (+ bias, masked) - L), in place, for query rows
+// [i0, i0 + kBwdBQ) and keys j0 + key_w0 ... cL: the step's L (base 2).
+// EB > 0: the mask or bias is staged at `staged`, rows of SCORE_ROW bytes per
+// query, the block's keys along them; EB = 0: no mask or bias (full: the
+// warp's tile needs no bounds either).
+template <int EB, int SCORE_ROW, int NQ = kBwdBQ>
+__device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& hm,
+                                           float scale_log2, const float* cL, int i0, int j0,
+                                           int key_w0, int q_w0, int lane, bool full,
+                                           const uint8_t* staged) {
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
+      const int ql = q_w0 + acc_col(j, lane, e);
+      float x = st[4 * j + e] * scale_log2;
+      if constexpr (EB > 0) {
+        x = hm.apply_staged<EB>(i0 + ql, j0 + kl, x, staged + ql * SCORE_ROW + kl * EB);
+      } else if (!full) {
+        x = hm.apply_bounds(i0 + ql, j0 + kl, x);
+      }
+      st[4 * j + e] = exp2_fast(x - cL[ql]);
+    }
+  }
+}
+
+// dV += Pᵀ dO (A = Pᵀ from registers, B = dO MN-major), committed.
+template <class E, int D>
+__device__ __forceinline__ void issue_dv(float (&dv)[D / 2], const float (&st)[kBwdBQ / 2],
+                                         uint32_t cdO) {
+  fence_regs(dv);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBwdBQ / 16; ++kk) {
+    uint32_t a[4];
+    acc_to_a<E>(st, kk, a);
+    Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<kBwdBQ>(cdO, 0, kk), 1);
+  }
+  wgmma_commit();
+}
+
+// dSᵀ = Pᵀ (dPᵀ - D), in place of dPᵀ (cDs: the step's D = rowsum(dO O)).
+template <int NQ = kBwdBQ>
+__device__ __forceinline__ void compute_dst(float (&dpt)[NQ / 2], const float (&st)[NQ / 2],
+                                            const float* cDs, int q_w0, int lane) {
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cDs[q_w0 + acc_col(j, lane, e)]);
+  }
+}
+
+// The warp's 16 keys of Pᵀ or dSᵀ, 16-bit, into a [BK keys][kBwdBQ queries]
+// SW128 tile at `tile`, for a later wgmma that reads it through the async
+// proxy (the caller fences).
+template <class E, int BK, int NQ = kBwdBQ>
+__device__ __forceinline__ void store_key_major(uint8_t* tile, const float (&x)[NQ / 2],
+                                                int key_w0, int q_w0, int lane) {
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int kl = key_w0 + (lane >> 2) + hf * 8;
+      *reinterpret_cast<uint32_t*>(tile + sw128_offset<BK>(kl, q_w0 + acc_col(j, lane, 0))) =
+          Cvt<E>::pack(x[4 * j + 2 * hf], x[4 * j + 2 * hf + 1]);
+    }
+  }
+}
+
+// dK += dSᵀ Q (A = dSᵀ from registers, B = Q MN-major), committed.
+template <class E, int D>
+__device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[kBwdBQ / 2],
+                                         uint32_t cQ) {
+  fence_regs(dk);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBwdBQ / 16; ++kk) {
+    uint32_t a[4];
+    acc_to_a<E>(dpt, kk, a);
+    Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<kBwdBQ>(cQ, 0, kk), 1);
+  }
+  wgmma_commit();
+}
+
+}  // namespace fatrain::cuda

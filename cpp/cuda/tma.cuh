@@ -1,12 +1,12 @@
 // Hopper (sm_90) bulk tensor copies (TMA) and mbarriers (internal).
 //
 // tools/tma_check.cu checks them on their own (on an H200: every case equal to
-// the cp.async tile, byte for byte); hopper_fwd_ws.cu uses them. A
-// producer-warp pipeline: one thread issues a TMA load of a
-// tile into shared memory, the load completes on an mbarrier by transaction
-// bytes, consumer warpgroups wait on that mbarrier's phase. TMA writes through
-// the async proxy, which wgmma reads too, so no proxy fence is needed between
-// them (unlike cp.async tiles).
+// the cp.async tile, byte for byte); hopper_fwd_ws.cu and hopper_bwd_ws.cu
+// use them. A producer-warp pipeline: one thread issues a TMA load of a tile
+// into shared memory, the load completes on an mbarrier by transaction bytes,
+// consumer warpgroups wait on that mbarrier's phase. TMA writes through the
+// async proxy, which wgmma reads too, so no proxy fence is needed between them
+// (unlike cp.async tiles).
 //
 // Tensor maps describe one 16-bit [B][T][N][D] operand as a 4-D tensor
 // {D, T, N, B} (innermost first) with boxes of {64, ROWS, 1, 1}: 64 elements
@@ -91,6 +91,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// Arrives once on `bar` when all of this thread's earlier cp.async copies
+// have landed (without adding to the arrivals the phase expects: count it in
+// the barrier's init). Waiters on the phase then see the copied data.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // One box of `map` at element coordinates (c0 = column, c1 = row, c2 = head,
 // c3 = batch) into shared memory at `dst` (1024-byte aligned), completing on
 // `bar` with the box's bytes. One thread issues it.
@@ -101,6 +108,32 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Adds `bytes` (a multiple of 16) of float32 at shared address `src` to
+// global memory at `dst` (both 16-byte aligned) in L2, element by element,
+// through the async proxy: the issuing thread goes on at once. The writes
+// that filled `src` need fence_proxy_async() first. Completion is tracked per
+// thread in bulk groups (bulk_commit / bulk_wait_read / bulk_wait).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   dst),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's bulk groups still read their shared
+// memory sources (which may then be overwritten).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are incomplete.
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives

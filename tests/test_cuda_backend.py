@@ -77,21 +77,42 @@ LARGE = [
          dtype=jnp.bfloat16, bias_shape=(B, 1, T, S)),
     Case(batch=1, q_len=270, kv_len=320, q_heads=4, kv_heads=1, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True, mask_shape=(1, N, T, S)),
+    # The warp-specialised backward: many steps per key block (GQA 8:1, so
+    # the steps cross heads and both dSᵀ buffers and Q/dO slots are reused
+    # many times), a last query tile of 6 rows, float16.
+    Case(batch=2, q_len=390, kv_len=300, q_heads=8, kv_heads=1, head_dim=64,
+         dtype=jnp.float16),
+    Case(batch=1, q_len=454, kv_len=454, q_heads=8, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, is_causal=True, kv_lengths=True),
 ]
 
 
-# On a Hopper GPU the wgmma kernels run by default (for the backward, when
-# there is no elementwise mask or bias); JAX_FATRAIN_CUDA_KERNELS=mma_sync runs
-# the sm_80 kernels there too, so both families are checked on the one GPU we
-# have. The Hopper forward is by default the warp-specialised kernel
-# (hopper_fwd_ws.cu); "cp_async" runs the other one (hopper_fwd.cu).
-@pytest.mark.parametrize("deterministic,kernels",
-                         [(False, "default"), (True, "default"), (False, "mma_sync"),
-                          (False, "cp_async")])
-@pytest.mark.parametrize("case", LARGE, ids=lambda c: c.id)
+# On a Hopper GPU the wgmma kernels run by default; JAX_FATRAIN_CUDA_KERNELS=
+# mma_sync runs the sm_80 kernels there too, so both families are checked on
+# the one GPU we have. The Hopper forward is by default the warp-specialised
+# kernel (hopper_fwd_ws.cu), and so is the backward (hopper_bwd_ws.cu, except
+# for a mask or bias at head dim 256); "fwd_cp_async" and
+# "bwd_cp_async" run the other ones (hopper_fwd.cu, hopper_bwd.cu), in both
+# backward modes for the backward.
+def _kernel_rows(case):
+  rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
+  # The two Hopper backwards differ without a mask or bias, and at head dims
+  # 64 and 128 with one of them (staged; with both, the mma.sync backward runs).
+  plain = case.mask_shape is None and case.bias_shape is None
+  one = (case.mask_shape is None) != (case.bias_shape is None)
+  if plain or (case.head_dim in (64, 128) and one):
+    rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async")]
+  return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
+          for d, k in rows]
+
+
+@pytest.mark.parametrize("case,deterministic,kernels",
+                         [row for case in LARGE for row in _kernel_rows(case)])
 def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch):
-  if kernels == "cp_async":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", kernels)
+  if kernels == "fwd_cp_async":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async")
+  elif kernels == "bwd_cp_async":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
   elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
   x = make_inputs(case, seed=7)

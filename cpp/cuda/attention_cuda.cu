@@ -211,11 +211,13 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
                   aligned16(op.v) && aligned16(op.o) && aligned16(op.d_o) &&
                   aligned16(op.dq) && aligned16(op.dk) && aligned16(op.dv);
   if (tc) {
-    // The wgmma kernel where it applies (Hopper, no elementwise mask or bias),
-    // else mma.sync.
+    // The Hopper kernels where they apply (launch.h), else mma.sync.
     auto bwd_tc = [&](bool atomic_dq) {
-      cudaError_t e = wgmma_allowed() ? launch_bwd_wgmma(p, dt, atomic_dq, stream)
-                                      : cudaErrorNotSupported;
+      cudaError_t e = cudaErrorNotSupported;
+      if (wgmma_allowed()) {
+        if (hopper_bwd_use_ws()) e = launch_bwd_wgmma_ws(p, dt, atomic_dq, stream);
+        if (e == cudaErrorNotSupported) e = launch_bwd_wgmma(p, dt, atomic_dq, stream);
+      }
       return e == cudaErrorNotSupported ? launch_bwd_tc(p, dt, atomic_dq, stream) : e;
     };
     cudaError_t err;

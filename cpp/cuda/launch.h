@@ -96,6 +96,19 @@ inline bool hopper_fwd_use_ws() {
   return v == nullptr || std::string_view(v) != "cp_async";
 }
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
+// The warp-specialised backward (hopper_bwd_ws.cu: a TMA producer warp and two
+// consumer warpgroups that never meet at a block-wide barrier; head dims 64,
+// 128 and 256 without a mask or bias, and a staged mask or bias at 64 and 128,
+// else cudaErrorNotSupported).
+cudaError_t launch_bwd_wgmma_ws(const KParams& p, DType dtype, bool atomic_dq,
+                                cudaStream_t stream);
+// Which Hopper backward runs where both apply: the warp-specialised kernel,
+// unless JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async asks for hopper_bwd.cu (read on
+// every launch so that tests can switch it).
+inline bool hopper_bwd_use_ws() {
+  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_BWD");
+  return v == nullptr || std::string_view(v) != "cp_async";
+}
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
 // see launch_with_smem.

@@ -1,0 +1,563 @@
+// Hopper FlashAttention backward with a TMA producer and two consumer
+// warpgroups that never meet at a block-wide barrier (sm_90a only): head
+// dims 64 and 128 (bwd_ws_kernel, without a mask or bias or with one that
+// qualifies for staging, KParams::staged) and 256 (bwd_ws_d256_kernel,
+// further down, without a mask or bias).
+//
+// Why: hopper_bwd.cu loads each step's Q and dO with cp.async from all 256
+// threads and meets at two block-wide barriers per step (before the step, and
+// before dQ += dS K, which needs both warpgroups' dS), so both warpgroups run
+// the same phase at the same time and the tensor cores idle through every
+// softmax and dS phase (PERF_NOTES.md, "The backward, attributed").
+//
+// Grid (ceil(S / 128), K, B), three warpgroups:
+//   warpgroup 0, the producer: gives its registers back; one warp loads K and
+//     V of the block once (TMA), then for each query step the Q and dO tiles
+//     (TMA) and the L and D row statistics (plain loads) into kStages slots,
+//     each completing on the slot's "full" mbarrier; before refilling a slot
+//     it waits on the slot's "empty" mbarrier.
+//   warpgroups 1 and 2, the consumers: consumer c owns keys [64 c, 64 c + 64)
+//     of the block and keeps their dK, dV in registers. Per step it:
+//     1. Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (ss wgmma); Pᵀ = exp2(Sᵀ - L); dV += Pᵀ dO (rs);
+//        dSᵀ = Pᵀ (dPᵀ - D); dK += dSᵀ Q (rs) -- as in hopper_bwd.cu;
+//     2. (atomic mode) stores its 64 keys of dSᵀ, 16-bit, into the step's dSᵀ
+//        buffer and arrives on that buffer's "ready" mbarrier;
+//     3. (atomic mode) computes the previous step's dQ columns
+//        [c D/2, (c + 1) D/2) = dS K over all 128 keys, once the other
+//        consumer's half of that dSᵀ is ready -- a step late, so the wait is
+//        normally already over -- and adds them to the float32 scratch with
+//        one bulk reduction per row (cp.reduce.async.bulk from a per-warp
+//        staging area in shared memory; no register atomics).
+//   dSᵀ has two buffers; a consumer reuses one only after both consumers are
+//   done reading it ("free" mbarrier). So a consumer may run up to a step
+//   ahead of the other, and one's softmax overlaps the other's products.
+// A staged mask or 16-bit bias: the producer warp also copies each step's
+// [64 queries][128 keys] tile of it into one slot (cp.async, 16-byte chunks,
+// completing on the slot's "scores full" mbarrier), refilled for the next
+// step as soon as both consumers have computed their Pᵀ ("scores empty"): one
+// slot, because two do not fit beside the D = 128 tiles, and the refill still
+// has the rest of the step to land.
+// Rows past T read as zeros (the tensor maps' bounds) with L = +inf, so they
+// add nothing. The deterministic mode skips 2 and 3 (tc_dq.cu computes dQ).
+#include "cuda/hopper_bwd_common.cuh"
+#include "cuda/launch.h"
+#include "cuda/tma.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace fatrain::cuda {
+namespace {
+
+constexpr int kConsumers = 2, kBK = 64 * kConsumers, kBQ = kBwdBQ;
+constexpr int kNT = 128 * (kConsumers + 1);
+constexpr int kStages = 2;
+
+struct BwdTensorMaps {
+  CUtensorMap q, d_o, k, v;
+};
+
+// A block's mbarriers, 8 bytes each from `base`, for STAGES slots of Q and dO.
+template <int STAGES>
+struct BwdBarrierSet {
+  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2;
+  uint32_t base;
+  // K and V landed.
+  __device__ __forceinline__ uint32_t kv_full() const { return base; }
+  // Slot s's Q, dO (bytes) and row statistics (the producer warp's 32 lanes)
+  // landed; every consumer thread is done with it.
+  __device__ __forceinline__ uint32_t full(int s) const { return base + 8 * (1 + s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return base + 8 * (1 + STAGES + s); }
+  // Both consumers wrote their part of shared buffer u (dSᵀ; at D = 256 also
+  // Pᵀ); both are done reading it.
+  __device__ __forceinline__ uint32_t ready(int u) const {
+    return base + 8 * (1 + 2 * STAGES + u);
+  }
+  __device__ __forceinline__ uint32_t done(int u) const {
+    return base + 8 * (3 + 2 * STAGES + u);
+  }
+  // The staged score slot landed (each producer lane's cp.async copies);
+  // both consumers have read it.
+  __device__ __forceinline__ uint32_t scores_full() const { return base + 8 * (5 + 2 * STAGES); }
+  __device__ __forceinline__ uint32_t scores_empty() const {
+    return base + 8 * (6 + 2 * STAGES);
+  }
+  // One thread initialises them, before the block-wide barrier.
+  __device__ __forceinline__ void init() const {
+    mbar_init(kv_full(), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), 32);
+      mbar_init(empty(s), kConsumers * 128);
+    }
+    for (int u = 0; u < 2; ++u) {
+      mbar_init(ready(u), kConsumers * 128);
+      mbar_init(done(u), kConsumers * 128);
+    }
+    mbar_init(scores_full(), 32);
+    mbar_init(scores_empty(), kConsumers * 128);
+    fence_mbar_init();
+  }
+};
+using BwdBarriers = BwdBarrierSet<kStages>;
+
+// Shared memory, in byte offsets from a 1024-byte aligned base (every SW128
+// tile starts on a 1024-byte boundary). EB: bytes per element of a staged
+// mask (1) or bias (2), 0 for none.
+template <int D, int EB>
+struct BwdWsLayout {
+  static constexpr int kKVBytes = kBK * D * 2;       // K, or V: [kBK keys][D]
+  static constexpr int kQBytes = kBQ * D * 2;        // one slot of Q, or dO
+  static constexpr int kDSBytes = kBK * kBQ * 2;     // one dSᵀ buffer: [kBK keys][kBQ queries]
+  // One consumer's dQ staging: kBQ rows of D / 2 floats, padded by 4 so that
+  // the accumulator-layout float2 stores take two wavefronts per warp.
+  static constexpr int kDqRowFloats = D / 2 + 4;
+  static constexpr int kDqBytes = kBQ * kDqRowFloats * 4;
+  static constexpr int kStatBytes = kBQ * 4;         // one slot of L, or D
+  static constexpr int kScoreRow = EB == 0 ? 0 : staged_row_bytes<kBK, EB>();
+  static constexpr int kScoreBytes = kBQ * kScoreRow;  // the staged score slot
+  static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes,
+                       kDO = kQ + kStages * kQBytes, kDS = kDO + kStages * kQBytes,
+                       kDq = kDS + 2 * kDSBytes, kL = kDq + kConsumers * kDqBytes,
+                       kDsum = kL + kStages * kStatBytes, kScore = kDsum + kStages * kStatBytes,
+                       kBars = kScore + kScoreBytes;
+  static constexpr int kSmemBytes = kBars + 8 * BwdBarriers::kCount + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
+};
+
+// The previous step's dQ, for this consumer's columns [c D/2, (c + 1) D/2):
+// dS K, A = the dSᵀ buffer read MN-major, B = K read MN-major.
+template <class E, int D>
+__device__ __forceinline__ void issue_dq(float (&dq)[D / 4], uint32_t cdS, uint32_t sK, int c) {
+  constexpr int DH = D / 2;
+#pragma unroll
+  for (int i = 0; i < DH / 2; ++i) dq[i] = 0.f;
+  fence_regs(dq);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk)
+    Wgmma<E, DH>::template ss<1, 1>(dq, desc_mn_major<kBK>(cdS, 0, kk),
+                                    desc_mn_major<kBK>(sK, c * DH, kk), kk > 0);
+  wgmma_commit();
+}
+
+// Adds a warp's 16 rows of dq (query rows i0 + 16 wq .., columns
+// [col0, col0 + DH) of head h) to the float32 scratch: the warp writes them
+// to its rows of the staging area `sdq` and 16 lanes issue one bulk
+// reduction per row. Each warp owns its rows of the staging area, so the
+// warp alone orders its reuse (bulk_wait_read before overwriting).
+template <int DH>
+__device__ __forceinline__ void add_dq_rows(const KParams& p, const float (&dq)[DH / 2],
+                                            float* sdq, int b, int h, int i0, int col0, int wq,
+                                            int lane) {
+  constexpr int kRow = DH + 4;
+  bulk_wait_read<0>();  // this lane's reductions of the last step have read their rows
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float* row = sdq + acc_row(wq, lane, 2 * r) * kRow;
+#pragma unroll
+    for (int j = 0; j < DH / 8; ++j)
+      *reinterpret_cast<float2*>(row + acc_col(j, lane, 0)) =
+          make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+  }
+  fence_proxy_async();  // the bulk reductions read through the async proxy
+  __syncwarp();
+  if (lane < 16) {
+    const int r = wq * 16 + lane, i = i0 + r;
+    if (i < p.T) {
+      float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * p.D + col0;
+      bulk_reduce_add_f32(dst, smem_u32(sdq + r * kRow), DH * 4);
+    }
+    bulk_commit();
+  }
+}
+
+// Where the producer puts a block's tiles (shared addresses; the row
+// statistics as pointers).
+struct BwdTiles {
+  uint32_t k, v, q, d_o, scores;
+  float *l, *dsum;
+};
+
+// The producer warp (see the top of the file): K and V rows [j0, j0 + BK) of
+// KV head kvh once, then each query step's Q, dO, L, D into slot it %
+// kStages, and (EB > 0) its staged score tile.
+template <int D, int BK, int EB>
+__device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams& p,
+                                        const BwdBarriers& bar, const BwdTiles& t,
+                                        const QuerySteps& steps, int b, int kvh, int j0,
+                                        int lane) {
+  constexpr int kQBytes = kBQ * D * 2, kKVBytes = BK * D * 2;
+  if (lane == 0) {
+    mbar_arrive_expect_tx(bar.kv_full(), 2 * kKVBytes);
+    for (int cb = 0; cb < D / 64; ++cb) {
+      tma_load_4d(t.k + cb * BK * 128, &maps.k, bar.kv_full(), 64 * cb, j0, kvh, b);
+      tma_load_4d(t.v + cb * BK * 128, &maps.v, bar.kv_full(), 64 * cb, j0, kvh, b);
+    }
+  }
+  // Slot s holds steps s, s + kStages, ...; its u-th refill (u >= 1) waits
+  // for the u-th completion of its empty barrier, parity (u - 1) & 1.
+  for (int it = 0; it < steps.total; ++it) {
+    const int s = it % kStages, use = it / kStages;
+    if (use > 0) mbar_wait(bar.empty(s), (use - 1) & 1);
+    const int h = steps.head(it), i0 = steps.row0(it);
+    load_row_stats(p, b, h, i0, kBQ, lane, t.l + s * kBQ, t.dsum + s * kBQ);
+    load_row_stats(p, b, h, i0, kBQ, lane + 32, t.l + s * kBQ, t.dsum + s * kBQ);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar.full(s), 2 * kQBytes);
+      for (int cb = 0; cb < D / 64; ++cb) {
+        tma_load_4d(t.q + s * kQBytes + cb * kBQ * 128, &maps.q, bar.full(s), 64 * cb, i0, h, b);
+        tma_load_4d(t.d_o + s * kQBytes + cb * kBQ * 128, &maps.d_o, bar.full(s), 64 * cb, i0,
+                    h, b);
+      }
+    } else {
+      mbar_arrive(bar.full(s));  // after this lane's row statistics
+    }
+    if constexpr (EB > 0) {
+      // The slot is free once both consumers have their step it - 1 Pᵀ.
+      if (it > 0) mbar_wait(bar.scores_empty(), (it - 1) & 1);
+      // 8 rows at a time: unrolled whole, the copies' addresses overflow the
+      // producer's registers.
+      constexpr int kRow = staged_row_bytes<BK, EB>();
+#pragma unroll 1
+      for (int r = 0; r < kBQ; r += 8)
+        stage_score_tile<8, BK, EB, 32>(p, b, h, t.scores + r * kRow, i0 + r, j0, lane);
+      cp_async_mbar_arrive(bar.scores_full());
+    }
+  }
+}
+
+template <class E, int D, bool ATOMIC, int EB>
+__global__ void __launch_bounds__(kNT, 1)
+    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = BwdWsLayout<D, EB>;
+  constexpr int DH = D / 2;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
+  const uint32_t sK = base + L::kK, sV = base + L::kV, sQ = base + L::kQ, sdO = base + L::kDO;
+  const uint32_t sdS = base + L::kDS;
+  float* sL = reinterpret_cast<float*>(smem_ptr(base + L::kL));
+  float* sDs = reinterpret_cast<float*>(smem_ptr(base + L::kDsum));
+  const uint32_t sScore = base + L::kScore;
+  const BwdBarriers bar{base + L::kBars};
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * kBK;
+  HeadMask hm;
+  QuerySteps steps;
+  steps.init(p, hm, b, kvh, j0, kBK);
+  const int total = steps.total;
+
+  if (tid == 0) bar.init();
+  __syncthreads();  // the last block-wide barrier: producer threads exit early
+
+  // Register budgets: the block starts with 168 per thread (384 threads, one
+  // block per SM) and, as far as we can tell, a warpgroup's setmaxnreg.inc
+  // takes only what the block's other warpgroups gave back, so the budgets
+  // add up to 3 x 168. (With the producer at 32 and the consumers at 240, the
+  // masked problems hung on an H200; at 24 they run.)
+  if (wg == 0) {
+    setmaxnreg_dec<24>();
+    if (warp != 0 || total == 0) return;
+    produce<D, kBK, EB>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, sScore, sL, sDs}, steps, b, kvh,
+                        j0, lane);
+    return;
+  }
+
+  setmaxnreg_inc<240>();
+  const int c = wg - 1, wq = warp & 3;
+  const int key_w0 = c * 64 + wq * 16;  // the warp's 16 keys, relative to j0
+  float* sdq = reinterpret_cast<float*>(smem_ptr(base + L::kDq + c * L::kDqBytes));
+
+  float dk[D / 2], dv[D / 2], st[kBQ / 2], dpt[kBQ / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBQ / 2; ++i) st[i] = dpt[i] = 0.f;
+
+  // The previous step's dQ (atomic mode): wait for both halves of its dSᵀ,
+  // compute, release the buffer, add to the scratch.
+  auto finish_dq = [&](int prev) {
+    float dq[DH / 2];
+    mbar_wait(bar.ready(prev & 1), (prev >> 1) & 1);
+    issue_dq<E, D>(dq, sdS + (prev & 1) * L::kDSBytes, sK, c);
+    wgmma_wait<0>();
+    fence_regs(dq);
+    mbar_arrive(bar.done(prev & 1));
+    add_dq_rows<DH>(p, dq, sdq, b, steps.head(prev), steps.row0(prev), c * DH, wq, lane);
+  };
+
+  if (total > 0) mbar_wait(bar.kv_full(), 0);
+  for (int it = 0; it < total; ++it) {
+    const int s = it % kStages;
+    const int h = steps.head(it), i0 = steps.row0(it);
+    hm.init(p, b, h, kLog2e);
+    const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
+    const float* cL = sL + s * kBQ;
+    const float* cDs = sDs + s * kBQ;
+    mbar_wait(bar.full(s), (it / kStages) & 1);
+
+    // Sᵀ and dPᵀ for this consumer's 64 keys x the step's 64 queries; Pᵀ and
+    // dV += Pᵀ dO go ahead while dPᵀ computes.
+    issue_st_dpt<E, D, kBK>(st, dpt, sK, sV, c * 64, cQ, cdO);
+    wgmma_wait<1>();
+    fence_regs(st);
+    const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+    if constexpr (EB > 0) mbar_wait(bar.scores_full(), it & 1);
+    compute_pt<EB, L::kScoreRow>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane, full_tile,
+                                 smem_ptr(sScore));
+    if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
+
+    issue_dv<E, D>(dv, st, cdO);
+    wgmma_wait<1>();  // dPᵀ is done; dV may still run
+    fence_regs(dpt);
+
+    // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
+    // consumers are done with its use two steps ago.
+    compute_dst(dpt, st, cDs, 0, lane);
+    if constexpr (ATOMIC) {
+      if (it >= 2) mbar_wait(bar.done(it & 1), ((it >> 1) - 1) & 1);
+      store_key_major<E, kBK>(smem_ptr(sdS + (it & 1) * L::kDSBytes), dpt, key_w0, 0, lane);
+      fence_proxy_async();  // dQ's wgmma reads it through the async proxy
+      mbar_arrive(bar.ready(it & 1));
+    }
+
+    issue_dk<E, D>(dk, dpt, cQ);
+    wgmma_wait<0>();
+    fence_regs(dv);
+    fence_regs(dk);
+    mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
+
+    if constexpr (ATOMIC) {
+      if (it > 0) finish_dq(it - 1);
+    }
+  }
+  if constexpr (ATOMIC) {
+    if (total > 0) finish_dq(total - 1);
+    bulk_wait<0>();  // the staging rows stay valid until the reductions are done
+  }
+
+  store_dk_dv<E, D>(p, dk, dv, b, kvh, j0 + c * 64, 0, wq, lane);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
+// head_dim 256. dK and dV of 64 keys x 256 take 256 registers per thread, so
+// here, as in hopper_bwd.cu's D = 256 kernel, both consumers share the
+// block's 64 keys and split the head dim: consumer c keeps dK, dV columns
+// [128 c, 128 c + 128). Per step it computes Sᵀ, dPᵀ for the 64 keys x
+// queries [32 c, 32 c + 32), writes its Pᵀ and dSᵀ columns (16-bit) into the
+// step's buffer pair, and once both consumers' are there ("ready") adds
+// dV += Pᵀ dO, dK += dSᵀ Q on its columns and (atomic mode) dQ = dS K on the
+// same columns, with float2 atomics (no room for a dQ staging area). Two
+// buffer pairs: a consumer overwrites one only once both consumers are done
+// with it ("done"), so neither waits for the other at the start of a step.
+constexpr int kBK256 = 64;
+
+struct BwdWsLayout256 {
+  static constexpr int D = 256;
+  static constexpr int kKVBytes = kBK256 * D * 2;    // K, or V
+  static constexpr int kQBytes = kBQ * D * 2;        // one slot of Q, or dO
+  static constexpr int kPBytes = kBK256 * kBQ * 2;   // one Pᵀ or dSᵀ buffer
+  static constexpr int kStatBytes = kBQ * 4;
+  static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes,
+                       kDO = kQ + kStages * kQBytes, kP = kDO + kStages * kQBytes,
+                       kDS = kP + 2 * kPBytes, kL = kDS + 2 * kPBytes,
+                       kDsum = kL + kStages * kStatBytes, kBars = kDsum + kStages * kStatBytes;
+  static constexpr int kSmemBytes = kBars + 8 * BwdBarriers::kCount + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
+};
+
+template <class E, bool ATOMIC>
+__global__ void __launch_bounds__(kNT, 1)
+    bwd_ws_d256_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = BwdWsLayout256;
+  constexpr int D = 256, BK = kBK256, DW = D / 2, QW = kBQ / 2;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
+  const uint32_t sK = base + L::kK, sV = base + L::kV, sQ = base + L::kQ, sdO = base + L::kDO;
+  const uint32_t sP = base + L::kP, sdS = base + L::kDS;
+  float* sL = reinterpret_cast<float*>(smem_ptr(base + L::kL));
+  float* sDs = reinterpret_cast<float*>(smem_ptr(base + L::kDsum));
+  const BwdBarriers bar{base + L::kBars};
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
+  HeadMask hm;
+  QuerySteps steps;
+  steps.init(p, hm, b, kvh, j0, BK);
+  const int total = steps.total;
+
+  if (tid == 0) bar.init();
+  __syncthreads();  // the last block-wide barrier: producer threads exit early
+
+  if (wg == 0) {
+    setmaxnreg_dec<24>();
+    if (warp != 0 || total == 0) return;
+    produce<D, BK, 0>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, 0, sL, sDs}, steps, b, kvh, j0,
+                      lane);
+    return;
+  }
+
+  setmaxnreg_inc<240>();
+  const int c = wg - 1, wq = warp & 3;
+  const int key_w0 = wq * 16;  // the warp's 16 keys, relative to j0
+  const int q_w0 = c * QW;     // the consumer's 32 queries in Sᵀ, dPᵀ, relative to i0
+
+  float dk[DW / 2], dv[DW / 2], st[QW / 2], dpt[QW / 2];
+#pragma unroll
+  for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < QW / 2; ++i) st[i] = dpt[i] = 0.f;
+
+  if (total > 0) mbar_wait(bar.kv_full(), 0);
+  for (int it = 0; it < total; ++it) {
+    const int s = it % kStages, u = it & 1;
+    const int h = steps.head(it), i0 = steps.row0(it);
+    hm.init(p, b, h, kLog2e);
+    const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
+    const uint32_t cP = sP + u * L::kPBytes, cdS = sdS + u * L::kPBytes;
+    const float* cL = sL + s * kBQ;
+    const float* cDs = sDs + s * kBQ;
+    mbar_wait(bar.full(s), (it / kStages) & 1);
+
+    // Sᵀ and dPᵀ for the 64 keys x this consumer's 32 queries.
+    fence_regs(st);
+    fence_regs(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, QW>::template ss<0, 0>(st, desc_k_major<BK>(sK, 0, kk),
+                                      desc_k_major<kBQ>(cQ, q_w0, kk), kk > 0);
+    wgmma_commit();  // Pᵀ is computed while dPᵀ runs
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<E, QW>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, 0, kk),
+                                      desc_k_major<kBQ>(cdO, q_w0, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(st);
+
+    const bool full_tile =
+        hm.tile_is_full(i0 + q_w0, i0 + q_w0 + QW, j0 + key_w0, j0 + key_w0 + 16);
+    compute_pt<0, 0, QW>(st, hm, p.scale_log2, cL, i0, j0, key_w0, q_w0, lane, full_tile,
+                         nullptr);
+    if (it >= 2) mbar_wait(bar.done(u), ((it >> 1) - 1) & 1);  // both read it two steps ago
+    store_key_major<E, BK, QW>(smem_ptr(cP), st, key_w0, q_w0, lane);
+    wgmma_wait<0>();
+    fence_regs(dpt);
+    compute_dst<QW>(dpt, st, cDs, q_w0, lane);
+    store_key_major<E, BK, QW>(smem_ptr(cdS), dpt, key_w0, q_w0, lane);
+    fence_proxy_async();  // the products below read them through the async proxy
+    mbar_arrive(bar.ready(u));
+    mbar_wait(bar.ready(u), (it >> 1) & 1);  // the other consumer's queries too
+
+    // dV += Pᵀ dO, dK += dSᵀ Q on columns [128 c, 128 c + 128).
+    fence_regs(dv);
+    fence_regs(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBQ / 16; ++kk)
+      Wgmma<E, DW>::template ss<0, 1>(dv, desc_k_major<BK>(cP, 0, kk),
+                                      desc_mn_major<kBQ>(cdO, c * DW, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < kBQ / 16; ++kk)
+      Wgmma<E, DW>::template ss<0, 1>(dk, desc_k_major<BK>(cdS, 0, kk),
+                                      desc_mn_major<kBQ>(cQ, c * DW, kk), 1);
+    wgmma_commit();
+
+    // dQ (64 queries x this consumer's 128 columns) += dS K.
+    if constexpr (ATOMIC) {
+      float dq[DW / 2];
+#pragma unroll
+      for (int i = 0; i < DW / 2; ++i) dq[i] = 0.f;
+      fence_regs(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        Wgmma<E, DW>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, 0, kk),
+                                        desc_mn_major<BK>(sK, c * DW, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq);
+      fence_regs(dv);
+      fence_regs(dk);
+      mbar_arrive(bar.done(u));
+      mbar_arrive(bar.empty(s));
+      add_dq_tile<DW>(p, dq, b, h, i0, c * DW, wq, lane);
+    } else {
+      wgmma_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+      mbar_arrive(bar.done(u));
+      mbar_arrive(bar.empty(s));
+    }
+  }
+
+  store_dk_dv<E, DW>(p, dk, dv, b, kvh, j0, c * DW, wq, lane);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
+// Tensor maps of the four operands: Q and dO in boxes of a query step's rows,
+// K and V of a key block's.
+inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk) {
+  const int D = p.D;
+  if (make_seq_tensor_map(&maps->q, p.q, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, kBQ) !=
+          cudaSuccess ||
+      make_seq_tensor_map(&maps->d_o, p.d_o, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, kBQ) !=
+          cudaSuccess ||
+      make_seq_tensor_map(&maps->k, p.k, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, bk) !=
+          cudaSuccess ||
+      make_seq_tensor_map(&maps->v, p.v, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, bk) !=
+          cudaSuccess)
+    return cudaErrorNotSupported;
+  return cudaSuccess;
+}
+
+template <class E, int D, bool ATOMIC, int EB = 0>
+cudaError_t launch(const KParams& p, cudaStream_t stream) {
+  auto* kernel = bwd_ws_kernel<E, D, ATOMIC, EB>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  BwdTensorMaps maps;
+  if (make_bwd_maps(&maps, p, kBK) != cudaSuccess) return cudaErrorNotSupported;
+  dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
+  return launch_with_smem(kernel, grid, kNT, BwdWsLayout<D, EB>::kSmemBytes, stream, maps, p);
+}
+
+template <class E, bool ATOMIC>
+cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
+  if (p.mask != nullptr || p.bias != nullptr) {
+    if (p.staged == 1 && p.D == 64) return launch<E, 64, ATOMIC, 1>(p, stream);
+    if (p.staged == 2 && p.D == 64) return launch<E, 64, ATOMIC, 2>(p, stream);
+    if (p.staged == 1 && p.D == 128) return launch<E, 128, ATOMIC, 1>(p, stream);
+    if (p.staged == 2 && p.D == 128) return launch<E, 128, ATOMIC, 2>(p, stream);
+    return cudaErrorNotSupported;
+  }
+  switch (p.D) {
+    case 64: return launch<E, 64, ATOMIC>(p, stream);
+    case 128: return launch<E, 128, ATOMIC>(p, stream);
+    case 256: {
+      auto* kernel = bwd_ws_d256_kernel<E, ATOMIC>;
+      if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+      BwdTensorMaps maps;
+      if (make_bwd_maps(&maps, p, kBK256) != cudaSuccess) return cudaErrorNotSupported;
+      dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
+      return launch_with_smem(kernel, grid, kNT, BwdWsLayout256::kSmemBytes, stream, maps, p);
+    }
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_bwd_wgmma_ws(const KParams& p, DType dtype, bool atomic_dq,
+                                cudaStream_t stream) {
+  if (dtype == DType::kBF16) {
+    return atomic_dq ? launch_d<__nv_bfloat16, true>(p, stream)
+                     : launch_d<__nv_bfloat16, false>(p, stream);
+  }
+  return atomic_dq ? launch_d<__half, true>(p, stream) : launch_d<__half, false>(p, stream);
+}
+
+}  // namespace fatrain::cuda

@@ -1,7 +1,8 @@
 """One forward+backward of the `cuda` implementation, for running under a
 profiler (ncu, compute-sanitizer):
 
-    ncu --clock-control none -k regex:bwd_tc -c 1 python tools/cuda_one_step.py D T N K [causal]
+    ncu --clock-control none -k regex:bwd_ws -c 1 python tools/cuda_one_step.py D T N K [causal]
+    compute-sanitizer --tool racecheck python tools/cuda_one_step.py 64 1024 4 2
 """
 
 import sys

@@ -29,7 +29,7 @@
 //        one bulk reduction per row (cp.reduce.async.bulk from a per-warp
 //        staging area in shared memory; no register atomics).
 //   dSᵀ has two buffers; a consumer reuses one only after both consumers are
-//   done reading it ("free" mbarrier). So a consumer may run up to a step
+//   done reading it ("done" mbarrier). So a consumer may run up to a step
 //   ahead of the other, and one's softmax overlaps the other's products.
 // A staged mask or 16-bit bias: the producer warp also copies each step's
 // [64 queries][128 keys] tile of it into one slot (cp.async, 16-byte chunks,

@@ -159,15 +159,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     if constexpr (ATOMIC) {
       __syncthreads();  // dSᵀ of both warpgroups is in shared memory
       float dq[DH / 2];
-#pragma unroll
-      for (int i = 0; i < DH / 2; ++i) dq[i] = 0.f;
-      fence_regs(dq);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        Wgmma<E, DH>::template ss<1, 1>(dq, desc_mn_major<BK>(sdS, 0, kk),
-                                        desc_mn_major<BK>(sK, wg * DH, kk), kk > 0);
-      wgmma_commit();
+      issue_dq<E, DH, BK>(dq, sdS, sK, wg * DH);
       wgmma_wait<0>();
       fence_regs(dq);
       add_dq_tile<DH>(p, dq, b, h, i0, wg * DH, wq, lane);
@@ -251,19 +243,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
     const float* cDs = sDs + (it & 1) * BQ;
 
     // 1. Sᵀ and dPᵀ for the 64 keys x this warpgroup's 32 queries.
-    fence_regs(st);
-    fence_regs(dpt);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, QW>::template ss<0, 0>(st, desc_k_major<BK>(sK, 0, kk),
-                                      desc_k_major<BQ>(cQ, q_w0, kk), kk > 0);
-    wgmma_commit();  // Pᵀ is computed while dPᵀ runs
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, QW>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, 0, kk),
-                                      desc_k_major<BQ>(cdO, q_w0, kk), kk > 0);
-    wgmma_commit();
+    issue_st_dpt<E, D, BK, QW>(st, dpt, sK, sV, 0, cQ, cdO, q_w0);
     wgmma_wait<1>();
     fence_regs(st);
 
@@ -304,31 +284,12 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
     __syncthreads();  // Pᵀ and dSᵀ of both warpgroups are in shared memory
 
     // 2. dV += Pᵀ dO, dK += dSᵀ Q on columns [128 w, 128 w + 128).
-    fence_regs(dv);
-    fence_regs(dk);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-      Wgmma<E, DW>::template ss<0, 1>(dv, desc_k_major<BK>(sP, 0, kk),
-                                      desc_mn_major<BQ>(cdO, wg * DW, kk), 1);
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-      Wgmma<E, DW>::template ss<0, 1>(dk, desc_k_major<BK>(sdS, 0, kk),
-                                      desc_mn_major<BQ>(cQ, wg * DW, kk), 1);
-    wgmma_commit();
+    issue_dv_dk_from_smem<E, DW, BK>(dv, dk, sP, sdS, cdO, cQ, wg * DW);
 
     // 3. dQ (64 queries x this warpgroup's 128 columns) += dS K.
     if constexpr (ATOMIC) {
       float dq[DW / 2];
-#pragma unroll
-      for (int i = 0; i < DW / 2; ++i) dq[i] = 0.f;
-      fence_regs(dq);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        Wgmma<E, DW>::template ss<1, 1>(dq, desc_mn_major<BK>(sdS, 0, kk),
-                                        desc_mn_major<BK>(sK, wg * DW, kk), kk > 0);
-      wgmma_commit();
+      issue_dq<E, DW, BK>(dq, sdS, sK, wg * DW);
       wgmma_wait<0>();
       fence_regs(dq);
       add_dq_tile<DW>(p, dq, b, h, i0, wg * DW, wq, lane);

@@ -79,23 +79,24 @@ struct QuerySteps {
 // warp's 16 keys are key_w0 .. key_w0 + 15, relative to the key block).
 
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for keys [key_row0, key_row0 + 64) of the BK-row
-// K and V tiles, committed as two groups: Pᵀ is computed while dPᵀ runs.
-template <class E, int D, int BK>
-__device__ __forceinline__ void issue_st_dpt(float (&st)[kBwdBQ / 2], float (&dpt)[kBwdBQ / 2],
+// K and V tiles x queries [q_row0, q_row0 + NQ) of the step's Q and dO tiles,
+// committed as two groups: Pᵀ is computed while dPᵀ runs.
+template <class E, int D, int BK, int NQ = kBwdBQ>
+__device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[NQ / 2],
                                              uint32_t sK, uint32_t sV, int key_row0, uint32_t cQ,
-                                             uint32_t cdO) {
+                                             uint32_t cdO, int q_row0 = 0) {
   fence_regs(st);
   fence_regs(dpt);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    Wgmma<E, kBwdBQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, key_row0, kk),
-                                        desc_k_major<kBwdBQ>(cQ, 0, kk), kk > 0);
+    Wgmma<E, NQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, key_row0, kk),
+                                    desc_k_major<kBwdBQ>(cQ, q_row0, kk), kk > 0);
   wgmma_commit();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    Wgmma<E, kBwdBQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, key_row0, kk),
-                                        desc_k_major<kBwdBQ>(cdO, 0, kk), kk > 0);
+    Wgmma<E, NQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, key_row0, kk),
+                                    desc_k_major<kBwdBQ>(cdO, q_row0, kk), kk > 0);
   wgmma_commit();
 }
 
@@ -182,6 +183,44 @@ __device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[
     acc_to_a<E>(dpt, kk, a);
     Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<kBwdBQ>(cQ, 0, kk), 1);
   }
+  wgmma_commit();
+}
+
+// dV += Pᵀ dO and dK += dSᵀ Q on columns [col0, col0 + NC), with Pᵀ and dSᵀ
+// read from [BK keys][kBwdBQ queries] SW128 tiles (K-major) and dO, Q
+// MN-major; one commit group.
+template <class E, int NC, int BK>
+__device__ __forceinline__ void issue_dv_dk_from_smem(float (&dv)[NC / 2], float (&dk)[NC / 2],
+                                                      uint32_t cP, uint32_t cdS, uint32_t cdO,
+                                                      uint32_t cQ, int col0) {
+  fence_regs(dv);
+  fence_regs(dk);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBwdBQ / 16; ++kk)
+    Wgmma<E, NC>::template ss<0, 1>(dv, desc_k_major<BK>(cP, 0, kk),
+                                    desc_mn_major<kBwdBQ>(cdO, col0, kk), 1);
+#pragma unroll
+  for (int kk = 0; kk < kBwdBQ / 16; ++kk)
+    Wgmma<E, NC>::template ss<0, 1>(dk, desc_k_major<BK>(cdS, 0, kk),
+                                    desc_mn_major<kBwdBQ>(cQ, col0, kk), 1);
+  wgmma_commit();
+}
+
+// dQ = dS K for the step's kBwdBQ queries x columns [col0, col0 + NC), over
+// all BK keys of the block: A = the [BK keys][kBwdBQ queries] dSᵀ tile read
+// MN-major, B = K read MN-major; one commit group, dq overwritten.
+template <class E, int NC, int BK>
+__device__ __forceinline__ void issue_dq(float (&dq)[NC / 2], uint32_t cdS, uint32_t sK,
+                                         int col0) {
+#pragma unroll
+  for (int i = 0; i < NC / 2; ++i) dq[i] = 0.f;
+  fence_regs(dq);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk)
+    Wgmma<E, NC>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, 0, kk),
+                                    desc_mn_major<BK>(sK, col0, kk), kk > 0);
   wgmma_commit();
 }
 

@@ -122,22 +122,6 @@ struct BwdWsLayout {
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
-// The previous step's dQ, for this consumer's columns [c D/2, (c + 1) D/2):
-// dS K, A = the dSᵀ buffer read MN-major, B = K read MN-major.
-template <class E, int D>
-__device__ __forceinline__ void issue_dq(float (&dq)[D / 4], uint32_t cdS, uint32_t sK, int c) {
-  constexpr int DH = D / 2;
-#pragma unroll
-  for (int i = 0; i < DH / 2; ++i) dq[i] = 0.f;
-  fence_regs(dq);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kBK / 16; ++kk)
-    Wgmma<E, DH>::template ss<1, 1>(dq, desc_mn_major<kBK>(cdS, 0, kk),
-                                    desc_mn_major<kBK>(sK, c * DH, kk), kk > 0);
-  wgmma_commit();
-}
-
 // Adds a warp's 16 rows of dq (query rows i0 + 16 wq .., columns
 // [col0, col0 + DH) of head h) to the float32 scratch: the warp writes them
 // to its rows of the staging area `sdq` and 16 lanes issue one bulk
@@ -280,7 +264,7 @@ __global__ void __launch_bounds__(kNT, 1)
   auto finish_dq = [&](int prev) {
     float dq[DH / 2];
     mbar_wait(bar.ready(prev & 1), (prev >> 1) & 1);
-    issue_dq<E, D>(dq, sdS + (prev & 1) * L::kDSBytes, sK, c);
+    issue_dq<E, DH, kBK>(dq, sdS + (prev & 1) * L::kDSBytes, sK, c * DH);
     wgmma_wait<0>();
     fence_regs(dq);
     mbar_arrive(bar.done(prev & 1));
@@ -423,19 +407,7 @@ __global__ void __launch_bounds__(kNT, 1)
     mbar_wait(bar.full(s), (it / kStages) & 1);
 
     // Sᵀ and dPᵀ for the 64 keys x this consumer's 32 queries.
-    fence_regs(st);
-    fence_regs(dpt);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, QW>::template ss<0, 0>(st, desc_k_major<BK>(sK, 0, kk),
-                                      desc_k_major<kBQ>(cQ, q_w0, kk), kk > 0);
-    wgmma_commit();  // Pᵀ is computed while dPᵀ runs
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      Wgmma<E, QW>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, 0, kk),
-                                      desc_k_major<kBQ>(cdO, q_w0, kk), kk > 0);
-    wgmma_commit();
+    issue_st_dpt<E, D, BK, QW>(st, dpt, sK, sV, 0, cQ, cdO, q_w0);
     wgmma_wait<1>();
     fence_regs(st);
 
@@ -454,31 +426,12 @@ __global__ void __launch_bounds__(kNT, 1)
     mbar_wait(bar.ready(u), (it >> 1) & 1);  // the other consumer's queries too
 
     // dV += Pᵀ dO, dK += dSᵀ Q on columns [128 c, 128 c + 128).
-    fence_regs(dv);
-    fence_regs(dk);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBQ / 16; ++kk)
-      Wgmma<E, DW>::template ss<0, 1>(dv, desc_k_major<BK>(cP, 0, kk),
-                                      desc_mn_major<kBQ>(cdO, c * DW, kk), 1);
-#pragma unroll
-    for (int kk = 0; kk < kBQ / 16; ++kk)
-      Wgmma<E, DW>::template ss<0, 1>(dk, desc_k_major<BK>(cdS, 0, kk),
-                                      desc_mn_major<kBQ>(cQ, c * DW, kk), 1);
-    wgmma_commit();
+    issue_dv_dk_from_smem<E, DW, BK>(dv, dk, cP, cdS, cdO, cQ, c * DW);
 
     // dQ (64 queries x this consumer's 128 columns) += dS K.
     if constexpr (ATOMIC) {
       float dq[DW / 2];
-#pragma unroll
-      for (int i = 0; i < DW / 2; ++i) dq[i] = 0.f;
-      fence_regs(dq);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        Wgmma<E, DW>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, 0, kk),
-                                        desc_mn_major<BK>(sK, c * DW, kk), kk > 0);
-      wgmma_commit();
+      issue_dq<E, DW, BK>(dq, cdS, sK, c * DW);
       wgmma_wait<0>();
       fence_regs(dq);
       fence_regs(dv);

@@ -5,6 +5,8 @@
 // producer warp; both keep dK and dV of their keys in wgmma accumulators.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/common.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -12,6 +14,23 @@ namespace fatrain::cuda {
 
 // Query rows per backward step (one wgmma M or N of 64).
 constexpr int kBwdBQ = 64;
+
+// The staged-score instances both D <= 128 Hopper backwards have (a mask or a
+// 16-bit bias, KParams::staged, at head dims 64 and 128): calls
+// launch(std::integral_constant<int, D>, std::integral_constant<int, EB>) for
+// p's, else returns cudaErrorNotSupported.
+template <class Launch>
+cudaError_t launch_staged_bwd(const KParams& p, Launch&& launch) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  using Mask = std::integral_constant<int, 1>;
+  using Bias16 = std::integral_constant<int, 2>;
+  if (p.staged == 1 && p.D == 64) return launch(D64{}, Mask{});
+  if (p.staged == 2 && p.D == 64) return launch(D64{}, Bias16{});
+  if (p.staged == 1 && p.D == 128) return launch(D128{}, Mask{});
+  if (p.staged == 2 && p.D == 128) return launch(D128{}, Bias16{});
+  return cudaErrorNotSupported;
+}
 
 // dQ rows [i0, i0 + 64) x columns [col0, col0 + NC) of head h, a 64 x NC
 // wgmma accumulator, added to the float32 scratch with float2 atomics.

@@ -481,11 +481,9 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   if (p.mask != nullptr || p.bias != nullptr) {
-    if (p.staged == 1 && p.D == 64) return launch<E, 64, ATOMIC, 1>(p, stream);
-    if (p.staged == 2 && p.D == 64) return launch<E, 64, ATOMIC, 2>(p, stream);
-    if (p.staged == 1 && p.D == 128) return launch<E, 128, ATOMIC, 1>(p, stream);
-    if (p.staged == 2 && p.D == 128) return launch<E, 128, ATOMIC, 2>(p, stream);
-    return cudaErrorNotSupported;
+    return launch_staged_bwd(p, [&](auto d, auto eb) {
+      return launch<E, decltype(d)::value, ATOMIC, decltype(eb)::value>(p, stream);
+    });
   }
   switch (p.D) {
     case 64: return launch<E, 64, ATOMIC>(p, stream);

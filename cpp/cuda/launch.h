@@ -75,6 +75,13 @@ inline int env_tuning_choice(const char* name) {
   return v ? std::atoi(v) : 0;
 }
 
+// Whether environment variable `name` is "cp_async": the switch from a
+// warp-specialised Hopper kernel back to its cp.async predecessor.
+inline bool env_asks_cp_async(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string_view(v) == "cp_async";
+}
+
 // Hopper wgmma path (bf16/f16; sm_90a builds on a compute-capability-9.0
 // GPU; hopper_*.cu say which head dims and problems each covers).
 // cudaErrorNotSupported where it does not apply: callers then use the
@@ -91,10 +98,7 @@ cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stre
 // causal 153-161 -> 153-163; D = 128 234 -> 314-318, causal 187-191 ->
 // 223-285. At D = 256 an earlier session measured 214-227 -> 313-329 (GQA
 // 16:2, T = 8192: 247-248 -> 397-402). PERF_NOTES.md has the masked rows.
-inline bool hopper_fwd_use_ws() {
-  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_FWD");
-  return v == nullptr || std::string_view(v) != "cp_async";
-}
+inline bool hopper_fwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HOPPER_FWD"); }
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 // The warp-specialised backward (hopper_bwd_ws.cu: a TMA producer warp and two
 // consumer warpgroups that never meet at a block-wide barrier; head dims 64,
@@ -105,10 +109,7 @@ cudaError_t launch_bwd_wgmma_ws(const KParams& p, DType dtype, bool atomic_dq,
 // Which Hopper backward runs where both apply: the warp-specialised kernel,
 // unless JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async asks for hopper_bwd.cu (read on
 // every launch so that tests can switch it).
-inline bool hopper_bwd_use_ws() {
-  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_BWD");
-  return v == nullptr || std::string_view(v) != "cp_async";
-}
+inline bool hopper_bwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HOPPER_BWD"); }
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
 // see launch_with_smem.

@@ -163,7 +163,8 @@ struct BwdTiles {
 
 // The producer warp (see the top of the file): K and V rows [j0, j0 + BK) of
 // KV head kvh once, then each query step's Q, dO, L, D into slot it %
-// kStages, and (EB > 0) its staged score tile.
+// kStages, and (EB > 0) its staged score tile. With staged scores it waits
+// for its last copies before it exits.
 template <int D, int BK, int EB>
 __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams& p,
                                         const BwdBarriers& bar, const BwdTiles& t,
@@ -207,6 +208,9 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
       cp_async_mbar_arrive(bar.scores_full());
     }
   }
+  // A thread's cp.async copies are not documented to survive its exit: wait
+  // for the last step's (the consumers wait on their arrival anyway).
+  if constexpr (EB > 0) cp_async_wait_all();
 }
 
 template <class E, int D, bool ATOMIC, int EB>

@@ -98,6 +98,12 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Waits until all of this thread's earlier cp.async copies have landed,
+// committed to a group or not.
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
 // One box of `map` at element coordinates (c0 = column, c1 = row, c2 = head,
 // c3 = batch) into shared memory at `dst` (1024-byte aligned), completing on
 // `bar` with the box's bytes. One thread issues it.

@@ -93,7 +93,9 @@ LARGE = [
 # kernel (hopper_fwd_ws.cu), and so is the backward (hopper_bwd_ws.cu, except
 # for a mask or bias at head dim 256); "fwd_cp_async" and
 # "bwd_cp_async" run the other ones (hopper_fwd.cu, hopper_bwd.cu), in both
-# backward modes for the backward.
+# backward modes for the backward. At head dim 64 without a mask or bias the
+# warp-specialised backward takes 128-row query steps; "bwd_rows64" runs it
+# with the 64-row steps every other problem takes.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -102,6 +104,8 @@ def _kernel_rows(case):
   one = (case.mask_shape is None) != (case.bias_shape is None)
   if plain or (case.head_dim in (64, 128) and one):
     rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async")]
+  if plain and case.head_dim == 64:
+    rows += [(False, "bwd_rows64"), (True, "bwd_rows64")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -113,6 +117,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async")
   elif kernels == "bwd_cp_async":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
+  elif kernels == "bwd_rows64":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
   elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
   x = make_inputs(case, seed=7)

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
   const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
   HeadMask hm;
-  QuerySteps steps;
+  QuerySteps<> steps;
   steps.init(p, hm, b, kvh, j0, BK);
   const int total = steps.total;
 
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
   const int wg = warp >> 2, wq = warp & 3;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
   HeadMask hm;
-  QuerySteps steps;
+  QuerySteps<> steps;
   steps.init(p, hm, b, kvh, j0, BK);
   const int total = steps.total;
 

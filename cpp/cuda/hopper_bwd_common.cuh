@@ -74,9 +74,10 @@ __device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[
 }
 
 // The query steps one key block walks: the G query heads of its KV head,
-// each times the query tiles of kBwdBQ rows that can see keys [j0, j0 + BK).
-// Step `it` is head head(it), rows [row0(it), row0(it) + kBwdBQ). init() also
+// each times the query tiles of BQ rows that can see keys [j0, j0 + BK).
+// Step `it` is head head(it), rows [row0(it), row0(it) + BQ). init() also
 // sets hm up for the group's first head.
+template <int BQ = kBwdBQ>
 struct QuerySteps {
   int G, kvh, qt_begin, nq, total;
   __device__ __forceinline__ void init(const KParams& p, HeadMask& hm, int b, int kvh_, int j0,
@@ -84,11 +85,11 @@ struct QuerySteps {
     G = p.N / p.K;
     kvh = kvh_;
     hm.init(p, b, kvh * G, kLog2e);
-    hm.query_tiles(j0, min(j0 + BK, p.S), kBwdBQ, &qt_begin, &nq);
+    hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
     total = G * nq;
   }
   __device__ __forceinline__ int head(int it) const { return kvh * G + it / nq; }
-  __device__ __forceinline__ int row0(int it) const { return (qt_begin + it % nq) * kBwdBQ; }
+  __device__ __forceinline__ int row0(int it) const { return (qt_begin + it % nq) * BQ; }
 };
 
 
@@ -98,9 +99,9 @@ struct QuerySteps {
 // warp's 16 keys are key_w0 .. key_w0 + 15, relative to the key block).
 
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for keys [key_row0, key_row0 + 64) of the BK-row
-// K and V tiles x queries [q_row0, q_row0 + NQ) of the step's Q and dO tiles,
-// committed as two groups: Pᵀ is computed while dPᵀ runs.
-template <class E, int D, int BK, int NQ = kBwdBQ>
+// K and V tiles x queries [q_row0, q_row0 + NQ) of the step's BQ-row Q and dO
+// tiles, committed as two groups: Pᵀ is computed while dPᵀ runs.
+template <class E, int D, int BK, int NQ = kBwdBQ, int BQ = kBwdBQ>
 __device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[NQ / 2],
                                              uint32_t sK, uint32_t sV, int key_row0, uint32_t cQ,
                                              uint32_t cdO, int q_row0 = 0) {
@@ -110,12 +111,12 @@ __device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[N
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
     Wgmma<E, NQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, key_row0, kk),
-                                    desc_k_major<kBwdBQ>(cQ, q_row0, kk), kk > 0);
+                                    desc_k_major<BQ>(cQ, q_row0, kk), kk > 0);
   wgmma_commit();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
     Wgmma<E, NQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, key_row0, kk),
-                                    desc_k_major<kBwdBQ>(cdO, q_row0, kk), kk > 0);
+                                    desc_k_major<BQ>(cdO, q_row0, kk), kk > 0);
   wgmma_commit();
 }
 
@@ -146,17 +147,18 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
   }
 }
 
-// dV += Pᵀ dO (A = Pᵀ from registers, B = dO MN-major), committed.
-template <class E, int D>
-__device__ __forceinline__ void issue_dv(float (&dv)[D / 2], const float (&st)[kBwdBQ / 2],
+// dV += Pᵀ dO over the step's BQ queries (A = Pᵀ from registers, B = dO
+// MN-major), committed.
+template <class E, int D, int BQ = kBwdBQ>
+__device__ __forceinline__ void issue_dv(float (&dv)[D / 2], const float (&st)[BQ / 2],
                                          uint32_t cdO) {
   fence_regs(dv);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kBwdBQ / 16; ++kk) {
+  for (int kk = 0; kk < BQ / 16; ++kk) {
     uint32_t a[4];
     acc_to_a<E>(st, kk, a);
-    Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<kBwdBQ>(cdO, 0, kk), 1);
+    Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
   }
   wgmma_commit();
 }
@@ -173,9 +175,9 @@ __device__ __forceinline__ void compute_dst(float (&dpt)[NQ / 2], const float (&
   }
 }
 
-// The warp's 16 keys of Pᵀ or dSᵀ, 16-bit, into a [BK keys][kBwdBQ queries]
-// SW128 tile at `tile`, for a later wgmma that reads it through the async
-// proxy (the caller fences).
+// The warp's 16 keys of Pᵀ or dSᵀ, 16-bit, into a [BK keys][NQ or more
+// queries] SW128 tile at `tile`, for a later wgmma that reads it through the
+// async proxy (the caller fences).
 template <class E, int BK, int NQ = kBwdBQ>
 __device__ __forceinline__ void store_key_major(uint8_t* tile, const float (&x)[NQ / 2],
                                                 int key_w0, int q_w0, int lane) {
@@ -190,17 +192,18 @@ __device__ __forceinline__ void store_key_major(uint8_t* tile, const float (&x)[
   }
 }
 
-// dK += dSᵀ Q (A = dSᵀ from registers, B = Q MN-major), committed.
-template <class E, int D>
-__device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[kBwdBQ / 2],
+// dK += dSᵀ Q over the step's BQ queries (A = dSᵀ from registers, B = Q
+// MN-major), committed.
+template <class E, int D, int BQ = kBwdBQ>
+__device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[BQ / 2],
                                          uint32_t cQ) {
   fence_regs(dk);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kBwdBQ / 16; ++kk) {
+  for (int kk = 0; kk < BQ / 16; ++kk) {
     uint32_t a[4];
     acc_to_a<E>(dpt, kk, a);
-    Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<kBwdBQ>(cQ, 0, kk), 1);
+    Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<BQ>(cQ, 0, kk), 1);
   }
   wgmma_commit();
 }
@@ -226,19 +229,19 @@ __device__ __forceinline__ void issue_dv_dk_from_smem(float (&dv)[NC / 2], float
   wgmma_commit();
 }
 
-// dQ = dS K for the step's kBwdBQ queries x columns [col0, col0 + NC), over
-// all BK keys of the block: A = the [BK keys][kBwdBQ queries] dSᵀ tile read
-// MN-major, B = K read MN-major; one commit group, dq overwritten.
+// dQ = dS K for 64 of the step's queries, [q0, q0 + 64), x columns [col0,
+// col0 + NC), over all BK keys of the block: A = the [BK keys][queries] dSᵀ
+// tile read MN-major, B = K read MN-major; one commit group, dq overwritten.
 template <class E, int NC, int BK>
 __device__ __forceinline__ void issue_dq(float (&dq)[NC / 2], uint32_t cdS, uint32_t sK,
-                                         int col0) {
+                                         int col0, int q0 = 0) {
 #pragma unroll
   for (int i = 0; i < NC / 2; ++i) dq[i] = 0.f;
   fence_regs(dq);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < BK / 16; ++kk)
-    Wgmma<E, NC>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, 0, kk),
+    Wgmma<E, NC>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, q0, kk),
                                     desc_mn_major<BK>(sK, col0, kk), kk > 0);
   wgmma_commit();
 }

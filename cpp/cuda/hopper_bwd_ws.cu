@@ -37,6 +37,11 @@
 // step as soon as both consumers have computed their Pᵀ ("scores empty"): one
 // slot, because two do not fit beside the D = 128 tiles, and the refill still
 // has the rest of the step to land.
+// At head dim 64 without a mask or bias a step is 128 query rows (BQ =
+// kBQWide): the products and the waits of a 64-row step were too small to
+// keep the tensor cores busy there. Then Sᵀ, dPᵀ are 64 keys x 128 queries
+// per consumer, and in 3 consumer c computes dQ for queries [64 c, 64 c + 64)
+// x all 64 columns instead (DqSplit).
 // Rows past T read as zeros (the tensor maps' bounds) with L = +inf, so they
 // add nothing. The deterministic mode skips 2 and 3 (tc_dq.cu computes dQ).
 #include "cuda/hopper_bwd_common.cuh"
@@ -48,6 +53,11 @@ namespace fatrain::cuda {
 namespace {
 
 constexpr int kConsumers = 2, kBK = 64 * kConsumers, kBQ = kBwdBQ;
+// Query rows per step of bwd_ws_kernel at head dim 64 without a mask or bias
+// (hopper_bwd_query_rows()): twice kBQ, so that each step's waits and small
+// products serve twice the work (Sᵀ and dPᵀ become 64 x 128, dV and dK reduce
+// over 128 queries).
+constexpr int kBQWide = 2 * kBwdBQ;
 constexpr int kNT = 128 * (kConsumers + 1);
 constexpr int kStages = 2;
 
@@ -98,21 +108,32 @@ struct BwdBarrierSet {
 };
 using BwdBarriers = BwdBarrierSet<kStages>;
 
+// Which part of a step's dQ (BQ queries x D) consumer c computes: with
+// 64-row steps, all 64 queries x columns [c D / 2, (c + 1) D / 2); with
+// 128-row steps, queries [64 c, 64 c + 64) x all D columns.
+template <int D, int BQ>
+struct DqSplit {
+  static constexpr int kCols = BQ == kBwdBQ ? D / 2 : D;
+  static __device__ __forceinline__ int col0(int c) { return BQ == kBwdBQ ? c * kCols : 0; }
+  static __device__ __forceinline__ int row0(int c) { return BQ == kBwdBQ ? 0 : c * 64; }
+};
+
 // Shared memory, in byte offsets from a 1024-byte aligned base (every SW128
 // tile starts on a 1024-byte boundary). EB: bytes per element of a staged
-// mask (1) or bias (2), 0 for none.
-template <int D, int EB>
+// mask (1) or bias (2), 0 for none; BQ: query rows per step.
+template <int D, int EB, int BQ = kBQ>
 struct BwdWsLayout {
+  static_assert(BQ == kBQ || EB == 0, "128-row steps leave no room for a staged score slot");
   static constexpr int kKVBytes = kBK * D * 2;       // K, or V: [kBK keys][D]
-  static constexpr int kQBytes = kBQ * D * 2;        // one slot of Q, or dO
-  static constexpr int kDSBytes = kBK * kBQ * 2;     // one dSᵀ buffer: [kBK keys][kBQ queries]
-  // One consumer's dQ staging: kBQ rows of D / 2 floats, padded by 4 so that
-  // the accumulator-layout float2 stores take two wavefronts per warp.
-  static constexpr int kDqRowFloats = D / 2 + 4;
-  static constexpr int kDqBytes = kBQ * kDqRowFloats * 4;
-  static constexpr int kStatBytes = kBQ * 4;         // one slot of L, or D
+  static constexpr int kQBytes = BQ * D * 2;         // one slot of Q, or dO
+  static constexpr int kDSBytes = kBK * BQ * 2;      // one dSᵀ buffer: [kBK keys][BQ queries]
+  // One consumer's dQ staging: 64 rows of DqSplit::kCols floats, padded by 4
+  // so that the accumulator-layout float2 stores take two wavefronts per warp.
+  static constexpr int kDqRowFloats = DqSplit<D, BQ>::kCols + 4;
+  static constexpr int kDqBytes = 64 * kDqRowFloats * 4;
+  static constexpr int kStatBytes = BQ * 4;          // one slot of L, or D
   static constexpr int kScoreRow = EB == 0 ? 0 : staged_row_bytes<kBK, EB>();
-  static constexpr int kScoreBytes = kBQ * kScoreRow;  // the staged score slot
+  static constexpr int kScoreBytes = BQ * kScoreRow;  // the staged score slot
   static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes,
                        kDO = kQ + kStages * kQBytes, kDS = kDO + kStages * kQBytes,
                        kDq = kDS + 2 * kDSBytes, kL = kDq + kConsumers * kDqBytes,
@@ -162,15 +183,15 @@ struct BwdTiles {
 };
 
 // The producer warp (see the top of the file): K and V rows [j0, j0 + BK) of
-// KV head kvh once, then each query step's Q, dO, L, D into slot it %
+// KV head kvh once, then each BQ-row query step's Q, dO, L, D into slot it %
 // kStages, and (EB > 0) its staged score tile. With staged scores it waits
 // for its last copies before it exits.
-template <int D, int BK, int EB>
+template <int D, int BK, int EB, int BQ>
 __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams& p,
                                         const BwdBarriers& bar, const BwdTiles& t,
-                                        const QuerySteps& steps, int b, int kvh, int j0,
+                                        const QuerySteps<BQ>& steps, int b, int kvh, int j0,
                                         int lane) {
-  constexpr int kQBytes = kBQ * D * 2, kKVBytes = BK * D * 2;
+  constexpr int kQBytes = BQ * D * 2, kKVBytes = BK * D * 2;
   if (lane == 0) {
     mbar_arrive_expect_tx(bar.kv_full(), 2 * kKVBytes);
     for (int cb = 0; cb < D / 64; ++cb) {
@@ -184,13 +205,17 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
     const int s = it % kStages, use = it / kStages;
     if (use > 0) mbar_wait(bar.empty(s), (use - 1) & 1);
     const int h = steps.head(it), i0 = steps.row0(it);
-    load_row_stats(p, b, h, i0, kBQ, lane, t.l + s * kBQ, t.dsum + s * kBQ);
-    load_row_stats(p, b, h, i0, kBQ, lane + 32, t.l + s * kBQ, t.dsum + s * kBQ);
+    load_row_stats(p, b, h, i0, BQ, lane, t.l + s * BQ, t.dsum + s * BQ);
+    load_row_stats(p, b, h, i0, BQ, lane + 32, t.l + s * BQ, t.dsum + s * BQ);
+    if constexpr (BQ > 64) {
+      load_row_stats(p, b, h, i0, BQ, lane + 64, t.l + s * BQ, t.dsum + s * BQ);
+      load_row_stats(p, b, h, i0, BQ, lane + 96, t.l + s * BQ, t.dsum + s * BQ);
+    }
     if (lane == 0) {
       mbar_arrive_expect_tx(bar.full(s), 2 * kQBytes);
       for (int cb = 0; cb < D / 64; ++cb) {
-        tma_load_4d(t.q + s * kQBytes + cb * kBQ * 128, &maps.q, bar.full(s), 64 * cb, i0, h, b);
-        tma_load_4d(t.d_o + s * kQBytes + cb * kBQ * 128, &maps.d_o, bar.full(s), 64 * cb, i0,
+        tma_load_4d(t.q + s * kQBytes + cb * BQ * 128, &maps.q, bar.full(s), 64 * cb, i0, h, b);
+        tma_load_4d(t.d_o + s * kQBytes + cb * BQ * 128, &maps.d_o, bar.full(s), 64 * cb, i0,
                     h, b);
       }
     } else {
@@ -203,7 +228,7 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
       // producer's registers.
       constexpr int kRow = staged_row_bytes<BK, EB>();
 #pragma unroll 1
-      for (int r = 0; r < kBQ; r += 8)
+      for (int r = 0; r < BQ; r += 8)
         stage_score_tile<8, BK, EB, 32>(p, b, h, t.scores + r * kRow, i0 + r, j0, lane);
       cp_async_mbar_arrive(bar.scores_full());
     }
@@ -213,12 +238,12 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
   if constexpr (EB > 0) cp_async_wait_all();
 }
 
-template <class E, int D, bool ATOMIC, int EB>
+template <class E, int D, bool ATOMIC, int EB, int BQ>
 __global__ void __launch_bounds__(kNT, 1)
     bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = BwdWsLayout<D, EB>;
-  constexpr int DH = D / 2;
+  using L = BwdWsLayout<D, EB, BQ>;
+  using Dq = DqSplit<D, BQ>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
@@ -232,7 +257,7 @@ __global__ void __launch_bounds__(kNT, 1)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * kBK;
   HeadMask hm;
-  QuerySteps steps;
+  QuerySteps<BQ> steps;
   steps.init(p, hm, b, kvh, j0, kBK);
   const int total = steps.total;
 
@@ -247,8 +272,8 @@ __global__ void __launch_bounds__(kNT, 1)
   if (wg == 0) {
     setmaxnreg_dec<24>();
     if (warp != 0 || total == 0) return;
-    produce<D, kBK, EB>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, sScore, sL, sDs}, steps, b, kvh,
-                        j0, lane);
+    produce<D, kBK, EB, BQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, sScore, sL, sDs}, steps, b,
+                            kvh, j0, lane);
     return;
   }
 
@@ -257,22 +282,25 @@ __global__ void __launch_bounds__(kNT, 1)
   const int key_w0 = c * 64 + wq * 16;  // the warp's 16 keys, relative to j0
   float* sdq = reinterpret_cast<float*>(smem_ptr(base + L::kDq + c * L::kDqBytes));
 
-  float dk[D / 2], dv[D / 2], st[kBQ / 2], dpt[kBQ / 2];
+  float dk[D / 2], dv[D / 2], st[BQ / 2], dpt[BQ / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kBQ / 2; ++i) st[i] = dpt[i] = 0.f;
+  for (int i = 0; i < BQ / 2; ++i) st[i] = dpt[i] = 0.f;
 
-  // The previous step's dQ (atomic mode): wait for both halves of its dSᵀ,
-  // compute, release the buffer, add to the scratch.
+  // The previous step's dQ (atomic mode), this consumer's part of it
+  // (DqSplit): wait for both halves of its dSᵀ, compute, release the buffer,
+  // add to the scratch.
   auto finish_dq = [&](int prev) {
-    float dq[DH / 2];
+    float dq[Dq::kCols / 2];
     mbar_wait(bar.ready(prev & 1), (prev >> 1) & 1);
-    issue_dq<E, DH, kBK>(dq, sdS + (prev & 1) * L::kDSBytes, sK, c * DH);
+    issue_dq<E, Dq::kCols, kBK>(dq, sdS + (prev & 1) * L::kDSBytes, sK, Dq::col0(c),
+                                Dq::row0(c));
     wgmma_wait<0>();
     fence_regs(dq);
     mbar_arrive(bar.done(prev & 1));
-    add_dq_rows<DH>(p, dq, sdq, b, steps.head(prev), steps.row0(prev), c * DH, wq, lane);
+    add_dq_rows<Dq::kCols>(p, dq, sdq, b, steps.head(prev), steps.row0(prev) + Dq::row0(c),
+                           Dq::col0(c), wq, lane);
   };
 
   if (total > 0) mbar_wait(bar.kv_full(), 0);
@@ -281,36 +309,36 @@ __global__ void __launch_bounds__(kNT, 1)
     const int h = steps.head(it), i0 = steps.row0(it);
     hm.init(p, b, h, kLog2e);
     const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
-    const float* cL = sL + s * kBQ;
-    const float* cDs = sDs + s * kBQ;
+    const float* cL = sL + s * BQ;
+    const float* cDs = sDs + s * BQ;
     mbar_wait(bar.full(s), (it / kStages) & 1);
 
-    // Sᵀ and dPᵀ for this consumer's 64 keys x the step's 64 queries; Pᵀ and
+    // Sᵀ and dPᵀ for this consumer's 64 keys x the step's BQ queries; Pᵀ and
     // dV += Pᵀ dO go ahead while dPᵀ computes.
-    issue_st_dpt<E, D, kBK>(st, dpt, sK, sV, c * 64, cQ, cdO);
+    issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
     wgmma_wait<1>();
     fence_regs(st);
-    const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+    const bool full_tile = hm.tile_is_full(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
     if constexpr (EB > 0) mbar_wait(bar.scores_full(), it & 1);
-    compute_pt<EB, L::kScoreRow>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane, full_tile,
-                                 smem_ptr(sScore));
+    compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
+                                     full_tile, smem_ptr(sScore));
     if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
-    issue_dv<E, D>(dv, st, cdO);
+    issue_dv<E, D, BQ>(dv, st, cdO);
     wgmma_wait<1>();  // dPᵀ is done; dV may still run
     fence_regs(dpt);
 
     // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
     // consumers are done with its use two steps ago.
-    compute_dst(dpt, st, cDs, 0, lane);
+    compute_dst<BQ>(dpt, st, cDs, 0, lane);
     if constexpr (ATOMIC) {
       if (it >= 2) mbar_wait(bar.done(it & 1), ((it >> 1) - 1) & 1);
-      store_key_major<E, kBK>(smem_ptr(sdS + (it & 1) * L::kDSBytes), dpt, key_w0, 0, lane);
+      store_key_major<E, kBK, BQ>(smem_ptr(sdS + (it & 1) * L::kDSBytes), dpt, key_w0, 0, lane);
       fence_proxy_async();  // dQ's wgmma reads it through the async proxy
       mbar_arrive(bar.ready(it & 1));
     }
 
-    issue_dk<E, D>(dk, dpt, cQ);
+    issue_dk<E, D, BQ>(dk, dpt, cQ);
     wgmma_wait<0>();
     fence_regs(dv);
     fence_regs(dk);
@@ -373,7 +401,7 @@ __global__ void __launch_bounds__(kNT, 1)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
   HeadMask hm;
-  QuerySteps steps;
+  QuerySteps<> steps;
   steps.init(p, hm, b, kvh, j0, BK);
   const int total = steps.total;
 
@@ -383,8 +411,8 @@ __global__ void __launch_bounds__(kNT, 1)
   if (wg == 0) {
     setmaxnreg_dec<24>();
     if (warp != 0 || total == 0) return;
-    produce<D, BK, 0>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, 0, sL, sDs}, steps, b, kvh, j0,
-                      lane);
+    produce<D, BK, 0, kBQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, 0, sL, sDs}, steps, b, kvh,
+                           j0, lane);
     return;
   }
 
@@ -456,13 +484,13 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-// Tensor maps of the four operands: Q and dO in boxes of a query step's rows,
-// K and V of a key block's.
-inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk) {
+// Tensor maps of the four operands: Q and dO in boxes of a query step's bq
+// rows, K and V of a key block's bk.
+inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk, int bq) {
   const int D = p.D;
-  if (make_seq_tensor_map(&maps->q, p.q, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, kBQ) !=
+  if (make_seq_tensor_map(&maps->q, p.q, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, bq) !=
           cudaSuccess ||
-      make_seq_tensor_map(&maps->d_o, p.d_o, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, kBQ) !=
+      make_seq_tensor_map(&maps->d_o, p.d_o, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, bq) !=
           cudaSuccess ||
       make_seq_tensor_map(&maps->k, p.k, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, bk) !=
           cudaSuccess ||
@@ -472,14 +500,15 @@ inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk) 
   return cudaSuccess;
 }
 
-template <class E, int D, bool ATOMIC, int EB = 0>
+template <class E, int D, bool ATOMIC, int EB = 0, int BQ = kBQ>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto* kernel = bwd_ws_kernel<E, D, ATOMIC, EB>;
+  auto* kernel = bwd_ws_kernel<E, D, ATOMIC, EB, BQ>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   BwdTensorMaps maps;
-  if (make_bwd_maps(&maps, p, kBK) != cudaSuccess) return cudaErrorNotSupported;
+  if (make_bwd_maps(&maps, p, kBK, BQ) != cudaSuccess) return cudaErrorNotSupported;
   dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
-  return launch_with_smem(kernel, grid, kNT, BwdWsLayout<D, EB>::kSmemBytes, stream, maps, p);
+  return launch_with_smem(kernel, grid, kNT, BwdWsLayout<D, EB, BQ>::kSmemBytes, stream, maps,
+                          p);
 }
 
 template <class E, bool ATOMIC>
@@ -490,13 +519,15 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
     });
   }
   switch (p.D) {
-    case 64: return launch<E, 64, ATOMIC>(p, stream);
+    case 64:
+      return hopper_bwd_query_rows() == kBQ ? launch<E, 64, ATOMIC>(p, stream)
+                                            : launch<E, 64, ATOMIC, 0, kBQWide>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);
     case 256: {
       auto* kernel = bwd_ws_d256_kernel<E, ATOMIC>;
       if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
       BwdTensorMaps maps;
-      if (make_bwd_maps(&maps, p, kBK256) != cudaSuccess) return cudaErrorNotSupported;
+      if (make_bwd_maps(&maps, p, kBK256, kBQ) != cudaSuccess) return cudaErrorNotSupported;
       dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
       return launch_with_smem(kernel, grid, kNT, BwdWsLayout256::kSmemBytes, stream, maps, p);
     }

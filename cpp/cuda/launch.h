@@ -110,6 +110,15 @@ cudaError_t launch_bwd_wgmma_ws(const KParams& p, DType dtype, bool atomic_dq,
 // unless JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async asks for hopper_bwd.cu (read on
 // every launch so that tests can switch it).
 inline bool hopper_bwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HOPPER_BWD"); }
+// Query rows per step of the warp-specialised backward at head dim 64
+// without a mask or bias: 128, unless JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 asks
+// for the 64-row steps every other problem takes (read on every launch so
+// that tests can switch it). On an H200 (tools/cuda_tile_sweep.py, T = 4096,
+// forward+backward TFLOP/s): 200 vs 190, causal 170 vs 173.
+inline int hopper_bwd_query_rows() {
+  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS");
+  return v != nullptr && std::string_view(v) == "64" ? 64 : 128;
+}
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
 // see launch_with_smem.

@@ -49,6 +49,10 @@ template <> struct Cvt<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+  // The two floats pack() rounded, exactly (a bf16 is a float's top half).
+  static __device__ __forceinline__ float2 unpack(uint32_t v) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+  }
 };
 template <> struct Cvt<__half> {
   static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
@@ -56,6 +60,9 @@ template <> struct Cvt<__half> {
   static __device__ __forceinline__ uint32_t pack(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t v) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
   }
 };
 

@@ -163,6 +163,48 @@ __device__ __forceinline__ void issue_dv(float (&dv)[D / 2], const float (&st)[B
   wgmma_commit();
 }
 
+// Pᵀ packed to 16-bit pairs, pt[m] = (st[2 m], st[2 m + 1]): the order
+// acc_to_a reads an accumulator in, so pt[4 kk .. 4 kk + 3] is the A operand
+// of reduction step kk. With 128-query steps, keeping Pᵀ packed instead of in
+// floats is what lets Sᵀ, dPᵀ, dK and dV of 64 keys fit the registers without
+// ptxas serialising the wgmmas (C7512).
+template <class E, int NQ>
+__device__ __forceinline__ void pack_pairs(const float (&st)[NQ / 2], uint32_t (&pt)[NQ / 4]) {
+#pragma unroll
+  for (int m = 0; m < NQ / 4; ++m) pt[m] = Cvt<E>::pack(st[2 * m], st[2 * m + 1]);
+}
+
+// dV += Pᵀ dO over the step's BQ queries, A = the packed Pᵀ, committed.
+template <class E, int D, int BQ>
+__device__ __forceinline__ void issue_dv_packed(float (&dv)[D / 2], const uint32_t (&pt)[BQ / 4],
+                                                uint32_t cdO) {
+  fence_regs(dv);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BQ / 16; ++kk) {
+    const uint32_t a[4] = {pt[4 * kk], pt[4 * kk + 1], pt[4 * kk + 2], pt[4 * kk + 3]};
+    Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
+  }
+  wgmma_commit();
+}
+
+// dSᵀ = Pᵀ (dPᵀ - D) as compute_dst, with Pᵀ read back from its packed
+// 16-bit form (the values dV used).
+template <class E, int NQ>
+__device__ __forceinline__ void compute_dst_packed(float (&dpt)[NQ / 2],
+                                                   const uint32_t (&pt)[NQ / 4],
+                                                   const float* cDs, int q_w0, int lane) {
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float2 pv = Cvt<E>::unpack(pt[2 * j + (e >> 1)]);
+      dpt[4 * j + e] = pv.x * (dpt[4 * j + e] - cDs[q_w0 + acc_col(j, lane, e)]);
+      dpt[4 * j + e + 1] = pv.y * (dpt[4 * j + e + 1] - cDs[q_w0 + acc_col(j, lane, e + 1)]);
+    }
+  }
+}
+
 // dSᵀ = Pᵀ (dPᵀ - D), in place of dPᵀ (cDs: the step's D = rowsum(dO O)).
 template <int NQ = kBwdBQ>
 __device__ __forceinline__ void compute_dst(float (&dpt)[NQ / 2], const float (&st)[NQ / 2],

@@ -324,13 +324,21 @@ __global__ void __launch_bounds__(kNT, 1)
                                      full_tile, smem_ptr(sScore));
     if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
-    issue_dv<E, D, BQ>(dv, st, cdO);
-    wgmma_wait<1>();  // dPᵀ is done; dV may still run
-    fence_regs(dpt);
-
     // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
     // consumers are done with its use two steps ago.
-    compute_dst<BQ>(dpt, st, cDs, 0, lane);
+    if constexpr (BQ == kBQWide) {
+      uint32_t pt[BQ / 4];  // Pᵀ, packed (pack_pairs says why)
+      pack_pairs<E, BQ>(st, pt);
+      issue_dv_packed<E, D, BQ>(dv, pt, cdO);
+      wgmma_wait<1>();  // dPᵀ is done; dV may still run
+      fence_regs(dpt);
+      compute_dst_packed<E, BQ>(dpt, pt, cDs, 0, lane);
+    } else {
+      issue_dv<E, D, BQ>(dv, st, cdO);
+      wgmma_wait<1>();  // dPᵀ is done; dV may still run
+      fence_regs(dpt);
+      compute_dst<BQ>(dpt, st, cDs, 0, lane);
+    }
     if constexpr (ATOMIC) {
       if (it >= 2) mbar_wait(bar.done(it & 1), ((it >> 1) - 1) & 1);
       store_key_major<E, kBK, BQ>(smem_ptr(sdS + (it & 1) * L::kDSBytes), dpt, key_w0, 0, lane);

@@ -114,7 +114,10 @@ inline bool hopper_bwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HO
 // without a mask or bias: 128, unless JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 asks
 // for the 64-row steps every other problem takes (read on every launch so
 // that tests can switch it). On an H200 (tools/cuda_tile_sweep.py, T = 4096,
-// forward+backward TFLOP/s): 200 vs 190, causal 170 vs 173.
+// forward+backward TFLOP/s, dQ still added by per-row bulk reductions): 200
+// vs 190, causal 170 vs 173, with the 128-row kernel's wgmmas serialised by
+// ptxas; without that (PERF_NOTES.md, seventh session) it reached 253 and
+// 203. The 64-row steps have not been timed with the tensor-reduction dQ.
 inline int hopper_bwd_query_rows() {
   const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS");
   return v != nullptr && std::string_view(v) == "64" ? 64 : 128;

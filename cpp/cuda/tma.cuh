@@ -11,7 +11,9 @@
 // Tensor maps describe one 16-bit [B][T][N][D] operand as a 4-D tensor
 // {D, T, N, B} (innermost first) with boxes of {64, ROWS, 1, 1}: 64 elements
 // = 128 bytes, the 128-byte swizzle span, so a box lands exactly as one column
-// block of a SW128 tile (wgmma.cuh); D > 64 takes D / 64 loads.
+// block of a SW128 tile (wgmma.cuh); D > 64 takes D / 64 loads. The float32
+// dQ scratch [B][N][T][D] is reduced into in boxes of {32, 16, 1, 1}
+// (make_dq_acc_tensor_map, tma_reduce_add_4d).
 #pragma once
 
 #include <cuda.h>
@@ -24,15 +26,9 @@ namespace fatrain::cuda {
 
 // ---- host ------------------------------------------------------------------
 
-// Fills `map` for a 16-bit operand at `base` with element strides
-// (seq_stride, head_stride, batch_stride) and dims {d, seq, heads, batch};
-// boxes of 64 x `rows`. Rows past `seq` read as zeros. cudaErrorNotSupported
-// when the driver lacks cuTensorMapEncodeTiled or the layout does not qualify
-// (16-byte aligned base and strides).
-inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64_t d,
-                                       int64_t seq, int64_t heads, int64_t batch,
-                                       int64_t seq_stride, int64_t head_stride,
-                                       int64_t batch_stride, int rows) {
+// The driver's cuTensorMapEncodeTiled, looked up once; nullptr where the
+// driver lacks it.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
@@ -44,6 +40,19 @@ inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  return encode;
+}
+
+// Fills `map` for a 16-bit operand at `base` with element strides
+// (seq_stride, head_stride, batch_stride) and dims {d, seq, heads, batch};
+// boxes of 64 x `rows`. Rows past `seq` read as zeros. cudaErrorNotSupported
+// when the driver lacks cuTensorMapEncodeTiled or the layout does not qualify
+// (16-byte aligned base and strides).
+inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64_t d,
+                                       int64_t seq, int64_t heads, int64_t batch,
+                                       int64_t seq_stride, int64_t head_stride,
+                                       int64_t batch_stride, int rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return cudaErrorNotSupported;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(seq),
@@ -57,6 +66,28 @@ inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims,
                             strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Fills `map` for the contiguous float32 dQ scratch [batch][heads][seq][d] at
+// `base`, as {d, seq, heads, batch} with boxes of 32 x 16 (128-byte rows,
+// 128-byte swizzle: see tma_reduce_add_4d). Rows past `seq` are never written.
+inline cudaError_t make_dq_acc_tensor_map(CUtensorMap* map, float* base, int64_t d, int64_t seq,
+                                          int64_t heads, int64_t batch) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || d % 32 != 0) return cudaErrorNotSupported;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(seq),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(d * 4),
+                                 static_cast<cuuint64_t>(seq * d * 4),
+                                 static_cast<cuuint64_t>(heads * seq * d * 4)};
+  const cuuint32_t box[4] = {32, 16, 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
@@ -116,16 +147,26 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Adds `bytes` (a multiple of 16) of float32 at shared address `src` to
-// global memory at `dst` (both 16-byte aligned) in L2, element by element,
-// through the async proxy: the issuing thread goes on at once. The writes
-// that filled `src` need fence_proxy_async() first. Completion is tracked per
-// thread in bulk groups (bulk_commit / bulk_wait_read / bulk_wait).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                   dst),
-               "r"(src), "r"(bytes)
-               : "memory");
+// Adds a 32 x 16 float32 box at shared address `src` (1024-byte aligned,
+// laid out as dq_box_offset says) to the tensor of `map`
+// (make_dq_acc_tensor_map) at element coordinates (c0 = column, c1 = row, c2
+// = head, c3 = batch), in L2, through the async proxy; rows outside the
+// tensor are skipped. The writes that filled `src` need fence_proxy_async()
+// first. Completion is tracked per thread in bulk groups (bulk_commit /
+// bulk_wait_read / bulk_wait).
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0,
+                                                  int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// Byte offset of float (row, col) in such a box: 128-byte rows whose 16-byte
+// chunks are XOR-swizzled by row % 8, as the tensor map's 128-byte swizzle
+// expects (and conflict-free for accumulator-layout float2 stores).
+__device__ __forceinline__ uint32_t dq_box_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + (((col >> 2) ^ (row & 7)) << 4) + (col & 3) * 4);
 }
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

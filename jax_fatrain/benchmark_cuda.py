@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -94,6 +95,18 @@ def run_one(cfg, impl):
               fwdbwd_tflops=3.5 * flops / tfb / 1e12)
 
 
+def cuda_unavailable_reason() -> str | None:
+  """Why this process cannot benchmark our ``cuda`` kernels, or None."""
+  from jax_fatrain import _op
+  try:
+    _op.resolve_implementation("cuda")
+  except ValueError as e:
+    return str(e)
+  if jax.default_backend() != "gpu":
+    return f"JAX's default backend is {jax.default_backend()!r}, not a GPU"
+  return None
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="a few representative rows")
@@ -105,6 +118,12 @@ def main(argv=None):
                        "run across time-limited sessions)")
   ap.add_argument("--json", help="also write the raw rows here")
   args = ap.parse_args(argv)
+  # Fail before the first row: without our kernels every row would time only
+  # the references and print "err" for ours.
+  why = cuda_unavailable_reason()
+  if why is not None:
+    print(f"benchmark_cuda: cannot run: {why}", file=sys.stderr)
+    return 2
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   impls = ("cuda", "cudnn") + (() if args.no_xla else ("xla",))
   results = []
@@ -143,4 +162,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

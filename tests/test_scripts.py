@@ -1,4 +1,5 @@
-"""Smoke tests of the user-facing scripts: ``jax_fatrain.demo`` and ``jax_fatrain.benchmark``.
+"""Smoke tests of the user-facing scripts: ``jax_fatrain.demo``, ``jax_fatrain.benchmark``
+and ``jax_fatrain.benchmark_cuda`` (its refusal to run without our kernels).
 
 They run the scripts' ``main`` at tiny sizes; speed is never asserted.
 """
@@ -150,3 +151,12 @@ def test_benchmark_memory_and_markdown(capsys):
   assert float(cells["ours MB"]) >= 0 and float(cells["xla MB"]) >= 0
   out = capsys.readouterr().out
   assert "| T | D | causal |" in out
+
+
+def test_benchmark_cuda_refuses_without_our_kernels(capsys):
+  from jax_fatrain import benchmark_cuda
+  if benchmark_cuda.cuda_unavailable_reason() is None:
+    pytest.skip("our cuda kernels and a GPU are here, so the benchmark would run in full")
+  assert benchmark_cuda.main(["--quick"]) == 2
+  err = capsys.readouterr().err
+  assert "benchmark_cuda: cannot run" in err and "cuda" in err

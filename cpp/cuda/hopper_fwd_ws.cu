@@ -17,6 +17,12 @@
 //     while the second runs). Named barriers order their issues: consumer c
 //     issues its products only after the other consumer issued its own, so
 //     one warpgroup's softmax runs while the other's products do.
+//   At D = 64, JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=3 asks for three
+//     consumers (192-row blocks) taking turns round robin, as
+//     FlashAttention-3 does at that head dim, where a 64 x 128 tile's softmax
+//     takes about as long as its two products. Experimental: written after
+//     the device time of the session that wrote it ran out, so not yet run
+//     on a GPU (launch.h).
 // Tiles past the sequence ends read as zeros (the tensor maps' bounds). A
 // mask or 16-bit bias that qualifies for staging (KParams::staged) is copied
 // a tile ahead by each consumer for its own 64 rows (cp.async, 16-byte
@@ -30,7 +36,6 @@
 namespace fatrain::cuda {
 namespace {
 
-constexpr int kConsumers = 2, kBQ = 64 * kConsumers, kNT = 128 * (kConsumers + 1);
 constexpr int kStages = 2;
 
 struct FwdTensorMaps {
@@ -38,9 +43,18 @@ struct FwdTensorMaps {
 };
 
 // EB: bytes per element of a staged mask (1) or bias (2), 0 for none.
-template <int D_, int BK_, int EB_ = 0>
+// CONSUMERS: consumer warpgroups, 64 query rows each (2; 3 is the
+// experimental D = 64 variant of hopper_fwd_consumers()); with 3 the block
+// has 512 threads and a consumer's register budget drops to 160 (the
+// producer's 24 plus 3 x 160 fit the 4 x 128 the block starts with).
+template <int D_, int BK_, int EB_ = 0, int CONSUMERS_ = 2>
 struct WsTile {
   static constexpr int D = D_, BK = BK_, EB = EB_;
+  static constexpr int kConsumers = CONSUMERS_, kBQ = 64 * kConsumers;
+  static constexpr int kNT = 128 * (kConsumers + 1);
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static_assert(kConsumers == 2 || (kConsumers == 3 && EB == 0),
+                "three consumers: no room for staged score slots");
   static constexpr int kQBytes = kBQ * D * 2, kKVBytes = BK * D * 2;
   static constexpr int kScoreSlotBytes = EB == 0 ? 0 : kBQ * staged_row_bytes<BK, EB>();
   // Q; kStages slots of K and of V; 2 slots of staged scores; 1 + 4 kStages
@@ -54,10 +68,11 @@ struct WsTile {
 // LOADED (with EB = 0): a mask or bias is read one score at a time; neither:
 // the problem has no mask or bias.
 template <class E, class Tile, bool LOADED>
-__global__ void __launch_bounds__(kNT, 1)
+__global__ void __launch_bounds__(Tile::kNT, 1)
     fwd_ws_kernel(const __grid_constant__ FwdTensorMaps maps, const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int D = Tile::D, BK = Tile::BK, EB = Tile::EB;
+  constexpr int kConsumers = Tile::kConsumers, kBQ = Tile::kBQ;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023) & ~1023u;
   const uint32_t sK = sQ + Tile::kQBytes;
@@ -115,16 +130,23 @@ __global__ void __launch_bounds__(kNT, 1)
     return;
   }
 
-  setmaxnreg_inc<240>();
-  constexpr int kTurnBarrier0 = 1;  // named barriers 1, 2: the consumers' turns
+  setmaxnreg_inc<Tile::kConsumerRegs>();
+  // Named barriers 1 .. kConsumers: the consumers' turns.
+  constexpr int kTurnBarrier0 = 1;
   const int c = wg - 1, wq = warp & 3;
   const int warp_row0 = i0 + c * 64 + wq * 16;  // the warp's 16 rows
   const int row0 = warp_row0 + (lane >> 2);     // this thread's rows: row0, row0 + 8
-  const int my_turn = kTurnBarrier0 + c, other_turn = kTurnBarrier0 + 1 - c;
-  // Consumer 0 issues first; every later issue waits for the other's. Each
-  // step arrives on the other's barrier, so consumer 0 takes one extra turn
-  // after its loop to absorb consumer 1's last arrival.
-  if (c == 1 && n_tiles > 0) named_bar_arrive(kTurnBarrier0, 2 * 128);
+  // Consumer c issues after consumer c - 1 (round robin): it waits on its
+  // own turn barrier and arrives on the next consumer's.
+  const int my_turn = kTurnBarrier0 + c;
+  const int next_turn = kConsumers == 2          ? kTurnBarrier0 + 1 - c
+                         : c + 1 == kConsumers ? kTurnBarrier0
+                                                  : kTurnBarrier0 + c + 1;
+  // Consumer 0 issues first; every later issue waits for the previous
+  // consumer's. Each step arrives on the next consumer's barrier, and the
+  // last consumer arrives once ahead on consumer 0's, so consumer 0 takes one
+  // extra turn after its loop to absorb the last consumer's last arrival.
+  if (c == kConsumers - 1 && n_tiles > 0) named_bar_arrive(kTurnBarrier0, 2 * 128);
 
   float o[D / 2], s[BK / 2];
   uint32_t pv[BK / 4];
@@ -133,7 +155,7 @@ __global__ void __launch_bounds__(kNT, 1)
 
   // Staged scores: this consumer's 64 rows of tile t sit in slot t & 1, at
   // the rows' offset from i0; tile t + 1 is copied while tile t computes.
-  constexpr int kStageBarrier0 = 3;  // named barriers 3, 4: each consumer's own
+  constexpr int kStageBarrier0 = kTurnBarrier0 + kConsumers;  // then one per consumer
   const int consumer_tid = tid - 128 * wg;
   auto stage_scores = [&](int t) {
     if constexpr (EB > 0)
@@ -171,10 +193,10 @@ __global__ void __launch_bounds__(kNT, 1)
     // ptxas serialises wgmma across compiler-inserted fences in divergent code.)
     if (t > 0) {
       issue_pv<E, D, BK>(o, pv, sV + s_prev * Tile::kKVBytes);
-      named_bar_arrive(other_turn, 2 * 128);
+      named_bar_arrive(next_turn, 2 * 128);
       wgmma_wait<1>();
     } else {
-      named_bar_arrive(other_turn, 2 * 128);
+      named_bar_arrive(next_turn, 2 * 128);
       wgmma_wait<0>();
     }
     fence_regs(s);
@@ -217,6 +239,7 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   FwdTensorMaps maps;
   const int D = Tile::D;
+  constexpr int kBQ = Tile::kBQ;
   if (make_seq_tensor_map(&maps.q, p.q, D, p.T, p.N, p.B, p.q_ss, p.q_hs, p.q_bs, kBQ) !=
           cudaSuccess ||
       make_seq_tensor_map(&maps.k, p.k, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, Tile::BK) !=
@@ -225,13 +248,18 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
           cudaSuccess)
     return cudaErrorNotSupported;
   dim3 grid((p.T + kBQ - 1) / kBQ, p.N, p.B);
-  return launch_with_smem(kernel, grid, kNT, Tile::kSmemBytes, stream, maps, p);
+  return launch_with_smem(kernel, grid, Tile::kNT, Tile::kSmemBytes, stream, maps, p);
 }
 
 template <class E, bool LOADED>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   switch (p.D) {
-    case 64: return launch<E, WsTile<64, 128>, LOADED>(p, stream);
+    case 64:
+      // Three consumers only without a mask or bias: reading scores one at
+      // a time spills at their 160 registers.
+      if constexpr (!LOADED)
+        if (hopper_fwd_consumers() == 3) return launch<E, WsTile<64, 128, 0, 3>, false>(p, stream);
+      return launch<E, WsTile<64, 128>, LOADED>(p, stream);
     case 128: return launch<E, WsTile<128, 128>, LOADED>(p, stream);
     case 256: return launch<E, WsTile<256, 64>, LOADED>(p, stream);
     default: return cudaErrorNotSupported;

@@ -211,6 +211,8 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
     const int s = it % kStages, use = it / kStages;
     if (use > 0) mbar_wait(bar.empty(s), (use - 1) & 1);
     const int h = steps.head(it), i0 = steps.row0(it);
+    // Written out rather than looped: a loop here changed how ptxas unrolled
+    // the 64-row instances' producer.
     load_row_stats(p, b, h, i0, BQ, lane, t.l + s * BQ, t.dsum + s * BQ);
     load_row_stats(p, b, h, i0, BQ, lane + 32, t.l + s * BQ, t.dsum + s * BQ);
     if constexpr (BQ > 64) {

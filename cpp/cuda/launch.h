@@ -60,26 +60,22 @@ bool has_sm90a_code(void (*kernel)(Params...)) {
 #endif
 }
 
-// Whether the Hopper wgmma kernels may be used: JAX_FATRAIN_CUDA_KERNELS=mma_sync
-// selects the sm_80 kernels on a Hopper GPU too (for comparing the two; read on
-// every launch so that tests can switch it).
-inline bool wgmma_allowed() {
-  const char* v = std::getenv("JAX_FATRAIN_CUDA_KERNELS");
-  return v == nullptr || std::string_view(v) != "mma_sync";
+// Whether environment variable `name` is set to exactly `value`: the kernel
+// switches below read it on every launch, so that tests can flip them.
+inline bool env_is(const char* name, std::string_view value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string_view(v) == value;
 }
+
+// Whether the Hopper wgmma kernels may be used: JAX_FATRAIN_CUDA_KERNELS=mma_sync
+// selects the sm_80 kernels on a Hopper GPU too (for comparing the two).
+inline bool wgmma_allowed() { return !env_is("JAX_FATRAIN_CUDA_KERNELS", "mma_sync"); }
 
 // A tuning knob: the integer value of environment variable `name`, read once
 // per call site (callers cache it), 0 when unset.
 inline int env_tuning_choice(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::atoi(v) : 0;
-}
-
-// Whether environment variable `name` is "cp_async": the switch from a
-// warp-specialised Hopper kernel back to its cp.async predecessor.
-inline bool env_asks_cp_async(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::string_view(v) == "cp_async";
 }
 
 // Hopper wgmma path (bf16/f16; sm_90a builds on a compute-capability-9.0
@@ -98,7 +94,7 @@ cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stre
 // causal 153-161 -> 153-163; D = 128 234 -> 314-318, causal 187-191 ->
 // 223-285. At D = 256 an earlier session measured 214-227 -> 313-329 (GQA
 // 16:2, T = 8192: 247-248 -> 397-402). PERF_NOTES.md has the masked rows.
-inline bool hopper_fwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HOPPER_FWD"); }
+inline bool hopper_fwd_use_ws() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async"); }
 // Consumer warpgroups of the warp-specialised forward at head dim 64 without
 // a mask or bias: 2, unless JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=3
 // asks for the three-consumer variant (read on every launch so that tests can
@@ -107,8 +103,7 @@ inline bool hopper_fwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HO
 // tested and timed it (test_cuda_backend's "fwd_consumers3" rows,
 // tools/cuda_tile_sweep.py).
 inline int hopper_fwd_consumers() {
-  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS");
-  return v != nullptr && std::string_view(v) == "3" ? 3 : 2;
+  return env_is("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", "3") ? 3 : 2;
 }
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 // The warp-specialised backward (hopper_bwd_ws.cu: a TMA producer warp and two
@@ -120,7 +115,7 @@ cudaError_t launch_bwd_wgmma_ws(const KParams& p, DType dtype, bool atomic_dq,
 // Which Hopper backward runs where both apply: the warp-specialised kernel,
 // unless JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async asks for hopper_bwd.cu (read on
 // every launch so that tests can switch it).
-inline bool hopper_bwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HOPPER_BWD"); }
+inline bool hopper_bwd_use_ws() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async"); }
 // Query rows per step of the warp-specialised backward at head dim 64
 // without a mask or bias: 128, unless JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 asks
 // for the 64-row steps every other problem takes (read on every launch so
@@ -130,8 +125,7 @@ inline bool hopper_bwd_use_ws() { return !env_asks_cp_async("JAX_FATRAIN_CUDA_HO
 // ptxas; without that (PERF_NOTES.md, seventh session) it reached 253 and
 // 203. The 64-row steps have not been timed with the tensor-reduction dQ.
 inline int hopper_bwd_query_rows() {
-  const char* v = std::getenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS");
-  return v != nullptr && std::string_view(v) == "64" ? 64 : 128;
+  return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64") ? 64 : 128;
 }
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:

@@ -8,6 +8,8 @@
     JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=3 python tools/cuda_tile_sweep.py  # 3-consumer fwd, D=64
     JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
+    python tools/cuda_tile_sweep.py --head-dim 64       # only the D=64 configurations
+    python tools/cuda_tile_sweep.py --seq-len 1024      # T=1024, same tokens per batch
 
 Prints one line per configuration: forward and forward+backward TFLOP/s
 (FlashAttention convention, as jax_fatrain.benchmark_cuda) and, for `cuda`,
@@ -58,12 +60,20 @@ def check(cfg):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--impl", default="cuda")
+  ap.add_argument("--head-dim", type=int, action="append",
+                  help="only the configurations with this D (repeatable)")
+  ap.add_argument("--seq-len", type=int,
+                  help="this T instead of each configuration's, at the same tokens per batch")
   args = ap.parse_args()
   env = lambda name: os.environ.get(f"JAX_FATRAIN_CUDA_{name}", "-")
   tag = (f"{env('KERNELS')} fwd={env('FWD_TILE')}/{env('HOPPER_FWD_TILE')}/{env('HOPPER_FWD')}/"
          f"{env('HOPPER_FWD_CONSUMERS')} "
          f"bwd={env('BWD_TILE')}/{env('HOPPER_BWD')}/{env('HOPPER_BWD_ROWS')}" if args.impl == "cuda" else args.impl)
   for cfg in CONFIGS:
+    if args.head_dim and cfg["D"] not in args.head_dim:
+      continue
+    if args.seq_len:
+      cfg = dict(cfg, T=args.seq_len, B=max(1, cfg["B"] * cfg["T"] // args.seq_len))
     r = bench.run_one(cfg, args.impl)
     err = check(cfg) if args.impl == "cuda" else float("nan")
     print(f"{tag:28s} D={cfg['D']:3d} N:K={cfg['N']}:{cfg['K']} T={cfg['T']} "

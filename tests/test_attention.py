@@ -29,6 +29,10 @@ CASES = [
          mask_shape=(B, N, T, S), kv_lengths=True),
     Case(head_dim=64, dtype=jnp.float16, mask_shape=(B, 1, 1, S), bias_shape=(1, N, 1, S)),
     Case(head_dim=32, scale=0.3, q_lengths=True),
+    # A negative scale: the kernels that fold the scale into the exponent
+    # (max(s * scale) = scale * max(s)) must not take it.
+    Case(q_len=150, kv_len=150, batch=1, q_heads=2, kv_heads=1, dtype=jnp.bfloat16,
+         is_causal=True, scale=-0.2),
     Case(head_dim=40, q_len=17, kv_len=90, batch=1, q_heads=3, kv_heads=1),
     Case(q_len=1, kv_len=1, batch=1, q_heads=1, kv_heads=1),
     Case(q_len=200, kv_len=200, batch=1, q_heads=2, kv_heads=1, is_causal=True,

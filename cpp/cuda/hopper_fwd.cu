@@ -178,10 +178,10 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   if (p.staged == 2 && p.D == 64) return launch<E, HopperFwdTile<64, 64, 2>, 2>(p, stream);
   if (p.staged == 1 && p.D == 128) return launch<E, HopperFwdTile<128, 64, 1>, 1>(p, stream);
   if (p.staged == 2 && p.D == 128) return launch<E, HopperFwdTile<128, 64, 1>, 2>(p, stream);
-  // A mask or bias read one score at a time: the default shapes only (the
-  // JAX_FATRAIN_CUDA_HOPPER_FWD_TILE alternatives are built for problems
-  // without one, to keep the number of instances down).
-  if (p.mask != nullptr || p.bias != nullptr) {
+  // A mask or bias read one score at a time (or a scale <= 0): the default
+  // shapes only (the JAX_FATRAIN_CUDA_HOPPER_FWD_TILE alternatives are built
+  // for the other problems, to keep the number of instances down).
+  if (fwd_needs_general_softmax(p)) {
     switch (p.D) {
       case 64: return launch<E, HopperFwdTile<64, 64, 2>, 0, true>(p, stream);
       case 128: return launch<E, HopperFwdTile<128, 64, 2>, 0, true>(p, stream);

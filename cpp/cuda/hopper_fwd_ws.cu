@@ -283,8 +283,8 @@ cudaError_t launch_staged(const KParams& p, cudaStream_t stream) {
 template <class E>
 cudaError_t launch_e(const KParams& p, cudaStream_t stream) {
   if (p.staged != 0) return launch_staged<E>(p, stream);
-  return p.mask != nullptr || p.bias != nullptr ? launch_d<E, true>(p, stream)
-                                                : launch_d<E, false>(p, stream);
+  return fwd_needs_general_softmax(p) ? launch_d<E, true>(p, stream)
+                                     : launch_d<E, false>(p, stream);
 }
 
 }  // namespace

@@ -95,8 +95,10 @@ LARGE = [
 # "bwd_cp_async" run the other ones (hopper_fwd.cu, hopper_bwd.cu), in both
 # backward modes for the backward. At head dim 64 without a mask or bias the
 # warp-specialised backward takes 128-row query steps; "bwd_rows64" runs it
-# with the 64-row steps every other problem takes, and "fwd_consumers3" runs
-# the experimental three-consumer forward there.
+# with the 64-row steps every other problem takes. The forward there takes
+# three consumer warpgroups without causality or a window, else two;
+# "fwd_consumers2" and "fwd_consumers3" force each, so that both run on every
+# such case.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -106,7 +108,8 @@ def _kernel_rows(case):
   if plain or (case.head_dim in (64, 128) and one):
     rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async")]
   if plain and case.head_dim == 64:
-    rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers3")]
+    rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers2"),
+             (False, "fwd_consumers3")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -120,8 +123,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
   elif kernels == "bwd_rows64":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
-  elif kernels == "fwd_consumers3":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", "3")
+  elif kernels.startswith("fwd_consumers"):
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", kernels[-1])
   elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
   x = make_inputs(case, seed=7)

@@ -17,12 +17,11 @@
 //     while the second runs). Named barriers order their issues: consumer c
 //     issues its products only after the other consumer issued its own, so
 //     one warpgroup's softmax runs while the other's products do.
-//   At D = 64, JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=3 asks for three
-//     consumers (192-row blocks) taking turns round robin, as
-//     FlashAttention-3 does at that head dim, where a 64 x 128 tile's softmax
-//     takes about as long as its two products. Experimental: written after
-//     the device time of the session that wrote it ran out, so not yet run
-//     on a GPU (launch.h).
+//   At D = 64 without a mask, bias, causality or window, three consumers
+//     (192-row blocks) take turns round robin, as FlashAttention-3 does at
+//     that head dim, where a 64 x 128 tile's softmax takes about as long as
+//     its two products (three_consumers_pay has the numbers;
+//     JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 or 3 forces either).
 // Tiles past the sequence ends read as zeros (the tensor maps' bounds). A
 // mask or 16-bit bias that qualifies for staging (KParams::staged) is copied
 // a tile ahead by each consumer for its own 64 rows (cp.async, 16-byte
@@ -43,10 +42,10 @@ struct FwdTensorMaps {
 };
 
 // EB: bytes per element of a staged mask (1) or bias (2), 0 for none.
-// CONSUMERS: consumer warpgroups, 64 query rows each (2; 3 is the
-// experimental D = 64 variant of hopper_fwd_consumers()); with 3 the block
-// has 512 threads and a consumer's register budget drops to 160 (the
-// producer's 24 plus 3 x 160 fit the 4 x 128 the block starts with).
+// CONSUMERS: consumer warpgroups, 64 query rows each (2; 3 at D = 64, see
+// three_consumers_pay); with 3 the block has 512 threads and a consumer's
+// register budget drops to 160 (the producer's 24 plus 3 x 160 fit the
+// 4 x 128 the block starts with).
 template <int D_, int BK_, int EB_ = 0, int CONSUMERS_ = 2>
 struct WsTile {
   static constexpr int D = D_, BK = BK_, EB = EB_;
@@ -251,14 +250,30 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(kernel, grid, Tile::kNT, Tile::kSmemBytes, stream, maps, p);
 }
 
+// Whether the three-consumer blocks (192 rows) beat the two-consumer ones at
+// D = 64. Measured on an H200 (tools/cuda_tile_sweep.py --head-dim 64
+// [--seq-len 1024], forward TFLOP/s, two vs three consumers, one process per
+// run): without causality 192-203 vs 216-226 at T = 4096, 138-153 vs
+// 155-156 at T = 1024; with it no clear winner (161-168 vs 155-176 at
+// T = 4096, 93-94 vs 86-97 at T = 1024), where a 192-row block's diagonal
+// tiles mask more of their work and fewer, longer blocks balance worse, so
+// causal problems keep two. A window is treated like causality (not
+// measured).
+inline bool three_consumers_pay(const KParams& p) {
+  return !p.causal && p.wl < 0 && p.wr < 0;
+}
+
 template <class E, bool LOADED>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   switch (p.D) {
     case 64:
       // Three consumers only without a mask or bias: reading scores one at
       // a time spills at their 160 registers.
-      if constexpr (!LOADED)
-        if (hopper_fwd_consumers() == 3) return launch<E, WsTile<64, 128, 0, 3>, false>(p, stream);
+      if constexpr (!LOADED) {
+        const int forced = hopper_fwd_consumers_forced();
+        if (forced == 3 || (forced == 0 && three_consumers_pay(p)))
+          return launch<E, WsTile<64, 128, 0, 3>, false>(p, stream);
+      }
       return launch<E, WsTile<64, 128>, LOADED>(p, stream);
     case 128: return launch<E, WsTile<128, 128>, LOADED>(p, stream);
     case 256: return launch<E, WsTile<256, 64>, LOADED>(p, stream);

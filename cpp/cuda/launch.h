@@ -96,14 +96,13 @@ cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stre
 // 16:2, T = 8192: 247-248 -> 397-402). PERF_NOTES.md has the masked rows.
 inline bool hopper_fwd_use_ws() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async"); }
 // Consumer warpgroups of the warp-specialised forward at head dim 64 without
-// a mask or bias: 2, unless JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=3
-// asks for the three-consumer variant (read on every launch so that tests can
-// switch it). That variant compiles without spills or wgmma serialisation but
-// has NOT run on a GPU yet: it stays off by default until a session has
-// tested and timed it (test_cuda_backend's "fwd_consumers3" rows,
-// tools/cuda_tile_sweep.py).
-inline int hopper_fwd_consumers() {
-  return env_is("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", "3") ? 3 : 2;
+// a mask or bias: JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 or 3 forces two or
+// three (read on every launch so that tests can switch it); 0, when unset:
+// hopper_fwd_ws.cu decides (three_consumers_pay).
+inline int hopper_fwd_consumers_forced() {
+  if (env_is("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", "2")) return 2;
+  if (env_is("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", "3")) return 3;
+  return 0;
 }
 cudaError_t launch_bwd_wgmma(const KParams& p, DType dtype, bool atomic_dq, cudaStream_t stream);
 // The warp-specialised backward (hopper_bwd_ws.cu: a TMA producer warp and two

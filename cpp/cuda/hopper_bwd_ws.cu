@@ -66,7 +66,7 @@ constexpr int kStages = 2;
 
 struct BwdTensorMaps {
   CUtensorMap q, d_o, k, v;
-  CUtensorMap dq_acc;  // the float32 dQ scratch (atomic mode at D = 64 and 128)
+  CUtensorMap dq_acc;  // the float32 dQ scratch (atomic mode at D = 64 and 128; REDUCE_DQ)
 };
 
 // A block's mbarriers, 8 bytes each from `base`, for STAGES slots of Q and dO.
@@ -148,18 +148,16 @@ struct BwdWsLayout {
 
 // Adds a warp's 16 rows of dq (query rows i0 + 16 wq .., columns
 // [col0, col0 + DH) of head h) to the float32 scratch: the warp writes them
-// into its DH / 32 boxes of the staging area `sdq` (a consumer's, at shared
-// address sdq) and one lane issues a tensor reduction per box (rows past T
-// are skipped by the tensor map's bounds). Each warp owns its boxes, so the
-// warp alone orders their reuse (bulk_wait_read before overwriting).
+// into its DH / 32 boxes at `boxes` (32 x 16 floats each, 1024-byte aligned)
+// and one lane issues a tensor reduction per box (rows past T are skipped by
+// the tensor map's bounds) and commits them as one bulk group. The caller
+// makes sure earlier readers of the boxes are done, and keeps them unwritten
+// until that lane's bulk_wait_read says the reductions have read them.
 template <int DH>
-__device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const float (&dq)[DH / 2],
-                                            uint8_t* sdq, int b, int h, int i0, int col0, int wq,
-                                            int lane) {
+__device__ __forceinline__ void reduce_dq_rows(const CUtensorMap* dq_map, const float (&dq)[DH / 2],
+                                               uint8_t* boxes, int b, int h, int i0, int col0,
+                                               int wq, int lane) {
   constexpr int kBoxes = DH / 32, kBoxBytes = 32 * 16 * 4;
-  uint8_t* boxes = sdq + wq * kBoxes * kBoxBytes;
-  if (lane == 0) bulk_wait_read<0>();  // the last step's reductions have read the boxes
-  __syncwarp();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = (lane >> 2) + 8 * r;
@@ -179,6 +177,20 @@ __device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const flo
                         b);
     bulk_commit();
   }
+}
+
+// reduce_dq_rows from the warp's own boxes of a consumer's staging area
+// `sdq`, which the warp alone reuses: it first waits until the previous
+// step's reductions have read them.
+template <int DH>
+__device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const float (&dq)[DH / 2],
+                                            uint8_t* sdq, int b, int h, int i0, int col0, int wq,
+                                            int lane) {
+  constexpr int kBoxes = DH / 32, kBoxBytes = 32 * 16 * 4;
+  uint8_t* boxes = sdq + wq * kBoxes * kBoxBytes;
+  if (lane == 0) bulk_wait_read<0>();  // the last step's reductions have read the boxes
+  __syncwarp();
+  reduce_dq_rows<DH>(dq_map, dq, boxes, b, h, i0, col0, wq, lane);
 }
 
 // Where the producer puts a block's tiles (shared addresses; the row
@@ -380,9 +392,19 @@ __global__ void __launch_bounds__(kNT, 1)
 // queries [32 c, 32 c + 32), writes its Pᵀ and dSᵀ columns (16-bit) into the
 // step's buffer pair, and once both consumers' are there ("ready") adds
 // dV += Pᵀ dO, dK += dSᵀ Q on its columns and (atomic mode) dQ = dS K on the
-// same columns, with float2 atomics (no room for a dQ staging area). Two
-// buffer pairs: a consumer overwrites one only once both consumers are done
-// with it ("done"), so neither waits for the other at the start of a step.
+// same columns, with float2 atomics: there is no room for a dQ staging area.
+// Two buffer pairs: a consumer overwrites one only once both consumers are
+// done with it ("done"), so neither waits for the other at the start of a
+// step.
+// REDUCE_DQ (atomic mode, JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=tensor_reduce):
+// dQ goes out by tensor reductions, as at D <= 128, staged where the step's
+// Q and dO were. Consumer c's dQ (64 queries x 128 columns, float32, 32 KB)
+// fits exactly in its own column halves of the slot's Q and dO (16 KB each),
+// which after the "ready" barrier only its own dV and dK products read. The
+// slot then goes back to the producer one step later than usual (after
+// the next step's dPᵀ, once the reductions have read it), so the refill has
+// a little over half a step instead of a whole one. Experimental: written in
+// a session whose device time had run out, so NOT yet run on a GPU.
 constexpr int kBK256 = 64;
 
 struct BwdWsLayout256 {
@@ -399,9 +421,10 @@ struct BwdWsLayout256 {
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
-template <class E, bool ATOMIC>
+template <class E, bool ATOMIC, bool REDUCE_DQ = false>
 __global__ void __launch_bounds__(kNT, 1)
     bwd_ws_d256_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+  static_assert(ATOMIC || !REDUCE_DQ, "the deterministic mode computes no dQ here");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdWsLayout256;
   constexpr int D = 256, BK = kBK256, DW = D / 2, QW = kBQ / 2;
@@ -467,6 +490,16 @@ __global__ void __launch_bounds__(kNT, 1)
     store_key_major<E, BK, QW>(smem_ptr(cP), st, key_w0, q_w0, lane);
     wgmma_wait<0>();
     fence_regs(dpt);
+    // REDUCE_DQ: the previous step's slot, where its dQ was staged, goes back
+    // to the producer once this thread's reductions have read it (lanes that
+    // issued none pass at once; the slot's phase completes only when all
+    // have arrived). No wgmma is in flight here, so the branch is harmless.
+    if constexpr (REDUCE_DQ) {
+      if (it > 0) {
+        bulk_wait_read<0>();
+        mbar_arrive(bar.empty((it - 1) % kStages));
+      }
+    }
     compute_dst<QW>(dpt, st, cDs, q_w0, lane);
     store_key_major<E, BK, QW>(smem_ptr(cdS), dpt, key_w0, q_w0, lane);
     fence_proxy_async();  // the products below read them through the async proxy
@@ -485,8 +518,16 @@ __global__ void __launch_bounds__(kNT, 1)
       fence_regs(dv);
       fence_regs(dk);
       mbar_arrive(bar.done(u));
-      mbar_arrive(bar.empty(s));
-      add_dq_tile<DW>(p, dq, b, h, i0, c * DW, wq, lane);
+      if constexpr (REDUCE_DQ) {
+        // Warps 0, 1 stage into the consumer's half of Q (column blocks
+        // 2c, 2c + 1 of the slot, 8 KB each), warps 2, 3 into its half of dO.
+        const uint32_t half = (wq < 2 ? cQ : cdO) + c * 2 * kBQ * 128;
+        reduce_dq_rows<DW>(&maps.dq_acc, dq, smem_ptr(half + (wq & 1) * kBQ * 128), b, h, i0,
+                           c * DW, wq, lane);
+      } else {
+        mbar_arrive(bar.empty(s));
+        add_dq_tile<DW>(p, dq, b, h, i0, c * DW, wq, lane);
+      }
     } else {
       wgmma_wait<0>();
       fence_regs(dv);
@@ -495,6 +536,8 @@ __global__ void __launch_bounds__(kNT, 1)
       mbar_arrive(bar.empty(s));
     }
   }
+
+  if constexpr (REDUCE_DQ) bulk_wait<0>();  // the staged dQ stays valid until reduced
 
   store_dk_dv<E, DW>(p, dk, dv, b, kvh, j0, c * DW, wq, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
@@ -529,6 +572,19 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
                           p);
 }
 
+template <class E, bool ATOMIC, bool REDUCE_DQ = false>
+cudaError_t launch_d256(const KParams& p, cudaStream_t stream) {
+  auto* kernel = bwd_ws_d256_kernel<E, ATOMIC, REDUCE_DQ>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  BwdTensorMaps maps;
+  if (make_bwd_maps(&maps, p, kBK256, kBQ) != cudaSuccess) return cudaErrorNotSupported;
+  if (REDUCE_DQ &&
+      make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B) != cudaSuccess)
+    return cudaErrorNotSupported;
+  dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
+  return launch_with_smem(kernel, grid, kNT, BwdWsLayout256::kSmemBytes, stream, maps, p);
+}
+
 template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   if (p.mask != nullptr || p.bias != nullptr) {
@@ -541,14 +597,11 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
       return hopper_bwd_query_rows() == kBQ ? launch<E, 64, ATOMIC>(p, stream)
                                             : launch<E, 64, ATOMIC, 0, kBQWide>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);
-    case 256: {
-      auto* kernel = bwd_ws_d256_kernel<E, ATOMIC>;
-      if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
-      BwdTensorMaps maps;
-      if (make_bwd_maps(&maps, p, kBK256, kBQ) != cudaSuccess) return cudaErrorNotSupported;
-      dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
-      return launch_with_smem(kernel, grid, kNT, BwdWsLayout256::kSmemBytes, stream, maps, p);
-    }
+    case 256:
+      if constexpr (ATOMIC) {
+        if (hopper_bwd_d256_dq_by_tensor_reduce()) return launch_d256<E, true, true>(p, stream);
+      }
+      return launch_d256<E, ATOMIC>(p, stream);
     default: return cudaErrorNotSupported;
   }
 }

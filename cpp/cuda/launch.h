@@ -127,6 +127,15 @@ inline int hopper_bwd_query_rows() {
   return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64") ? 64 : 128;
 }
 
+// How the warp-specialised backward at head dim 256 adds dQ in the atomic
+// mode: float2 atomics, unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=
+// tensor_reduce asks for tensor reductions staged in the step's Q/dO slot
+// (hopper_bwd_ws.cu, REDUCE_DQ; read on every launch so that tests can switch
+// it). Experimental and off by default: NOT yet run on a GPU.
+inline bool hopper_bwd_d256_dq_by_tensor_reduce() {
+  return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "tensor_reduce");
+}
+
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:
 // see launch_with_smem.
 cudaError_t launch_fwd_tc(const KParams& p, DType dtype, cudaStream_t stream);

@@ -401,10 +401,11 @@ __global__ void __launch_bounds__(kNT, 1)
 // Q and dO were. Consumer c's dQ (64 queries x 128 columns, float32, 32 KB)
 // fits exactly in its own column halves of the slot's Q and dO (16 KB each),
 // which after the "ready" barrier only its own dV and dK products read. The
-// slot then goes back to the producer one step later than usual (after
-// the next step's dPᵀ, once the reductions have read it), so the refill has
-// a little over half a step instead of a whole one. Experimental: written in
-// a session whose device time had run out, so NOT yet run on a GPU.
+// slot then goes back to the producer later than usual: during the next
+// step, after its dPᵀ, once the reductions have read it, instead of at the
+// end of this step. So the refill has a little over half a step instead of
+// a whole one. Experimental: written in a session whose device time had run
+// out, so NOT yet run on a GPU.
 constexpr int kBK256 = 64;
 
 struct BwdWsLayout256 {

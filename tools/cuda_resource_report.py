@@ -2,8 +2,8 @@
 
     python tools/cuda_resource_report.py [--all-dtypes] [SOURCE ...]
 
-Compiles each kernel source (default: all of cpp/cuda/*.cu that hold
-kernels) with this machine's nvcc, for sm_90a (the Hopper files) or sm_80
+Compiles each CUDA source (default: every cpp/cuda/*.cu; a file without
+kernels adds no row) with this machine's nvcc, for sm_90a (the Hopper files) or sm_80
 (the mma.sync and SIMT files), with `-Xptxas -v`, and prints one row per
 kernel instance: registers per thread at launch, spill bytes, named
 barriers, and whether ptxas serialised its wgmma instructions (note C7512,
@@ -24,16 +24,11 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = ROOT / "cpp" / "cuda"
-SOURCES = {  # file -> target
-    "hopper_fwd_ws.cu": "sm_90a",
-    "hopper_fwd.cu": "sm_90a",
-    "hopper_bwd_ws.cu": "sm_90a",
-    "hopper_bwd.cu": "sm_90a",
-    "tc_fwd.cu": "sm_80",
-    "tc_bwd.cu": "sm_80",
-    "tc_dq.cu": "sm_80",
-    "simt.cu": "sm_80",
-}
+
+
+def target(source: str) -> str:
+  """sm_90a for the Hopper-only files (their kernels are empty elsewhere), else sm_80."""
+  return "sm_90a" if source.startswith("hopper_") else "sm_80"
 
 
 def ptxas_report(source: str, target: str) -> str:
@@ -87,18 +82,19 @@ def rows(report: str):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("sources", nargs="*", help="files in cpp/cuda (default: all kernel files)")
+  ap.add_argument("sources", nargs="*", help="files in cpp/cuda (default: all .cu files)")
   ap.add_argument("--all-dtypes", action="store_true",
                   help="also the float16 instances (default: bfloat16 and dtype-free only)")
   args = ap.parse_args(argv)
-  sources = args.sources or list(SOURCES)
+  sources = args.sources or sorted(f.name for f in CUDA.glob("*.cu"))
+  missing = [s for s in sources if not (CUDA / s).is_file()]
+  if missing:
+    sys.exit(f"not in {CUDA}: {', '.join(missing)}")
   print("| file | kernel instance | registers | spills (store/load bytes) | barriers "
         "| wgmma serialised (C7512) |")
   print("|---|---|---|---|---|---|")
   for source in sources:
-    if source not in SOURCES:
-      sys.exit(f"unknown source {source!r}; expected one of {sorted(SOURCES)}")
-    kernels = rows(ptxas_report(source, SOURCES[source]))
+    kernels = rows(ptxas_report(source, target(source)))
     names = demangle(list(kernels))
     for (mangled, k), name in sorted(zip(kernels.items(), names), key=lambda x: x[1]):
       name = short(name)

@@ -122,8 +122,9 @@ LARGE = [
 # with the 64-row steps every other problem takes. The forward there takes
 # three consumer warpgroups without causality or a window, else two;
 # "fwd_consumers2" and "fwd_consumers3" force each, so that both run on every
-# such case. At head dim 256 without a mask or bias, "bwd_d256_dq_reduce"
-# runs the experimental backward that adds dQ by tensor reductions.
+# such case. At head dim 256 without a mask or bias the atomic backward adds
+# dQ by tensor reductions; "bwd_d256_dq_atomics" runs it with the float2
+# atomics it used before.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -136,7 +137,7 @@ def _kernel_rows(case):
     rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers2"),
              (False, "fwd_consumers3")]
   if plain and case.head_dim == 256:
-    rows += [(False, "bwd_d256_dq_reduce")]
+    rows += [(False, "bwd_d256_dq_atomics")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -150,8 +151,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
   elif kernels == "bwd_rows64":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
-  elif kernels == "bwd_d256_dq_reduce":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "tensor_reduce")
+  elif kernels == "bwd_d256_dq_atomics":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics")
   elif kernels.startswith("fwd_consumers"):
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", kernels[-1])
   elif kernels != "default":

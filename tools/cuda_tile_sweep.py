@@ -6,7 +6,7 @@
     JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async python tools/cuda_tile_sweep.py  # the cp.async Hopper bwd
     JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 python tools/cuda_tile_sweep.py  # 64-row bwd steps at D=64
     JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 python tools/cuda_tile_sweep.py  # 2-consumer fwd, D=64
-    JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=tensor_reduce python tools/cuda_tile_sweep.py --head-dim 256
+    JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics python tools/cuda_tile_sweep.py --head-dim 256
     JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
     python tools/cuda_tile_sweep.py --head-dim 64       # only the D=64 configurations

@@ -392,20 +392,20 @@ __global__ void __launch_bounds__(kNT, 1)
 // queries [32 c, 32 c + 32), writes its Pᵀ and dSᵀ columns (16-bit) into the
 // step's buffer pair, and once both consumers' are there ("ready") adds
 // dV += Pᵀ dO, dK += dSᵀ Q on its columns and (atomic mode) dQ = dS K on the
-// same columns, with float2 atomics: there is no room for a dQ staging area.
-// Two buffer pairs: a consumer overwrites one only once both consumers are
-// done with it ("done"), so neither waits for the other at the start of a
-// step.
-// REDUCE_DQ (atomic mode, JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=tensor_reduce):
-// dQ goes out by tensor reductions, as at D <= 128, staged where the step's
-// Q and dO were. Consumer c's dQ (64 queries x 128 columns, float32, 32 KB)
-// fits exactly in its own column halves of the slot's Q and dO (16 KB each),
-// which after the "ready" barrier only its own dV and dK products read. The
-// slot then goes back to the producer later than usual: during the next
-// step, after its dPᵀ, once the reductions have read it, instead of at the
-// end of this step. So the refill has a little over half a step instead of
-// a whole one. Experimental: written in a session whose device time had run
-// out, so NOT yet run on a GPU.
+// same columns. Two buffer pairs: a consumer overwrites one only once both
+// consumers are done with it ("done"), so neither waits for the other at the
+// start of a step.
+// The atomic mode adds dQ by tensor reductions (REDUCE_DQ, the default), as
+// at D <= 128, staged where the step's Q and dO were: there is no room for a
+// staging area of its own. Consumer c's dQ (64 queries x 128 columns,
+// float32, 32 KB) fits exactly in its own column halves of the slot's Q and
+// dO (16 KB each), which after the "ready" barrier only its own dV and dK
+// products read. The slot then goes back to the producer later than usual:
+// during the next step, after its dPᵀ, once the reductions have read it,
+// instead of at the end of this step. So the refill has a little over half
+// a step instead of a whole one. JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics
+// selects the float2 atomics used before (5-6% slower forward+backward on an
+// H200; launch.h).
 constexpr int kBK256 = 64;
 
 struct BwdWsLayout256 {
@@ -602,7 +602,7 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
       if constexpr (ATOMIC) {
         if (hopper_bwd_d256_dq_by_tensor_reduce()) return launch_d256<E, true, true>(p, stream);
       }
-      return launch_d256<E, ATOMIC>(p, stream);
+      return launch_d256<E, ATOMIC>(p, stream);  // deterministic, or float2 atomics
     default: return cudaErrorNotSupported;
   }
 }

@@ -128,12 +128,15 @@ inline int hopper_bwd_query_rows() {
 }
 
 // How the warp-specialised backward at head dim 256 adds dQ in the atomic
-// mode: float2 atomics, unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=
-// tensor_reduce asks for tensor reductions staged in the step's Q/dO slot
-// (hopper_bwd_ws.cu, REDUCE_DQ; read on every launch so that tests can switch
-// it). Experimental and off by default: NOT yet run on a GPU.
+// mode: by tensor reductions staged in the step's Q/dO slot (hopper_bwd_ws.cu,
+// REDUCE_DQ), unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics asks for the
+// float2 atomics it used before (read on every launch so that tests can
+// switch it). On an H200 (tools/cuda_tile_sweep.py --head-dim 256, two runs,
+// forward+backward TFLOP/s): 8:8 T = 4096 299-301 vs 280-289, GQA 16:2
+// T = 8192 329-331 vs 314; Nsight Compute put the atomics' REDG at the top of
+// the stall samples.
 inline bool hopper_bwd_d256_dq_by_tensor_reduce() {
-  return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "tensor_reduce");
+  return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics");
 }
 
 // Tensor-core path (bf16/f16, head_dim 64/128/256). cudaErrorNotSupported:

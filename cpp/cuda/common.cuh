@@ -106,6 +106,23 @@ struct HeadMask {
     if (wr >= 0 && j > i + wr) return false;
     return true;
   }
+  // in_range() as intervals, for the unrolled softmax loops: one interval per
+  // row (or key) of a thread's accumulator, then two compares per score
+  // against a compile-time offset instead of in_range's five tests.
+  // The keys query row i sees: [lo, hi), empty for a row past q_end.
+  __device__ __forceinline__ int2 row_keys(int i) const {
+    int lo = wl >= 0 ? max(0, i - wl) : 0, hi = kv_end;
+    if (causal) hi = min(hi, i + 1);
+    if (wr >= 0) hi = min(hi, i + 1 + min(wr, kv_end));  // min: no overflow
+    return make_int2(lo, i < q_end ? hi : lo);
+  }
+  // The queries that see key j: [lo, hi), empty for a key past kv_end.
+  __device__ __forceinline__ int2 key_queries(int j) const {
+    int lo = causal ? j : 0, hi = q_end;
+    if (wr >= 0) lo = max(lo, j - wr);
+    if (wl >= 0) hi = min(hi, j + 1 + min(wl, q_end));
+    return make_int2(lo, j < kv_end ? hi : lo);
+  }
   __device__ __forceinline__ bool visible(int i, int j) const {
     return in_range(i, j) && !(mask && !mask[i * mst2 + j * mst3]);
   }

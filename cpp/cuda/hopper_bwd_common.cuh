@@ -130,19 +130,48 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
                                            float scale_log2, const float* cL, int i0, int j0,
                                            int key_w0, int q_w0, int lane, bool full,
                                            const uint8_t* staged) {
+  if constexpr (EB == 0) {
+    // No mask or bias: bounds only, by intervals (HeadMask::key_queries),
+    // and one branch per tile around the whole loop, not one per score (the
+    // forward's mask_to_row_intervals says why). The scale folds into the
+    // exponent's FFMA; a masked score is -inf either way.
+    if (!full) {
+      const int first = i0 + q_w0 + acc_col(0, lane, 0);  // this thread's first query
+      int2 queries[2];
 #pragma unroll
-  for (int j = 0; j < NQ / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
-      const int ql = q_w0 + acc_col(j, lane, e);
-      float x = st[4 * j + e] * scale_log2;
-      if constexpr (EB > 0) {
-        x = hm.apply_staged<EB>(i0 + ql, j0 + kl, x, staged + ql * SCORE_ROW + kl * EB);
-      } else if (!full) {
-        x = hm.apply_bounds(i0 + ql, j0 + kl, x);
+      for (int r = 0; r < 2; ++r) {
+        queries[r] = hm.key_queries(j0 + key_w0 + (lane >> 2) + r * 8);
+        queries[r] = make_int2(queries[r].x - first, queries[r].y - first);
       }
-      st[4 * j + e] = exp2_fast(x - cL[ql]);
+#pragma unroll
+      for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = acc_col(j, lane, e) - acc_col(0, lane, 0);  // a compile-time offset
+          const int2 q = queries[e >> 1];
+          if (c < q.x || c >= q.y) st[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ql = q_w0 + acc_col(j, lane, e);
+        st[4 * j + e] = exp2_fast(fmaf(st[4 * j + e], scale_log2, -cL[ql]));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
+        const int ql = q_w0 + acc_col(j, lane, e);
+        const float x = hm.apply_staged<EB>(i0 + ql, j0 + kl, st[4 * j + e] * scale_log2,
+                                            staged + ql * SCORE_ROW + kl * EB);
+        st[4 * j + e] = exp2_fast(x - cL[ql]);
+      }
     }
   }
 }

@@ -131,10 +131,19 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
                                            int key_w0, int q_w0, int lane, bool full,
                                            const uint8_t* staged) {
   if constexpr (EB == 0) {
-    // No mask or bias: bounds only, by intervals (HeadMask::key_queries),
-    // and one branch per tile around the whole loop, not one per score (the
-    // forward's mask_to_row_intervals says why). The scale folds into the
-    // exponent's FFMA; a masked score is -inf either way.
+    // No mask or bias: the scale folds into the exponent's FFMA, and bounds
+    // are applied after it, as P = 0, by intervals (HeadMask::key_queries)
+    // with one branch per tile around the whole loop, not one per score (the
+    // forward's mask_to_row_intervals says why). Zeroing P rather than
+    // setting S to -inf first keeps a negative scale correct.
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ql = q_w0 + acc_col(j, lane, e);
+        st[4 * j + e] = exp2_fast(fmaf(st[4 * j + e], scale_log2, -cL[ql]));
+      }
+    }
     if (!full) {
       const int first = i0 + q_w0 + acc_col(0, lane, 0);  // this thread's first query
       int2 queries[2];
@@ -149,16 +158,8 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
         for (int e = 0; e < 4; ++e) {
           const int c = acc_col(j, lane, e) - acc_col(0, lane, 0);  // a compile-time offset
           const int2 q = queries[e >> 1];
-          if (c < q.x || c >= q.y) st[4 * j + e] = -INFINITY;
+          if (c < q.x || c >= q.y) st[4 * j + e] = 0.f;
         }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NQ / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ql = q_w0 + acc_col(j, lane, e);
-        st[4 * j + e] = exp2_fast(fmaf(st[4 * j + e], scale_log2, -cL[ql]));
       }
     }
   } else {

@@ -134,7 +134,7 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
     // No mask or bias: the scale folds into the exponent's FFMA, and bounds
     // are applied after it, as P = 0, by intervals (HeadMask::key_queries)
     // with one branch per tile around the whole loop, not one per score (the
-    // forward's mask_to_row_intervals says why). Zeroing P rather than
+    // forward's online_softmax_tile says why). Zeroing P rather than
     // setting S to -inf first keeps a negative scale correct.
 #pragma unroll
     for (int j = 0; j < NQ / 8; ++j) {
@@ -152,15 +152,7 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
         queries[r] = hm.key_queries(j0 + key_w0 + (lane >> 2) + r * 8);
         queries[r] = make_int2(queries[r].x - first, queries[r].y - first);
       }
-#pragma unroll
-      for (int j = 0; j < NQ / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = acc_col(j, lane, e) - acc_col(0, lane, 0);  // a compile-time offset
-          const int2 q = queries[e >> 1];
-          if (c < q.x || c >= q.y) st[4 * j + e] = 0.f;
-        }
-      }
+      hide_outside_intervals<NQ>(st, queries, lane, 0.f);
     }
   } else {
 #pragma unroll

@@ -61,27 +61,6 @@ inline bool fwd_needs_general_softmax(const KParams& p) {
   return p.mask != nullptr || p.bias != nullptr || !(p.scale_log2 > 0.f);
 }
 
-// Sets to -inf the scores of a 64 x BK tile (this thread's rows row0 and
-// row0 + 8, keys j0 + acc_col(j, lane, e)) that lengths, causality or the
-// window hide.
-template <int BK>
-__device__ __forceinline__ void mask_to_row_intervals(float (&s)[BK / 2], const HeadMask& hm,
-                                                      int row0, int j0, int lane) {
-  const int first = j0 + acc_col(0, lane, 0);  // this thread's first key
-  int2 keys[2] = {hm.row_keys(row0), hm.row_keys(row0 + 8)};
-#pragma unroll
-  for (int r = 0; r < 2; ++r) keys[r] = make_int2(keys[r].x - first, keys[r].y - first);
-#pragma unroll
-  for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = acc_col(j, lane, e) - acc_col(0, lane, 0);  // a compile-time offset
-      const int2 k = keys[e >> 1];
-      if (c < k.x || c >= k.y) s[4 * j + e] = -INFINITY;
-    }
-  }
-}
-
 // s: this thread's scores of a 64 x BK tile (rows row0 and row0 + 8, keys
 // j0 + acc_col(j, lane, e)); m, l: the running row max (base 2) and sum.
 // Scales and masks s, replaces it by exp2(s - m_new), updates m and l and
@@ -104,7 +83,13 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&
     // around the whole loop. With the test inside the loop, ptxas gave every
     // score its own divergent branch (BSSY/BSYNC) even on full tiles; Nsight
     // Compute put over a third of the D = 64 forward's stall samples there.
-    if (!full) mask_to_row_intervals<BK>(s, hm, row0, j0, lane);
+    if (!full) {
+      const int first = j0 + acc_col(0, lane, 0);  // this thread's first key
+      int2 keys[2] = {hm.row_keys(row0), hm.row_keys(row0 + 8)};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) keys[r] = make_int2(keys[r].x - first, keys[r].y - first);
+      hide_outside_intervals<BK>(s, keys, lane, -INFINITY);
+    }
   } else {
 #pragma unroll
   for (int j = 0; j < BK / 8; ++j) {

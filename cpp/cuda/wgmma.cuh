@@ -113,6 +113,26 @@ __device__ __forceinline__ int acc_col(int j, int lane, int e) {
   return j * 8 + (lane & 3) * 2 + (e & 1);
 }
 
+// Sets to `hidden` the elements of a 64 x N accumulator whose column lies
+// outside its row's interval [cols[r].x, cols[r].y): r = 0 for this thread's
+// row lane / 4 (e < 2), r = 1 for lane / 4 + 8, both counted from this
+// thread's first column, acc_col(0, lane, 0). So each element costs two
+// compares against a compile-time offset. The softmax loops use this for
+// lengths, causality and windows (HeadMask::row_keys, key_queries).
+template <int N>
+__device__ __forceinline__ void hide_outside_intervals(float (&d)[N / 2], const int2 (&cols)[2],
+                                                       int lane, float hidden) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = acc_col(j, lane, e) - acc_col(0, lane, 0);  // a compile-time offset
+      const int2 k = cols[e >> 1];
+      if (c < k.x || c >= k.y) d[4 * j + e] = hidden;
+    }
+  }
+}
+
 // A-operand registers for reduction step kk (columns 16 kk..16 kk + 15) taken
 // from a 64 x N float accumulator: the A fragment layout is the accumulator's,
 // so P = softmax(S) feeds the next wgmma without touching shared memory.

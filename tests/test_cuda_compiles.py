@@ -35,10 +35,10 @@ def test_cuda_kernels_compile_for_sm80_and_sm90a(tmp_path):
   assert not failures, "\n\n".join(failures)
 
 
-def _resource_report_tool():
+def _tool(name):
+  """tools/NAME.py as a module (tools/ is not a package)."""
   import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "cuda_resource_report", ROOT / "tools" / "cuda_resource_report.py")
+  spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -47,7 +47,7 @@ def _resource_report_tool():
 def test_resource_report_reads_ptxas_output():
   """tools/cuda_resource_report.py's parser, on ptxas -v lines as nvcc prints them
   (a C7512 note may come before the function's own lines)."""
-  tool = _resource_report_tool()
+  tool = _tool("cuda_resource_report")
   log = "\n".join([
       "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
       "serialized due to insufficient register resources for the function '_Z1bv'",
@@ -66,3 +66,29 @@ def test_resource_report_reads_ptxas_output():
   name = ("void fatrain::cuda::(anonymous namespace)::bwd_ws_kernel<__nv_bfloat16, 64, true, "
           "0, 128>(fatrain::cuda::(anonymous namespace)::BwdTensorMaps, fatrain::cuda::KParams)")
   assert tool.short(name) == "bwd_ws_kernel<bf16, 64, true, 0, 128>"
+
+
+def test_ncu_summary_reads_the_source_page(tmp_path):
+  """tools/ncu_summary.py on a source page laid out as `ncu --page source --csv
+  --print-source sass` writes it: a kernel line, the header, one row per
+  instruction (the numbers here are made up)."""
+  tool = _tool("ncu_summary")
+  page = "\n".join([
+      '"Kernel Name","void k(int)",',
+      '"Address","Source","# Samples","Instructions Executed","stall_wait","stall_long_sb",'
+      '"stall_wait (Not Issued)"',
+      '"0x7f0000000010","      BSSY B0, 0x7f00000000a0","30","1000","20","10","5"',
+      '"0x7f0000000020","@!P0  BRA 0x7f0000000010","60","2000","0","60","0"',
+      '"0x7f0000000030","HGMMA.64x128x16.F32.BF16 R88, gdesc[UR16], RZ, !UPT","10","500","10","0","0"',
+  ])
+  path = tmp_path / "k.sass.csv"
+  path.write_text(page)
+  rows = tool.read_rows(str(path))
+  assert [tool.opcode(r["Source"]) for r in rows] == ["BSSY", "BRA", "HGMMA"]
+  report = tool.summarise(rows, top=2)
+  assert report[0] == "100 samples"
+  assert any(line.split()[:4] == ["stall", "long_sb", "70", "70.0%"] for line in report)
+  assert any(line.split()[:5] == ["op", "BRA", "60", "60.0%", "executed"] for line in report)
+  top = [line for line in report if line.startswith("  ") and line.split()[0].isdigit()]
+  assert [line.split()[0] for line in top] == ["60", "30"]
+  assert top[0].rstrip().endswith("long_sb 60")

@@ -92,20 +92,21 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&
     }
   } else {
 #pragma unroll
-  for (int j = 0; j < BK / 8; ++j) {
+    for (int j = 0; j < BK / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = kFoldScale ? s[4 * j + e] : s[4 * j + e] * scale_log2;
-      const int i = row0 + (e >> 1) * 8, jj = j0 + acc_col(j, lane, e);
-      if constexpr (EB > 0) {
-        x = hm.apply_staged<EB>(
-            i, jj, x, staged_row0 + (e >> 1) * 8 * staged_row_bytes<BK, EB>() + (jj - j0) * EB);
-      } else if (!full) {
-        x = hm.apply(i, jj, x);
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * scale_log2;
+        const int i = row0 + (e >> 1) * 8, jj = j0 + acc_col(j, lane, e);
+        if constexpr (EB > 0) {
+          x = hm.apply_staged<EB>(i, jj, x,
+                                  staged_row0 + (e >> 1) * 8 * staged_row_bytes<BK, EB>() +
+                                      (jj - j0) * EB);
+        } else if (!full) {
+          x = hm.apply(i, jj, x);
+        }
+        s[4 * j + e] = x;
       }
-      s[4 * j + e] = x;
     }
-  }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -11,6 +11,7 @@
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
     python tools/cuda_tile_sweep.py --head-dim 64       # only the D=64 configurations
     python tools/cuda_tile_sweep.py --seq-len 1024      # T=1024, same tokens per batch
+    python tools/cuda_tile_sweep.py --causal            # the same configurations, causal
 
 Prints one line per configuration: forward and forward+backward TFLOP/s
 (FlashAttention convention, as jax_fatrain.benchmark_cuda) and, for `cuda`,
@@ -65,6 +66,7 @@ def main():
                   help="only the configurations with this D (repeatable)")
   ap.add_argument("--seq-len", type=int,
                   help="this T instead of each configuration's, at the same tokens per batch")
+  ap.add_argument("--causal", action="store_true", help="every configuration causal")
   args = ap.parse_args()
   env = lambda name: os.environ.get(f"JAX_FATRAIN_CUDA_{name}", "-")
   tag = (f"{env('KERNELS')} fwd={env('FWD_TILE')}/{env('HOPPER_FWD_TILE')}/{env('HOPPER_FWD')}/"
@@ -76,6 +78,8 @@ def main():
       continue
     if args.seq_len:
       cfg = dict(cfg, T=args.seq_len, B=max(1, cfg["B"] * cfg["T"] // args.seq_len))
+    if args.causal:
+      cfg = dict(cfg, causal=True)
     r = bench.run_one(cfg, args.impl)
     err = check(cfg) if args.impl == "cuda" else float("nan")
     print(f"{tag:28s} D={cfg['D']:3d} N:K={cfg['N']}:{cfg['K']} T={cfg['T']} "

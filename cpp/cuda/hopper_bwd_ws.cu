@@ -72,7 +72,7 @@ struct BwdTensorMaps {
 // A block's mbarriers, 8 bytes each from `base`, for STAGES slots of Q and dO.
 template <int STAGES>
 struct BwdBarrierSet {
-  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2;
+  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2 + STAGES;
   uint32_t base;
   // K and V landed.
   __device__ __forceinline__ uint32_t kv_full() const { return base; }
@@ -94,12 +94,20 @@ struct BwdBarrierSet {
   __device__ __forceinline__ uint32_t scores_empty() const {
     return base + 8 * (6 + 2 * STAGES);
   }
-  // One thread initialises them, before the block-wide barrier.
-  __device__ __forceinline__ void init() const {
+  // Both consumers staged their dQ of the step in slot s (bwd_ws_d256_kernel
+  // with REDUCE_DQ).
+  __device__ __forceinline__ uint32_t dq_staged(int s) const {
+    return base + 8 * (7 + 2 * STAGES + s);
+  }
+  // One thread initialises them, before the block-wide barrier;
+  // empty_arrivals: the arrivals that free a slot (every consumer thread, or
+  // the one thread that adds the staged dQ).
+  __device__ __forceinline__ void init(int empty_arrivals = kConsumers * 128) const {
     mbar_init(kv_full(), 1);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 32);
-      mbar_init(empty(s), kConsumers * 128);
+      mbar_init(empty(s), empty_arrivals);
+      mbar_init(dq_staged(s), kConsumers * 128);
     }
     for (int u = 0; u < 2; ++u) {
       mbar_init(ready(u), kConsumers * 128);
@@ -153,14 +161,16 @@ struct BwdWsLayout {
 // the tensor map's bounds) and commits them as one bulk group. The caller
 // makes sure earlier readers of the boxes are done, and keeps them unwritten
 // until that lane's bulk_wait_read says the reductions have read them.
-template <int DH>
-__device__ __forceinline__ void reduce_dq_rows(const CUtensorMap* dq_map, const float (&dq)[DH / 2],
-                                               uint8_t* boxes, int b, int h, int i0, int col0,
-                                               int wq, int lane) {
-  constexpr int kBoxes = DH / 32, kBoxBytes = 32 * 16 * 4;
+// Writes a warp's 16 rows of dq (a 16 x DH slice of a wgmma accumulator) as
+// rows [row0, row0 + 16) of DH / 32 boxes of 32 columns x BOX_ROWS rows at
+// `boxes` (1024-byte aligned, dq_box_offset's layout), for tensor reductions.
+template <int DH, int BOX_ROWS>
+__device__ __forceinline__ void write_dq_rows(const float (&dq)[DH / 2], uint8_t* boxes, int row0,
+                                              int lane) {
+  constexpr int kBoxBytes = 32 * BOX_ROWS * 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = (lane >> 2) + 8 * r;
+    const int row = row0 + (lane >> 2) + 8 * r;
 #pragma unroll
     for (int j = 0; j < DH / 8; ++j) {
       const int col = acc_col(j, lane, 0);
@@ -168,6 +178,14 @@ __device__ __forceinline__ void reduce_dq_rows(const CUtensorMap* dq_map, const 
           make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
     }
   }
+}
+
+template <int DH>
+__device__ __forceinline__ void reduce_dq_rows(const CUtensorMap* dq_map, const float (&dq)[DH / 2],
+                                               uint8_t* boxes, int b, int h, int i0, int col0,
+                                               int wq, int lane) {
+  constexpr int kBoxes = DH / 32, kBoxBytes = 32 * 16 * 4;
+  write_dq_rows<DH, 16>(dq, boxes, 0, lane);
   fence_proxy_async();  // the tensor reductions read through the async proxy
   __syncwarp();
   if (lane == 0) {
@@ -400,12 +418,16 @@ __global__ void __launch_bounds__(kNT, 1)
 // staging area of its own. Consumer c's dQ (64 queries x 128 columns,
 // float32, 32 KB) fits exactly in its own column halves of the slot's Q and
 // dO (16 KB each), which after the "ready" barrier only its own dV and dK
-// products read. The slot then goes back to the producer later than usual:
-// during the next step, after its dPᵀ, once the reductions have read it,
-// instead of at the end of this step. So the refill has a little over half
-// a step instead of a whole one. JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics
-// selects the float2 atomics used before (5-6% slower forward+backward on an
-// H200; launch.h).
+// products read. It writes them as four boxes of 64 rows x 32 columns and
+// arrives on the slot's "dq_staged" barrier; warp 1 of the producer
+// warpgroup (the dQ warp) then adds the step's eight boxes with one tensor
+// reduction each and gives the slot back to the producer once they have read
+// it. (Issued by the consumers, 32 reductions of 16-row boxes per step, each
+// behind a per-lane loop the compiler builds for its operands, held 17% of
+// the consumers' stall samples on an H200.) So the refill has the rest of
+// the next step instead of a whole one. JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=
+// atomics selects the float2 atomics used before (5-6% slower
+// forward+backward on an H200; launch.h).
 constexpr int kBK256 = 64;
 
 struct BwdWsLayout256 {
@@ -445,14 +467,36 @@ __global__ void __launch_bounds__(kNT, 1)
   steps.init(p, hm, b, kvh, j0, BK);
   const int total = steps.total;
 
-  if (tid == 0) bar.init();
+  // REDUCE_DQ: the dQ warp alone frees a slot (see above).
+  if (tid == 0) bar.init(REDUCE_DQ ? 1 : kConsumers * 128);
   __syncthreads();  // the last block-wide barrier: producer threads exit early
 
   if (wg == 0) {
     setmaxnreg_dec<24>();
-    if (warp != 0 || total == 0) return;
-    produce<D, BK, 0, kBQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, 0, sL, sDs}, steps, b, kvh,
-                           j0, lane);
+    if (total == 0) return;
+    if (warp == 0) {
+      produce<D, BK, 0, kBQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, 0, sL, sDs}, steps, b, kvh,
+                             j0, lane);
+    } else if (REDUCE_DQ && warp == 1 && lane == 0) {
+      for (int it = 0; it < total; ++it) {
+        const int s = it % kStages;
+        const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
+        mbar_wait(bar.dq_staged(s), (it / kStages) & 1);
+        // Consumer c's boxes: columns [128 c, 128 c + 64) in its half of
+        // the Q slot, the next 64 in its half of the dO slot.
+#pragma unroll
+        for (int x = 0; x < kConsumers * DW / 32; ++x) {
+          const int c = x / 4, q = x % 4;
+          tma_reduce_add_4d(&maps.dq_acc,
+                            (q < 2 ? cQ : cdO) + c * 2 * kBQ * 128 + (q & 1) * kBQ * 128,
+                            32 * x, steps.row0(it), steps.head(it), b);
+        }
+        bulk_commit();
+        bulk_wait_read<0>();
+        mbar_arrive(bar.empty(s));
+      }
+      bulk_wait<0>();  // the slots stay valid until the reductions are done
+    }
     return;
   }
 
@@ -491,16 +535,6 @@ __global__ void __launch_bounds__(kNT, 1)
     store_key_major<E, BK, QW>(smem_ptr(cP), st, key_w0, q_w0, lane);
     wgmma_wait<0>();
     fence_regs(dpt);
-    // REDUCE_DQ: the previous step's slot, where its dQ was staged, goes back
-    // to the producer once this thread's reductions have read it (lanes that
-    // issued none pass at once; the slot's phase completes only when all
-    // have arrived). No wgmma is in flight here, so the branch is harmless.
-    if constexpr (REDUCE_DQ) {
-      if (it > 0) {
-        bulk_wait_read<0>();
-        mbar_arrive(bar.empty((it - 1) % kStages));
-      }
-    }
     compute_dst<QW>(dpt, st, cDs, q_w0, lane);
     store_key_major<E, BK, QW>(smem_ptr(cdS), dpt, key_w0, q_w0, lane);
     fence_proxy_async();  // the products below read them through the async proxy
@@ -520,11 +554,15 @@ __global__ void __launch_bounds__(kNT, 1)
       fence_regs(dk);
       mbar_arrive(bar.done(u));
       if constexpr (REDUCE_DQ) {
-        // Warps 0, 1 stage into the consumer's half of Q (column blocks
-        // 2c, 2c + 1 of the slot, 8 KB each), warps 2, 3 into its half of dO.
-        const uint32_t half = (wq < 2 ? cQ : cdO) + c * 2 * kBQ * 128;
-        reduce_dq_rows<DW>(&maps.dq_acc, dq, smem_ptr(half + (wq & 1) * kBQ * 128), b, h, i0,
-                           c * DW, wq, lane);
+        // Columns [0, 64) of the consumer's 128 into its half of Q (column
+        // blocks 2c, 2c + 1 of the slot, 8 KB each: one 64-row box each),
+        // columns [64, 128) into its half of dO; the dQ warp adds them.
+        write_dq_rows<DW / 2, kBQ>(reinterpret_cast<const float(&)[DW / 4]>(dq[0]),
+                                   smem_ptr(cQ + c * 2 * kBQ * 128), 16 * wq, lane);
+        write_dq_rows<DW / 2, kBQ>(reinterpret_cast<const float(&)[DW / 4]>(dq[DW / 4]),
+                                   smem_ptr(cdO + c * 2 * kBQ * 128), 16 * wq, lane);
+        fence_proxy_async();  // the reductions read them through the async proxy
+        mbar_arrive(bar.dq_staged(s));
       } else {
         mbar_arrive(bar.empty(s));
         add_dq_tile<DW>(p, dq, b, h, i0, c * DW, wq, lane);
@@ -537,8 +575,6 @@ __global__ void __launch_bounds__(kNT, 1)
       mbar_arrive(bar.empty(s));
     }
   }
-
-  if constexpr (REDUCE_DQ) bulk_wait<0>();  // the staged dQ stays valid until reduced
 
   store_dk_dv<E, DW>(p, dk, dv, b, kvh, j0, c * DW, wq, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
@@ -579,8 +615,8 @@ cudaError_t launch_d256(const KParams& p, cudaStream_t stream) {
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   BwdTensorMaps maps;
   if (make_bwd_maps(&maps, p, kBK256, kBQ) != cudaSuccess) return cudaErrorNotSupported;
-  if (REDUCE_DQ &&
-      make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B) != cudaSuccess)
+  if (REDUCE_DQ && make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B,
+                                           /*box_rows=*/kBQ) != cudaSuccess)
     return cudaErrorNotSupported;
   dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
   return launch_with_smem(kernel, grid, kNT, BwdWsLayout256::kSmemBytes, stream, maps, p);

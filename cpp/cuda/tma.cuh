@@ -72,10 +72,11 @@ inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64
 }
 
 // Fills `map` for the contiguous float32 dQ scratch [batch][heads][seq][d] at
-// `base`, as {d, seq, heads, batch} with boxes of 32 x 16 (128-byte rows,
-// 128-byte swizzle: see tma_reduce_add_4d). Rows past `seq` are never written.
+// `base`, as {d, seq, heads, batch} with boxes of 32 columns x box_rows
+// (128-byte rows, 128-byte swizzle: see tma_reduce_add_4d). Rows past `seq`
+// are never written.
 inline cudaError_t make_dq_acc_tensor_map(CUtensorMap* map, float* base, int64_t d, int64_t seq,
-                                          int64_t heads, int64_t batch) {
+                                          int64_t heads, int64_t batch, int box_rows = 16) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || d % 32 != 0) return cudaErrorNotSupported;
@@ -84,7 +85,7 @@ inline cudaError_t make_dq_acc_tensor_map(CUtensorMap* map, float* base, int64_t
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(d * 4),
                                  static_cast<cuuint64_t>(seq * d * 4),
                                  static_cast<cuuint64_t>(heads * seq * d * 4)};
-  const cuuint32_t box[4] = {32, 16, 1, 1};
+  const cuuint32_t box[4] = {32, static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box,
                             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

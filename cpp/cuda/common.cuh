@@ -132,14 +132,6 @@ struct HeadMask {
     if (bias) x += bias_mul * load_score_f(bias, bias_dtype, i * bst2 + j * bst3);
     return x;
   }
-  // apply() in a kernel instance built for problems without a mask or bias
-  // (its dispatch guarantees there is none): lengths, causality and window
-  // only. Leaving the loads of mask and bias out of such instances halves
-  // the SASS of an unrolled softmax (hopper_fwd_ws.cu at D = 128: 88 -> 46
-  // KB), which otherwise overflows the instruction cache (PERF_NOTES.md).
-  __device__ __forceinline__ float apply_bounds(int i, int j, float x) const {
-    return in_range(i, j) ? x : -INFINITY;
-  }
   // apply() where the kernel staged the score tensor (KParams::staged = EB):
   // `staged` points at element (i, j) of the staged tile, a mask byte (EB = 1)
   // or a 16-bit bias value (EB = 2), the only score tensor present.

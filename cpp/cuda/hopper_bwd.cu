@@ -247,39 +247,14 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_d256_kernel(const KParams p)
     wgmma_wait<1>();
     fence_regs(st);
 
-    // The thread's element (j, e) sits at key key_w0 + kl_of(e), query
-    // q_w0 + acc_col(j, lane, e); pairs e = 2 hf, 2 hf + 1 share a key.
     const bool full = hm.tile_is_full(i0 + q_w0, i0 + q_w0 + QW, j0 + key_w0, j0 + key_w0 + 16);
-    auto off = [&](int j, int hf) {
-      return sw128_offset<BK>(key_w0 + (lane >> 2) + hf * 8, q_w0 + acc_col(j, lane, 0));
-    };
-#pragma unroll
-    for (int j = 0; j < QW / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
-        const int ql = q_w0 + acc_col(j, lane, e);
-        float x = st[4 * j + e] * p.scale_log2;
-        if (!full) x = hm.apply_bounds(i0 + ql, j0 + kl, x);  // launch_d: no mask or bias
-        st[4 * j + e] = exp2_fast(x - cL[ql]);
-      }
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<uint32_t*>(smem_ptr(sP + off(j, hf))) =
-            Cvt<E>::pack(st[4 * j + 2 * hf], st[4 * j + 2 * hf + 1]);
-    }
+    // launch_d: no mask or bias here.
+    compute_pt<0, 0, QW>(st, hm, p.scale_log2, cL, i0, j0, key_w0, q_w0, lane, full, nullptr);
+    store_key_major<E, BK, QW>(smem_ptr(sP), st, key_w0, q_w0, lane);
     wgmma_wait<0>();
     fence_regs(dpt);
-#pragma unroll
-    for (int j = 0; j < QW / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - cDs[q_w0 + acc_col(j, lane, e)]);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<uint32_t*>(smem_ptr(sdS + off(j, hf))) =
-            Cvt<E>::pack(dpt[4 * j + 2 * hf], dpt[4 * j + 2 * hf + 1]);
-    }
+    compute_dst<QW>(dpt, st, cDs, q_w0, lane);
+    store_key_major<E, BK, QW>(smem_ptr(sdS), dpt, key_w0, q_w0, lane);
     fence_proxy_async();
     __syncthreads();  // Pᵀ and dSᵀ of both warpgroups are in shared memory
 

@@ -132,13 +132,14 @@ struct HeadMask {
     if (bias) x += bias_mul * load_score_f(bias, bias_dtype, i * bst2 + j * bst3);
     return x;
   }
-  // apply() where the kernel staged the score tensor (KParams::staged = EB):
-  // `staged` points at element (i, j) of the staged tile, a mask byte (EB = 1)
-  // or a 16-bit bias value (EB = 2), the only score tensor present.
+  // The mask or bias part of apply() where the kernel staged the score
+  // tensor (KParams::staged = EB): `staged` points at the score's element of
+  // the staged tile, a mask byte (EB = 1) or a 16-bit bias value (EB = 2),
+  // the only score tensor present. Bounds are the caller's (tile_is_full<EB>,
+  // then row_keys / key_queries): outside them the staged bytes may be stale,
+  // and the result is overwritten.
   template <int EB>
-  __device__ __forceinline__ float apply_staged(int i, int j, float x,
-                                                const uint8_t* staged) const {
-    if (!in_range(i, j)) return -INFINITY;
+  __device__ __forceinline__ float apply_staged(float x, const uint8_t* staged) const {
     if constexpr (EB == 1) {
       return *staged ? x : -INFINITY;
     } else {
@@ -150,9 +151,12 @@ struct HeadMask {
     }
   }
   __device__ __forceinline__ bool has_elementwise() const { return bias || mask; }
-  // Whether the tile [i0,i1) x [j0,j1) needs no per-element work.
+  // Whether the tile [i0,i1) x [j0,j1) needs no per-element work; with EB >
+  // 0 (a kernel instance that applies its staged mask or bias to every score
+  // anyway), whether it needs no bounds.
+  template <int EB = 0>
   __device__ __forceinline__ bool tile_is_full(int i0, int i1, int j0, int j1) const {
-    if (bias || mask) return false;
+    if (EB == 0 && (bias || mask)) return false;
     if (i1 > q_end || j1 > kv_end) return false;
     if (causal && j1 - 1 > i0) return false;
     if (wl >= 0 && j0 < i1 - 1 - wl) return false;

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kNT, 1) bwd_wgmma_kernel(const KParams p) {
     issue_st_dpt<E, D, BK>(st, dpt, sK, sV, wg * 64, cQ, cdO);
     wgmma_wait<1>();
     fence_regs(st);
-    const bool full = hm.tile_is_full(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
+    const bool full = hm.tile_is_full<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
     const uint8_t* staged = smem_raw + (sScore + (it & 1) * kScoreSlot - smem_u32(smem_raw));
     compute_pt<EB, kScoreRow>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane, full,
                               staged);

@@ -123,49 +123,42 @@ __device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[N
 // Pᵀ = exp2(scale_log2 Sᵀ (+ bias, masked) - L), in place, for query rows
 // [i0, i0 + kBwdBQ) and keys j0 + key_w0 ... cL: the step's L (base 2).
 // EB > 0: the mask or bias is staged at `staged`, rows of SCORE_ROW bytes per
-// query, the block's keys along them; EB = 0: no mask or bias (full: the
-// warp's tile needs no bounds either).
+// query, the block's keys along them; EB = 0: no mask or bias. full: the
+// warp's tile needs no bounds (HeadMask::tile_is_full<EB>).
 template <int EB, int SCORE_ROW, int NQ = kBwdBQ>
 __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& hm,
                                            float scale_log2, const float* cL, int i0, int j0,
                                            int key_w0, int q_w0, int lane, bool full,
                                            const uint8_t* staged) {
-  if constexpr (EB == 0) {
-    // No mask or bias: the scale folds into the exponent's FFMA, and bounds
-    // are applied after it, as P = 0, by intervals (HeadMask::key_queries)
-    // with one branch per tile around the whole loop, not one per score (the
-    // forward's online_softmax_tile says why). Zeroing P rather than
-    // setting S to -inf first keeps a negative scale correct.
 #pragma unroll
-    for (int j = 0; j < NQ / 8; ++j) {
+  for (int j = 0; j < NQ / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ql = q_w0 + acc_col(j, lane, e);
+    for (int e = 0; e < 4; ++e) {
+      const int ql = q_w0 + acc_col(j, lane, e);
+      if constexpr (EB == 0) {
+        // The scale folds into the exponent's FFMA.
         st[4 * j + e] = exp2_fast(fmaf(st[4 * j + e], scale_log2, -cL[ql]));
-      }
-    }
-    if (!full) {
-      const int first = i0 + q_w0 + acc_col(0, lane, 0);  // this thread's first query
-      int2 queries[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        queries[r] = hm.key_queries(j0 + key_w0 + (lane >> 2) + r * 8);
-        queries[r] = make_int2(queries[r].x - first, queries[r].y - first);
-      }
-      hide_outside_intervals<NQ>(st, queries, lane, 0.f);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < NQ / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      } else {
         const int kl = key_w0 + (lane >> 2) + (e >> 1) * 8;
-        const int ql = q_w0 + acc_col(j, lane, e);
-        const float x = hm.apply_staged<EB>(i0 + ql, j0 + kl, st[4 * j + e] * scale_log2,
+        const float x = hm.apply_staged<EB>(st[4 * j + e] * scale_log2,
                                             staged + ql * SCORE_ROW + kl * EB);
         st[4 * j + e] = exp2_fast(x - cL[ql]);
       }
     }
+  }
+  // Bounds after the exponent, as P = 0, by intervals (HeadMask::key_queries)
+  // with one branch per tile around the whole loop, not one per score (the
+  // forward's online_softmax_tile says why). Zeroing P rather than setting S
+  // to -inf first keeps a negative scale correct.
+  if (!full) {
+    const int first = i0 + q_w0 + acc_col(0, lane, 0);  // this thread's first query
+    int2 queries[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      queries[r] = hm.key_queries(j0 + key_w0 + (lane >> 2) + r * 8);
+      queries[r] = make_int2(queries[r].x - first, queries[r].y - first);
+    }
+    hide_outside_intervals<NQ>(st, queries, lane, 0.f);
   }
 }
 

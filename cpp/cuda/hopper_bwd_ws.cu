@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(kNT, 1)
     issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
     wgmma_wait<1>();
     fence_regs(st);
-    const bool full_tile = hm.tile_is_full(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
+    const bool full_tile = hm.tile_is_full<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
     if constexpr (EB > 0) mbar_wait(bar.scores_full(), it & 1);
     compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
                                      full_tile, smem_ptr(sScore));

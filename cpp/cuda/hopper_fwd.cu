@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
     fence_regs(s);
 
     // Online softmax in base 2; this thread holds rows row0 (e < 2) and row0 + 8.
-    const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
+    const bool full = hm.tile_is_full<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK);
     float alpha[2];
     const uint8_t* staged_row0 = nullptr;
     if constexpr (EB > 0)

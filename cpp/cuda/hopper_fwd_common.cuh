@@ -64,7 +64,8 @@ inline bool fwd_needs_general_softmax(const KParams& p) {
 // s: this thread's scores of a 64 x BK tile (rows row0 and row0 + 8, keys
 // j0 + acc_col(j, lane, e)); m, l: the running row max (base 2) and sum.
 // Scales and masks s, replaces it by exp2(s - m_new), updates m and l and
-// returns in alpha the factor O must be rescaled by. EB > 0: the mask (1) or
+// returns in alpha the factor O must be rescaled by. full: the tile needs no
+// bounds, nor (EB = 0) a mask or bias (HeadMask::tile_is_full<EB>). EB > 0: the mask (1) or
 // 16-bit bias (2) is read from the step's staged tile (stage_score_tile), of
 // which staged_row0 points at row row0, key j0. EB = 0: LOADED, each score
 // loads its own mask and bias values; !LOADED, the problem has neither and
@@ -78,34 +79,41 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&
                                                     bool full, int row0, int j0, int lane,
                                                     const uint8_t* staged_row0 = nullptr) {
   constexpr bool kFoldScale = EB == 0 && !LOADED;
-  if constexpr (kFoldScale) {
-    // No mask or bias: bounds only, by intervals, with one branch per tile
-    // around the whole loop. With the test inside the loop, ptxas gave every
-    // score its own divergent branch (BSSY/BSYNC) even on full tiles; Nsight
-    // Compute put over a third of the D = 64 forward's stall samples there.
+  if constexpr (EB > 0) {
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int jl = acc_col(j, lane, e);
+        s[4 * j + e] = hm.apply_staged<EB>(
+            s[4 * j + e] * scale_log2,
+            staged_row0 + (e >> 1) * 8 * staged_row_bytes<BK, EB>() + jl * EB);
+      }
+    }
+  } else if constexpr (LOADED) {
+    // Scores read one at a time: bounds, mask and bias per score.
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * scale_log2;
+        if (!full) x = hm.apply(row0 + (e >> 1) * 8, j0 + acc_col(j, lane, e), x);
+        s[4 * j + e] = x;
+      }
+    }
+  }
+  if constexpr (!LOADED) {
+    // Bounds by intervals, with one branch per tile around the whole loop.
+    // With the test inside the loop, ptxas gave every score its own
+    // divergent branch (BSSY/BSYNC) even on full tiles; Nsight Compute put
+    // over a third of the D = 64 forward's stall samples there. (Without a
+    // mask or bias the scores are not scaled yet: -inf stays -inf.)
     if (!full) {
       const int first = j0 + acc_col(0, lane, 0);  // this thread's first key
       int2 keys[2] = {hm.row_keys(row0), hm.row_keys(row0 + 8)};
 #pragma unroll
       for (int r = 0; r < 2; ++r) keys[r] = make_int2(keys[r].x - first, keys[r].y - first);
       hide_outside_intervals<BK>(s, keys, lane, -INFINITY);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * j + e] * scale_log2;
-        const int i = row0 + (e >> 1) * 8, jj = j0 + acc_col(j, lane, e);
-        if constexpr (EB > 0) {
-          x = hm.apply_staged<EB>(i, jj, x,
-                                  staged_row0 + (e >> 1) * 8 * staged_row_bytes<BK, EB>() +
-                                      (jj - j0) * EB);
-        } else if (!full) {
-          x = hm.apply(i, jj, x);
-        }
-        s[4 * j + e] = x;
-      }
     }
   }
 #pragma unroll

@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
     fence_regs(s);
     mbar_arrive(k_empty(s_cur));  // S_t is done with K_t
 
-    const bool full = hm.tile_is_full(warp_row0, warp_row0 + 16, j0, j0 + BK);
+    const bool full = hm.tile_is_full<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK);
     float alpha[2];
     const uint8_t* staged_row0 = nullptr;
     if constexpr (EB > 0)

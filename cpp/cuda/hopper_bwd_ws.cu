@@ -154,13 +154,6 @@ struct BwdWsLayout {
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
-// Adds a warp's 16 rows of dq (query rows i0 + 16 wq .., columns
-// [col0, col0 + DH) of head h) to the float32 scratch: the warp writes them
-// into its DH / 32 boxes at `boxes` (32 x 16 floats each, 1024-byte aligned)
-// and one lane issues a tensor reduction per box (rows past T are skipped by
-// the tensor map's bounds) and commits them as one bulk group. The caller
-// makes sure earlier readers of the boxes are done, and keeps them unwritten
-// until that lane's bulk_wait_read says the reductions have read them.
 // Writes a warp's 16 rows of dq (a 16 x DH slice of a wgmma accumulator) as
 // rows [row0, row0 + 16) of DH / 32 boxes of 32 columns x BOX_ROWS rows at
 // `boxes` (1024-byte aligned, dq_box_offset's layout), for tensor reductions.
@@ -180,6 +173,13 @@ __device__ __forceinline__ void write_dq_rows(const float (&dq)[DH / 2], uint8_t
   }
 }
 
+// Adds a warp's 16 rows of dq (query rows i0 + 16 wq .., columns
+// [col0, col0 + DH) of head h) to the float32 scratch: the warp writes them
+// into its DH / 32 boxes at `boxes` (32 x 16 floats each, 1024-byte aligned)
+// and one lane issues a tensor reduction per box (rows past T are skipped by
+// the tensor map's bounds) and commits them as one bulk group. The caller
+// makes sure earlier readers of the boxes are done, and keeps them unwritten
+// until that lane's bulk_wait_read says the reductions have read them.
 template <int DH>
 __device__ __forceinline__ void reduce_dq_rows(const CUtensorMap* dq_map, const float (&dq)[DH / 2],
                                                uint8_t* boxes, int b, int h, int i0, int col0,
@@ -424,10 +424,11 @@ __global__ void __launch_bounds__(kNT, 1)
 // reduction each and gives the slot back to the producer once they have read
 // it. (Issued by the consumers, 32 reductions of 16-row boxes per step, each
 // behind a per-lane loop the compiler builds for its operands, held 17% of
-// the consumers' stall samples on an H200.) So the refill has the rest of
-// the next step instead of a whole one. JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=
-// atomics selects the float2 atomics used before (5-6% slower
-// forward+backward on an H200; launch.h).
+// the consumers' stall samples on an H200; since, they wait instead for the
+// slot's refill behind those reductions, 23% on the GQA problem: PERF_NOTES,
+// tenth session.) So the refill has the rest of the next step instead of a
+// whole one. JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics selects the float2
+// atomics used before (5-6% slower forward+backward on an H200; launch.h).
 constexpr int kBK256 = 64;
 
 struct BwdWsLayout256 {

@@ -1,7 +1,8 @@
 """Side-by-side throughput on one NVIDIA GPU: jax_fatrain ``cuda`` against
 ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``.
 
-    python -m jax_fatrain.benchmark_cuda [--quick] [--masked-only] [--no-xla] [--json FILE]
+    python -m jax_fatrain.benchmark_cuda [--quick] [--masked-only] [--no-xla] [--repeat N]
+                                         [--json FILE]
 
 Configurations follow ../shared/anchors/bench_jax_attention.py: bf16, 16k tokens
 per batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal
@@ -10,7 +11,10 @@ additive-bias row (full [B, N, T, S] tensors, which cuDNN must read too).
 
 FLOP convention (FlashAttention papers): forward 4·B·N·T·S·D, halved when
 causal; backward 2.5x forward, so forward+backward counts 3.5x forward.
-Times are medians of jitted calls (jax.block_until_ready).
+Times are medians of jitted calls (jax.block_until_ready). With --repeat N each
+row is measured in N rounds, the implementations' order rotated between rounds,
+and each time is the median over the rounds: single rounds at T = 1k have come
+out 2x off on an H200.
 """
 
 from __future__ import annotations
@@ -85,14 +89,44 @@ def run_one(cfg, impl):
   fwd = jax.jit(call)
   fb = jax.jit(jax.grad(lambda q, k, v, x: jnp.sum(call(q, k, v, x).astype(jnp.float32)),
                         argnums=(0, 1, 2)))
-  flops = 4.0 * b * n * t * t * d * (0.5 if causal else 1.0)
   try:
     tf = _time(fwd, q, k, v, x)
     tfb = _time(fb, q, k, v, x)
   except Exception as e:  # noqa: BLE001 - report and go on
     return dict(error=str(e).splitlines()[0][:120])
-  return dict(fwd_ms=tf * 1e3, fwdbwd_ms=tfb * 1e3, fwd_tflops=flops / tf / 1e12,
-              fwdbwd_tflops=3.5 * flops / tfb / 1e12)
+  return _result(cfg, tf, tfb)
+
+
+def _result(cfg, fwd_s, fwdbwd_s):
+  """A row's times (seconds) as the printed and saved fields."""
+  flops = 4.0 * cfg["B"] * cfg["N"] * cfg["T"] ** 2 * cfg["D"] * (0.5 if cfg["causal"] else 1.0)
+  return dict(fwd_ms=fwd_s * 1e3, fwdbwd_ms=fwdbwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12,
+              fwdbwd_tflops=3.5 * flops / fwdbwd_s / 1e12)
+
+
+def measure_row(cfg, impls, repeat=1, run=None):
+  """{impl: result} for one configuration, over `repeat` rounds.
+
+  Each round runs every implementation; round r starts at implementation
+  r mod len(impls), so none always runs first. Each time is the median over
+  the rounds (an error in any round is reported instead). With one round this
+  is one run_one per implementation, in the given order.
+  """
+  run = run or run_one
+  rounds = {impl: [] for impl in impls}
+  for r in range(repeat):
+    start = r % len(impls)
+    for impl in impls[start:] + impls[:start]:
+      rounds[impl].append(run(cfg, impl))
+  row = {}
+  for impl, results in rounds.items():
+    failed = [res for res in results if "error" in res]
+    if repeat == 1 or failed:
+      row[impl] = (failed or results)[0]
+    else:
+      row[impl] = _result(cfg, statistics.median(res["fwd_ms"] for res in results) / 1e3,
+                          statistics.median(res["fwdbwd_ms"] for res in results) / 1e3)
+  return row
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -116,8 +150,13 @@ def main(argv=None):
   ap.add_argument("--part", default="1/1",
                   help="K/N: run only the K-th of N equal slices of the rows (to split a "
                        "run across time-limited sessions)")
+  ap.add_argument("--repeat", type=int, default=1,
+                  help="measure each row in N rounds, the implementations' order rotated, "
+                       "and report the medians (steadier tables; N x the time)")
   ap.add_argument("--json", help="also write the raw rows here")
   args = ap.parse_args(argv)
+  if args.repeat < 1:
+    ap.error(f"--repeat must be at least 1, got {args.repeat}")
   # Fail before the first row: without our kernels every row would time only
   # the references and print "err" for ours.
   why = cuda_unavailable_reason()
@@ -139,7 +178,7 @@ def main(argv=None):
   rows = configs(args.quick, args.masked_only)
   per = -(-len(rows) // parts)
   for cfg in rows[(part - 1) * per:part * per]:
-    row = {impl: run_one(cfg, impl) for impl in impls}
+    row = measure_row(cfg, impls, args.repeat)
     results.append(dict(cfg, **row))
     ours, cudnn = row["cuda"], row["cudnn"]
     ratio = lambda key: (f"{ours[key] / cudnn[key]:.2f}"

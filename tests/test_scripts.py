@@ -160,3 +160,37 @@ def test_benchmark_cuda_refuses_without_our_kernels(capsys):
   assert benchmark_cuda.main(["--quick"]) == 2
   err = capsys.readouterr().err
   assert "benchmark_cuda: cannot run" in err and "cuda" in err
+
+
+def test_benchmark_cuda_repeat_rotates_and_takes_medians():
+  """--repeat's aggregation, with a stand-in for the GPU timing."""
+  from jax_fatrain import benchmark_cuda
+  cfg = dict(B=2, N=4, K=4, T=1024, D=64, causal=True)
+  calls = []
+  times = {"cuda": iter([(2.0, 6.0), (1.0, 3.0), (9.0, 30.0)]),  # ms: fwd, f+b
+           "cudnn": iter([(1.0, 4.0), (1.0, 5.0), (1.0, 6.0)])}
+
+  def fake_run(cfg, impl):
+    calls.append(impl)
+    if impl == "xla":
+      return dict(error="xla went wrong")
+    fwd_ms, fb_ms = next(times[impl])
+    return benchmark_cuda._result(cfg, fwd_ms / 1e3, fb_ms / 1e3)
+
+  row = benchmark_cuda.measure_row(cfg, ("cuda", "cudnn", "xla"), repeat=3, run=fake_run)
+  # Round r starts at implementation r mod 3.
+  assert calls == ["cuda", "cudnn", "xla", "cudnn", "xla", "cuda", "xla", "cuda", "cudnn"]
+  assert row["cuda"]["fwd_ms"] == pytest.approx(2.0)
+  assert row["cuda"]["fwdbwd_ms"] == pytest.approx(6.0)
+  assert row["cudnn"]["fwdbwd_ms"] == pytest.approx(5.0)
+  flops = 4.0 * 2 * 4 * 1024 * 1024 * 64 * 0.5
+  assert row["cuda"]["fwd_tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+  assert row["cuda"]["fwdbwd_tflops"] == pytest.approx(3.5 * flops / 6e-3 / 1e12)
+  assert row["xla"] == {"error": "xla went wrong"}
+
+
+def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
+  from jax_fatrain import benchmark_cuda
+  with pytest.raises(SystemExit):
+    benchmark_cuda.main(["--repeat", "0"])
+  assert "--repeat must be at least 1" in capsys.readouterr().err

@@ -92,3 +92,25 @@ def test_ncu_summary_reads_the_source_page(tmp_path):
   top = [line for line in report if line.startswith("  ") and line.split()[0].isdigit()]
   assert [line.split()[0] for line in top] == ["60", "30"]
   assert top[0].rstrip().endswith("long_sb 60")
+
+
+def test_ncu_summary_picks_one_kernel_of_a_page(tmp_path):
+  """A page of two kernels (ncu -c 2): each is read on its own, never mixed."""
+  tool = _tool("ncu_summary")
+  header = '"Address","Source","# Samples","Instructions Executed","stall_wait"'
+  page = "\n".join([
+      '"Kernel Name","fwd_kernel",', header,
+      '"0x10","FFMA R1, R2, R3, R4","5","100","5"',
+      '"Kernel Name","bprop_kernel",', header,
+      '"0x20","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR16], R24","7","200","7"',
+      '"0x30","@P0 BRA 0x20","9","300","9"',
+  ])
+  path = tmp_path / "two.sass.csv"
+  path.write_text(page)
+  assert [name for name, _ in tool.read_kernels(str(path))] == ["fwd_kernel", "bprop_kernel"]
+  assert [tool.opcode(r["Source"]) for r in tool.read_rows(str(path))] == ["FFMA"]
+  rows = tool.read_rows(str(path), "bprop")
+  assert [tool.opcode(r["Source"]) for r in rows] == ["HGMMA", "BRA"]
+  assert tool.summarise(rows)[0] == "16 samples"
+  with pytest.raises(ValueError):
+    tool.read_rows(str(path), "no_such_kernel")

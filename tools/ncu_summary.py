@@ -1,13 +1,15 @@
 """Summarises Nsight Compute's per-instruction source page (SASS, CSV, plain or
 gzipped, as tools/cuda_profile.sh writes it): where a kernel's warps stall.
 
-    python tools/ncu_summary.py PROFILE.sass.csv.gz [--top 25]
+    python tools/ncu_summary.py PROFILE.sass.csv.gz [--top 25] [--kernel SUBSTRING]
 
 Prints the stall reasons over all samples, the samples and executions per
 opcode, and the instructions with the most samples, each with its top three
 stall reasons. Samples cover every warp, producer warps included, so a
 producer's mbarrier wait loop shows as a BRA with long_sb stalls even where
-that warp has nothing else to do.
+that warp has nothing else to do. A page of several kernels (ncu -c N) is
+summarised one kernel at a time: the first, or the first whose name contains
+--kernel.
 """
 
 import argparse
@@ -16,15 +18,34 @@ import csv
 import gzip
 
 
-def read_rows(path):
-  """The instruction rows, as dicts keyed by the page's column names."""
+def read_kernels(path):
+  """[(kernel name, instruction rows)] of the page, each row a dict keyed by
+  the page's column names. Each kernel's part starts with a line naming it,
+  then its header."""
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rt", newline="") as f:
     lines = list(csv.reader(f))
-  # The page starts with a line naming the kernel, then the header.
-  start = next(i for i, row in enumerate(lines) if row and row[0] == "Address")
-  header = lines[start]
-  return [dict(zip(header, row)) for row in lines[start + 1:] if len(row) == len(header)]
+  kernels, header = [], None
+  for row in lines:
+    if row and row[0] == "Kernel Name":
+      kernels.append((row[1] if len(row) > 1 else "?", []))
+      header = None
+    elif row and row[0] == "Address":
+      header = row
+      if not kernels:
+        kernels.append(("?", []))
+    elif header is not None and len(row) == len(header):
+      kernels[-1][1].append(dict(zip(header, row)))
+  return kernels
+
+
+def read_rows(path, kernel=None):
+  """The instruction rows of the page's first kernel, or of the first whose
+  name contains `kernel`."""
+  for name, rows in read_kernels(path):
+    if kernel is None or kernel in name:
+      return rows
+  raise ValueError(f"no kernel named like {kernel!r} in {path}")
 
 
 def _int(value):
@@ -64,8 +85,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("csv")
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--kernel", help="the first kernel whose name contains this (default: the first)")
   args = ap.parse_args()
-  print("\n".join(summarise(read_rows(args.csv), args.top)))
+  print("\n".join(summarise(read_rows(args.csv, args.kernel), args.top)))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # per-instruction stall samples exported, for the GPU machine (ncu needs the
 # hardware counters; always --clock-control none, which leaves the clocks as
 # they are):
-#   bash tools/cuda_profile.sh OUTDIR NAME KERNEL_REGEX D T N K [causal [mask|bias]]
+#   bash tools/cuda_profile.sh OUTDIR NAME KERNEL_REGEX D T N K [causal [mask|bias]] [--impl cudnn]
 #   e.g. bash tools/cuda_profile.sh $OUT bwd256 bwd_ws 256 8192 16 2 0
+#        bash tools/cuda_profile.sh $OUT cudnn_bwd256 bprop 256 8192 16 2 0 --impl cudnn
 # Writes OUTDIR/NAME.txt (ncu's details page) and OUTDIR/NAME.sass.csv.gz
 # (its source page, SASS, one row per instruction), and prints the summary of
 # tools/ncu_summary.py. Environment variables (kernel switches) pass through.

@@ -485,11 +485,13 @@ __global__ void __launch_bounds__(kNT, 1)
         mbar_wait(bar.dq_staged(s), (it / kStages) & 1);
         // Consumer c's boxes: columns [128 c, 128 c + 64) in its half of
         // the Q slot, the next 64 in its half of the dO slot.
+        constexpr int kBoxesPerConsumer = DW / 32;
 #pragma unroll
-        for (int x = 0; x < kConsumers * DW / 32; ++x) {
-          const int c = x / 4, q = x % 4;
+        for (int x = 0; x < kConsumers * kBoxesPerConsumer; ++x) {
+          const int c = x / kBoxesPerConsumer, q = x % kBoxesPerConsumer;
           tma_reduce_add_4d(&maps.dq_acc,
-                            (q < 2 ? cQ : cdO) + c * 2 * kBQ * 128 + (q & 1) * kBQ * 128,
+                            (q < kBoxesPerConsumer / 2 ? cQ : cdO) + c * 2 * kBQ * 128 +
+                                (q & 1) * kBQ * 128,
                             32 * x, steps.row0(it), steps.head(it), b);
         }
         bulk_commit();

@@ -65,9 +65,9 @@ inline bool fwd_needs_general_softmax(const KParams& p) {
 // j0 + acc_col(j, lane, e)); m, l: the running row max (base 2) and sum.
 // Scales and masks s, replaces it by exp2(s - m_new), updates m and l and
 // returns in alpha the factor O must be rescaled by. full: the tile needs no
-// bounds, nor (EB = 0) a mask or bias (HeadMask::tile_is_full<EB>). EB > 0: the mask (1) or
-// 16-bit bias (2) is read from the step's staged tile (stage_score_tile), of
-// which staged_row0 points at row row0, key j0. EB = 0: LOADED, each score
+// bounds, nor (EB = 0) a mask or bias (HeadMask::tile_is_full<EB>). EB > 0:
+// the mask (1) or 16-bit bias (2) is read from the step's staged tile
+// (stage_score_tile), of which staged_row0 points at row row0, key j0. EB = 0: LOADED, each score
 // loads its own mask and bias values; !LOADED, the problem has neither and
 // its scale is positive (fwd_needs_general_softmax), so the scale is folded
 // into the exponent's FFMA instead of costing its own FMUL per score: at

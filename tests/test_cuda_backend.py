@@ -122,9 +122,11 @@ LARGE = [
 # with the 64-row steps every other problem takes. The forward there takes
 # three consumer warpgroups without causality or a window, else two;
 # "fwd_consumers2" and "fwd_consumers3" force each, so that both run on every
-# such case. At head dim 256 without a mask or bias the atomic backward adds
-# dQ by tensor reductions; "bwd_d256_dq_atomics" runs it with the float2
-# atomics it used before.
+# such case. At head dim 256 without a mask or bias the warp-specialised
+# backward splits the head dim between two blocks per key block;
+# "bwd_d256_shared_keys" runs the kernel whose two consumers share 64 keys
+# instead, in both modes, and "bwd_d256_dq_atomics" runs that one with the
+# float2 atomics it used for dQ before its tensor reductions.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -137,7 +139,8 @@ def _kernel_rows(case):
     rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers2"),
              (False, "fwd_consumers3")]
   if plain and case.head_dim == 256:
-    rows += [(False, "bwd_d256_dq_atomics")]
+    rows += [(False, "bwd_d256_shared_keys"), (True, "bwd_d256_shared_keys"),
+             (False, "bwd_d256_dq_atomics")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -151,7 +154,10 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
   elif kernels == "bwd_rows64":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
+  elif kernels == "bwd_d256_shared_keys":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
   elif kernels == "bwd_d256_dq_atomics":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics")
   elif kernels.startswith("fwd_consumers"):
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", kernels[-1])

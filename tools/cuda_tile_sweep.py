@@ -6,7 +6,9 @@
     JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async python tools/cuda_tile_sweep.py  # the cp.async Hopper bwd
     JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 python tools/cuda_tile_sweep.py  # 64-row bwd steps at D=64
     JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 python tools/cuda_tile_sweep.py  # 2-consumer fwd, D=64
-    JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics python tools/cuda_tile_sweep.py --head-dim 256
+    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys python tools/cuda_tile_sweep.py --head-dim 256
+    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics \
+        python tools/cuda_tile_sweep.py --head-dim 256
     JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
     python tools/cuda_tile_sweep.py --head-dim 64       # only the D=64 configurations
@@ -72,7 +74,7 @@ def main():
   tag = (f"{env('KERNELS')} fwd={env('FWD_TILE')}/{env('HOPPER_FWD_TILE')}/{env('HOPPER_FWD')}/"
          f"{env('HOPPER_FWD_CONSUMERS')} "
          f"bwd={env('BWD_TILE')}/{env('HOPPER_BWD')}/{env('HOPPER_BWD_ROWS')}/"
-         f"{env('HOPPER_BWD_D256_DQ')}" if args.impl == "cuda" else args.impl)
+         f"{env('HOPPER_BWD_D256')}/{env('HOPPER_BWD_D256_DQ')}" if args.impl == "cuda" else args.impl)
   for cfg in CONFIGS:
     if args.head_dim and cfg["D"] not in args.head_dim:
       continue

@@ -49,6 +49,42 @@ __device__ __forceinline__ void add_dq_tile(const KParams& p, const float (&dq)[
   }
 }
 
+// add_dq_tile with float4 atomics (sm_90): lanes 2t and 2t + 1 swap a pair
+// of columns, so that the even lane holds four consecutive columns of its
+// row lane / 4 and the odd lane four of row lane / 4 + 8; half the atomic
+// instructions of the float2 form.
+template <int NC>
+__device__ __forceinline__ void add_dq_tile_v4(const KParams& p, const float (&dq)[NC / 2], int b,
+                                               int h, int i0, int col0, int wq, int lane) {
+  const bool odd = lane & 1;
+  const int i = i0 + acc_row(wq, lane, odd ? 2 : 0);
+  float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * p.D + col0 +
+               acc_col(0, lane & ~1, 0);
+  // Every swap first, then every atomic: an atomic holds its source registers
+  // until it has read them, and interleaved (the compiler reused one quad of
+  // registers) each swap waited for the previous atomic (an H200 profile put
+  // 14% of the stall samples there).
+  float4 v[NC / 8];
+#pragma unroll
+  for (int j = 0; j < NC / 8; ++j) {
+    // The even lane sends its second row's pair, the odd lane its first's.
+    const float send0 = odd ? dq[4 * j] : dq[4 * j + 2];
+    const float send1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
+    const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1);
+    const float got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+    v[j] = odd ? make_float4(got0, got1, dq[4 * j + 2], dq[4 * j + 3])
+               : make_float4(dq[4 * j], dq[4 * j + 1], got0, got1);
+  }
+  // The empty asm keeps the compiler from moving swaps back between atomics.
+#pragma unroll
+  for (int j = 0; j < NC / 8; ++j)
+    asm volatile("" : "+f"(v[j].x), "+f"(v[j].y), "+f"(v[j].z), "+f"(v[j].w));
+  if (i < p.T) {
+#pragma unroll
+    for (int j = 0; j < NC / 8; ++j) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v[j]);
+  }
+}
+
 // Writes dK (times the softmax scale) and dV for keys [j0, j0 + 64) x columns
 // [col0, col0 + NC), 64 x NC wgmma accumulators, to the outputs of head kvh.
 template <class E, int NC>
@@ -120,14 +156,39 @@ __device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[N
   wgmma_commit();
 }
 
+// The step's L or D at the NQ / 4 query columns of a thread's accumulator
+// rows, copied from shared memory into registers ahead of their use, so that
+// the loads wait behind a wgmma instead of in front of the FFMAs that use
+// them; indexed by query like the shared array. The index arithmetic folds
+// to a constant once the callers' loops are unrolled, as in
+// hide_outside_intervals.
+template <int NQ>
+struct ThreadRowStats {
+  float v[NQ / 4];
+  int first;  // the thread's first query column, acc_col(0, lane, 0) + q_w0
+  __device__ __forceinline__ void load(const float* shared, int q_w0, int lane) {
+    first = q_w0 + acc_col(0, lane, 0);
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+      v[2 * j] = shared[first + 8 * j];
+      v[2 * j + 1] = shared[first + 8 * j + 1];
+    }
+  }
+  __device__ __forceinline__ float operator[](int q) const {
+    const int k = q - first;
+    return v[(k >> 3) * 2 + (k & 1)];
+  }
+};
+
 // Pᵀ = exp2(scale_log2 Sᵀ (+ bias, masked) - L), in place, for query rows
-// [i0, i0 + kBwdBQ) and keys j0 + key_w0 ... cL: the step's L (base 2).
+// [i0, i0 + kBwdBQ) and keys j0 + key_w0 ... cL: the step's L (base 2), in
+// shared memory or a ThreadRowStats.
 // EB > 0: the mask or bias is staged at `staged`, rows of SCORE_ROW bytes per
 // query, the block's keys along them; EB = 0: no mask or bias. full: the
 // warp's tile needs no bounds (HeadMask::tile_is_full<EB>).
-template <int EB, int SCORE_ROW, int NQ = kBwdBQ>
+template <int EB, int SCORE_ROW, int NQ = kBwdBQ, class Stats = const float*>
 __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& hm,
-                                           float scale_log2, const float* cL, int i0, int j0,
+                                           float scale_log2, const Stats& cL, int i0, int j0,
                                            int key_w0, int q_w0, int lane, bool full,
                                            const uint8_t* staged) {
 #pragma unroll
@@ -220,10 +281,11 @@ __device__ __forceinline__ void compute_dst_packed(float (&dpt)[NQ / 2],
   }
 }
 
-// dSᵀ = Pᵀ (dPᵀ - D), in place of dPᵀ (cDs: the step's D = rowsum(dO O)).
-template <int NQ = kBwdBQ>
+// dSᵀ = Pᵀ (dPᵀ - D), in place of dPᵀ (cDs: the step's D = rowsum(dO O), in
+// shared memory or a ThreadRowStats).
+template <int NQ = kBwdBQ, class Stats = const float*>
 __device__ __forceinline__ void compute_dst(float (&dpt)[NQ / 2], const float (&st)[NQ / 2],
-                                            const float* cDs, int q_w0, int lane) {
+                                            const Stats& cDs, int q_w0, int lane) {
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
 #pragma unroll

@@ -1,8 +1,8 @@
 // Hopper FlashAttention backward with a TMA producer and two consumer
 // warpgroups that never meet at a block-wide barrier (sm_90a only): head
 // dims 64 and 128 (bwd_ws_kernel, without a mask or bias or with one that
-// qualifies for staging, KParams::staged) and 256 (bwd_ws_d256_kernel,
-// further down, without a mask or bias).
+// qualifies for staging, KParams::staged) and 256 (without a mask or bias:
+// bwd_ws_split_head_kernel, further down, or bwd_ws_d256_kernel).
 //
 // Why: hopper_bwd.cu loads each step's Q and dO with cp.async from all 256
 // threads and meets at two block-wide barriers per step (before the step, and
@@ -583,6 +583,241 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
+// head_dim 256, split head (the default where it applies; launch.h says how
+// to select bwd_ws_d256_kernel instead). cuDNN's decomposition (PERF_NOTES,
+// tenth session): a block owns 128 keys, as bwd_ws_kernel does at D = 128,
+// but only one 128-column half of their dK, dV and of dQ; the grid has two
+// blocks per key block, one per half, that both compute the full Sᵀ and dPᵀ
+// (contracted over all 256 columns). That is 1.4x the tensor work of the
+// problem, for dK and dV of 64 keys x 128 columns per consumer (what fits
+// the registers) and a dQ of 64 queries x 128 columns per 128 keys instead
+// of per 64: half bwd_ws_d256_kernel's float32 dQ traffic per product.
+// Consumer c owns keys [64 c, 64 c + 64) and, per step, computes dQ columns
+// [64 c, 64 c + 64) of the half over all 128 keys, a step late, as
+// bwd_ws_kernel does (the dSᵀ buffers, "ready" and "done").
+// Column blocks: the 64-column block at position x of every K, V, Q and dO
+// tile is the operand's column block (x + 2 half) mod 4, so positions 0 and
+// 1 are the half's own columns (dV, dK and dQ read those as at D = 128) and
+// Sᵀ, dPᵀ reduce over all four in any order.
+// Shared memory: K and V take 128 KB, so Q and dO have one slot each, and
+// each slot is two parts with their own "full" and "empty" mbarriers, so
+// that the producer refills each part once its last reader is done: the
+// other half's columns after Sᵀ and dPᵀ, dO's own after dV += Pᵀ dO, Q's own
+// after dK += dSᵀ Q. The consumers issue Sᵀ, dPᵀ over the parts in the order
+// they land. dQ goes to the float32 scratch with float4 atomics
+// (add_dq_tile_v4; 2% faster than float2 on an H200): no room is left for
+// staging tensor reductions. On an H200 this kernel took the GQA 16:2
+// T = 8192 backward from 17.2-17.6 ms (bwd_ws_d256_kernel) to 14.3 ms, and
+// cuDNN's takes 14.6 (PERF_NOTES, eleventh session).
+struct SplitHeadBarriers {
+  // The four parts of a step's Q and dO, in the order their readers finish
+  // and the producer refills them.
+  enum Part { kQOther, kDOOther, kDOOwn, kQOwn, kParts };
+  uint32_t base;
+  __device__ __forceinline__ uint32_t kv_full() const { return base; }
+  // The part landed (its bytes; for kQOther also the producer warp's 32
+  // lanes' row statistics); every consumer thread is done with it.
+  __device__ __forceinline__ uint32_t full(int part) const { return base + 8 * (1 + part); }
+  __device__ __forceinline__ uint32_t empty(int part) const {
+    return base + 8 * (1 + kParts + part);
+  }
+  // Both consumers wrote their keys of dSᵀ buffer u; both are done reading it.
+  __device__ __forceinline__ uint32_t ready(int u) const { return base + 8 * (1 + 2 * kParts + u); }
+  __device__ __forceinline__ uint32_t done(int u) const { return base + 8 * (3 + 2 * kParts + u); }
+  static constexpr int kCount = 5 + 2 * kParts;
+  __device__ __forceinline__ void init() const {
+    mbar_init(kv_full(), 1);
+    for (int part = 0; part < kParts; ++part) {
+      mbar_init(full(part), part == kQOther ? 32 : 1);
+      mbar_init(empty(part), kConsumers * 128);
+    }
+    for (int u = 0; u < 2; ++u) {
+      mbar_init(ready(u), kConsumers * 128);
+      mbar_init(done(u), kConsumers * 128);
+    }
+    fence_mbar_init();
+  }
+};
+
+struct SplitHeadLayout {
+  static constexpr int D = 256;
+  static constexpr int kKVBytes = kBK * D * 2;     // K, or V: [128 keys][256]
+  static constexpr int kQBytes = kBQ * D * 2;      // Q, or dO: [64 queries][256]
+  static constexpr int kPartBytes = kQBytes / 2;   // two column blocks of Q or dO
+  static constexpr int kDSBytes = kBK * kBQ * 2;   // one dSᵀ buffer: [128 keys][64 queries]
+  static constexpr int kStatBytes = kBQ * 4;       // one stage of L, or D
+  static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes, kDO = kQ + kQBytes,
+                       kDS = kDO + kQBytes, kL = kDS + 2 * kDSBytes,
+                       kDsum = kL + 2 * kStatBytes, kBars = kDsum + 2 * kStatBytes;
+  static constexpr int kSmemBytes = kBars + 8 * SplitHeadBarriers::kCount + 1024;  // + slack
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
+};
+
+// Column blocks [X0, X1) of a step's Sᵀ (sA = K, sB = Q) or dPᵀ (V, dO):
+// accumulate into acc, overwriting it at the first block when FIRST.
+template <class E, int X0, int X1, bool FIRST>
+__device__ __forceinline__ void issue_scores_blocks(float (&acc)[kBQ / 2], uint32_t sA,
+                                                    uint32_t sB, int key_row0) {
+#pragma unroll
+  for (int kk = 4 * X0; kk < 4 * X1; ++kk)
+    Wgmma<E, kBQ>::template ss<0, 0>(acc, desc_k_major<kBK>(sA, key_row0, kk),
+                                     desc_k_major<kBQ>(sB, 0, kk), !FIRST || kk > 4 * X0);
+}
+
+template <class E, bool ATOMIC>
+__global__ void __launch_bounds__(kNT, 1)
+    bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = SplitHeadLayout;
+  using Bars = SplitHeadBarriers;
+  constexpr int DH = 128;  // the half's columns
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
+  const uint32_t sK = base + L::kK, sV = base + L::kV, sQ = base + L::kQ, sdO = base + L::kDO;
+  const uint32_t sdS = base + L::kDS;
+  float* sL = reinterpret_cast<float*>(smem_ptr(base + L::kL));
+  float* sDs = reinterpret_cast<float*>(smem_ptr(base + L::kDsum));
+  const Bars bar{base + L::kBars};
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int b = blockIdx.z, kvh = blockIdx.y, half = blockIdx.x & 1;
+  const int j0 = (blockIdx.x >> 1) * kBK;
+  HeadMask hm;
+  QuerySteps<> steps;
+  steps.init(p, hm, b, kvh, j0, kBK);
+  const int total = steps.total;
+
+  if (tid == 0) bar.init();
+  __syncthreads();  // the last block-wide barrier: producer threads exit early
+
+  if (wg == 0) {
+    setmaxnreg_dec<24>();
+    if (warp != 0 || total == 0) return;
+    // The producer warp: K and V once, then each step's four parts, each
+    // once its previous use is done (the consumers finish them in part
+    // order), and with the first part the step's L and D into stage it & 1.
+    // A part is two column blocks: positions 2 x, 2 x + 1 of its tile.
+    auto load_blocks = [&](uint32_t tile, const CUtensorMap* map, uint32_t full, int rows,
+                           int x0, int row, int h) {
+      for (int x = x0; x < x0 + 2; ++x)
+        tma_load_4d(tile + x * rows * 128, map, full, 64 * ((x + 2 * half) & 3), row, h, b);
+    };
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar.kv_full(), 2 * L::kKVBytes);
+      load_blocks(sK, &maps.k, bar.kv_full(), kBK, 0, j0, kvh);
+      load_blocks(sK, &maps.k, bar.kv_full(), kBK, 2, j0, kvh);
+      load_blocks(sV, &maps.v, bar.kv_full(), kBK, 0, j0, kvh);
+      load_blocks(sV, &maps.v, bar.kv_full(), kBK, 2, j0, kvh);
+    }
+    for (int it = 0; it < total; ++it) {
+      const int h = steps.head(it), i0 = steps.row0(it);
+      for (int part = 0; part < Bars::kParts; ++part) {
+        if (it > 0) mbar_wait(bar.empty(part), (it - 1) & 1);
+        if (part == Bars::kQOther) {
+          float *l = sL + (it & 1) * kBQ, *dsum = sDs + (it & 1) * kBQ;
+          load_row_stats(p, b, h, i0, kBQ, lane, l, dsum);
+          load_row_stats(p, b, h, i0, kBQ, lane + 32, l, dsum);
+          if (lane != 0) mbar_arrive(bar.full(part));  // after this lane's statistics
+        }
+        if (lane == 0) {
+          const bool is_q = part == Bars::kQOther || part == Bars::kQOwn;
+          const bool own = part == Bars::kDOOwn || part == Bars::kQOwn;
+          mbar_arrive_expect_tx(bar.full(part), L::kPartBytes);
+          load_blocks(is_q ? sQ : sdO, is_q ? &maps.q : &maps.d_o, bar.full(part), kBQ,
+                      own ? 0 : 2, i0, h);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<240>();
+  const int c = wg - 1, wq = warp & 3;
+  const int key_w0 = c * 64 + wq * 16;  // the warp's 16 keys, relative to j0
+
+  float dk[DH / 2], dv[DH / 2], st[kBQ / 2], dpt[kBQ / 2];
+#pragma unroll
+  for (int i = 0; i < DH / 2; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBQ / 2; ++i) st[i] = dpt[i] = 0.f;
+
+  // The previous step's dQ, columns [64 c, 64 c + 64) of the half, once both
+  // consumers' keys of its dSᵀ are in.
+  auto finish_dq = [&](int prev) {
+    float dq[32];
+    mbar_wait(bar.ready(prev & 1), (prev >> 1) & 1);
+    issue_dq<E, 64, kBK>(dq, sdS + (prev & 1) * L::kDSBytes, sK, 64 * c);
+    wgmma_wait<0>();
+    fence_regs(dq);
+    mbar_arrive(bar.done(prev & 1));
+    add_dq_tile_v4<64>(p, dq, b, steps.head(prev), steps.row0(prev), DH * half + 64 * c, wq,
+                       lane);
+  };
+
+  if (total > 0) mbar_wait(bar.kv_full(), 0);
+  for (int it = 0; it < total; ++it) {
+    // The step's row statistics stage and dSᵀ buffer, and the parity of the
+    // parts' it-th fill.
+    const int u = it & 1;
+    const int h = steps.head(it), i0 = steps.row0(it);
+    hm.init(p, b, h, kLog2e);
+
+    // Sᵀ and dPᵀ in the order the parts land; Pᵀ is computed while the
+    // second half of dPᵀ runs.
+    fence_regs(st);
+    fence_regs(dpt);
+    wgmma_fence();
+    mbar_wait(bar.full(Bars::kQOther), u);
+    ThreadRowStats<kBQ> row_l, row_d;  // L and D, loaded while Sᵀ and dPᵀ run
+    row_l.load(sL + u * kBQ, 0, lane);
+    issue_scores_blocks<E, 2, 4, true>(st, sK, sQ, c * 64);
+    mbar_wait(bar.full(Bars::kDOOther), u);
+    issue_scores_blocks<E, 2, 4, true>(dpt, sV, sdO, c * 64);
+    mbar_wait(bar.full(Bars::kQOwn), u);
+    issue_scores_blocks<E, 0, 2, false>(st, sK, sQ, c * 64);
+    wgmma_commit();
+    mbar_wait(bar.full(Bars::kDOOwn), u);
+    issue_scores_blocks<E, 0, 2, false>(dpt, sV, sdO, c * 64);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(st);
+    mbar_arrive(bar.empty(Bars::kQOther));
+    mbar_arrive(bar.empty(Bars::kDOOther));
+
+    const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+    row_d.load(sDs + u * kBQ, 0, lane);
+    compute_pt<0, 0>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane, full_tile, nullptr);
+    issue_dv<E, DH>(dv, st, sdO);
+    wgmma_wait<1>();  // dPᵀ is done; dV may still run
+    fence_regs(dpt);
+    compute_dst(dpt, st, row_d, 0, lane);
+    if constexpr (ATOMIC) {
+      if (it >= 2) mbar_wait(bar.done(u), ((it >> 1) - 1) & 1);
+      store_key_major<E, kBK>(smem_ptr(sdS + u * L::kDSBytes), dpt, key_w0, 0, lane);
+      fence_proxy_async();  // dQ's wgmma reads it through the async proxy
+      mbar_arrive(bar.ready(u));
+    }
+    issue_dk<E, DH>(dk, dpt, sQ);
+    wgmma_wait<1>();
+    fence_regs(dv);
+    mbar_arrive(bar.empty(Bars::kDOOwn));
+    wgmma_wait<0>();
+    fence_regs(dk);
+    mbar_arrive(bar.empty(Bars::kQOwn));
+
+    if constexpr (ATOMIC) {
+      if (it > 0) finish_dq(it - 1);
+    }
+  }
+  if constexpr (ATOMIC) {
+    if (total > 0) finish_dq(total - 1);
+  }
+
+  store_dk_dv<E, DH>(p, dk, dv, b, kvh, j0 + c * 64, DH * half, wq, lane);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
 // Tensor maps of the four operands: Q and dO in boxes of a query step's bq
 // rows, K and V of a key block's bk.
 inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk, int bq) {
@@ -626,6 +861,16 @@ cudaError_t launch_d256(const KParams& p, cudaStream_t stream) {
 }
 
 template <class E, bool ATOMIC>
+cudaError_t launch_split_head(const KParams& p, cudaStream_t stream) {
+  auto* kernel = bwd_ws_split_head_kernel<E, ATOMIC>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  BwdTensorMaps maps;
+  if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
+  dim3 grid(2 * ((p.S + kBK - 1) / kBK), p.K, p.B);  // two halves per key block, adjacent
+  return launch_with_smem(kernel, grid, kNT, SplitHeadLayout::kSmemBytes, stream, maps, p);
+}
+
+template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   if (p.mask != nullptr || p.bias != nullptr) {
     return launch_staged_bwd(p, [&](auto d, auto eb) {
@@ -638,6 +883,7 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
                                             : launch<E, 64, ATOMIC, 0, kBQWide>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);
     case 256:
+      if (hopper_bwd_d256_split_head()) return launch_split_head<E, ATOMIC>(p, stream);
       if constexpr (ATOMIC) {
         if (hopper_bwd_d256_dq_by_tensor_reduce()) return launch_d256<E, true, true>(p, stream);
       }

@@ -127,11 +127,23 @@ inline int hopper_bwd_query_rows() {
   return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64") ? 64 : 128;
 }
 
-// How the warp-specialised backward at head dim 256 adds dQ in the atomic
-// mode: by tensor reductions staged in the step's Q/dO slot (hopper_bwd_ws.cu,
-// REDUCE_DQ), unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics asks for the
-// float2 atomics it used before (read on every launch so that tests can
-// switch it). On an H200 (tools/cuda_tile_sweep.py --head-dim 256, two runs,
+// Which warp-specialised backward runs at head dim 256 without a mask or
+// bias: bwd_ws_split_head_kernel (each block one half of the head dim of 128
+// keys), unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys asks for
+// bwd_ws_d256_kernel (both consumers share 64 keys; read on every launch so
+// that tests can switch it). On an H200 (tools/cuda_tile_sweep.py --head-dim
+// 256, forward+backward TFLOP/s, same call, the first split-head version with
+// float2 dQ atomics): 8:8 T = 4096 328 vs 315, GQA 16:2 T = 8192 362-366 vs
+// 346, causal 273 vs 273 and 345 vs 327.
+inline bool hopper_bwd_d256_split_head() {
+  return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
+}
+
+// How bwd_ws_d256_kernel (JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys) adds
+// dQ in the atomic mode: by tensor reductions staged in the step's Q/dO slot
+// (hopper_bwd_ws.cu, REDUCE_DQ), unless
+// JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics asks for the float2 atomics it
+// used before (read on every launch so that tests can switch it). On an H200 (tools/cuda_tile_sweep.py --head-dim 256, two runs,
 // forward+backward TFLOP/s): 8:8 T = 4096 299-301 vs 280-289, GQA 16:2
 // T = 8192 329-331 vs 314; Nsight Compute put the atomics' REDG at the top of
 // the stall samples.

@@ -134,6 +134,19 @@ struct QuerySteps {
 // step (queries q_w0 .. q_w0 + NQ - 1, relative to the step's first row; the
 // warp's 16 keys are key_w0 .. key_w0 + 15, relative to the key block).
 
+// Reduction steps [KK0, KK1) (16 columns each) of Sᵀ = K Qᵀ (sA = K, sB = Q)
+// or dPᵀ = V dOᵀ (V, dO) for keys [key_row0, key_row0 + 64) of a BK-row tile
+// x queries [q_row0, q_row0 + NQ) of a BQ-row tile, both K-major; FIRST:
+// step KK0 overwrites acc instead of adding to it. Not fenced or committed.
+template <class E, int BK, int NQ, int BQ, int KK0, int KK1, bool FIRST>
+__device__ __forceinline__ void issue_score_ksteps(float (&acc)[NQ / 2], uint32_t sA,
+                                                   int key_row0, uint32_t sB, int q_row0) {
+#pragma unroll
+  for (int kk = KK0; kk < KK1; ++kk)
+    Wgmma<E, NQ>::template ss<0, 0>(acc, desc_k_major<BK>(sA, key_row0, kk),
+                                    desc_k_major<BQ>(sB, q_row0, kk), !FIRST || kk > KK0);
+}
+
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for keys [key_row0, key_row0 + 64) of the BK-row
 // K and V tiles x queries [q_row0, q_row0 + NQ) of the step's BQ-row Q and dO
 // tiles, committed as two groups: Pᵀ is computed while dPᵀ runs.
@@ -144,15 +157,9 @@ __device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[N
   fence_regs(st);
   fence_regs(dpt);
   wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    Wgmma<E, NQ>::template ss<0, 0>(st, desc_k_major<BK>(sK, key_row0, kk),
-                                    desc_k_major<BQ>(cQ, q_row0, kk), kk > 0);
+  issue_score_ksteps<E, BK, NQ, BQ, 0, D / 16, true>(st, sK, key_row0, cQ, q_row0);
   wgmma_commit();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    Wgmma<E, NQ>::template ss<0, 0>(dpt, desc_k_major<BK>(sV, key_row0, kk),
-                                    desc_k_major<BQ>(cdO, q_row0, kk), kk > 0);
+  issue_score_ksteps<E, BK, NQ, BQ, 0, D / 16, true>(dpt, sV, key_row0, cdO, q_row0);
   wgmma_commit();
 }
 

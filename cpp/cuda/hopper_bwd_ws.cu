@@ -655,17 +655,6 @@ struct SplitHeadLayout {
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
-// Column blocks [X0, X1) of a step's Sᵀ (sA = K, sB = Q) or dPᵀ (V, dO):
-// accumulate into acc, overwriting it at the first block when FIRST.
-template <class E, int X0, int X1, bool FIRST>
-__device__ __forceinline__ void issue_scores_blocks(float (&acc)[kBQ / 2], uint32_t sA,
-                                                    uint32_t sB, int key_row0) {
-#pragma unroll
-  for (int kk = 4 * X0; kk < 4 * X1; ++kk)
-    Wgmma<E, kBQ>::template ss<0, 0>(acc, desc_k_major<kBK>(sA, key_row0, kk),
-                                     desc_k_major<kBQ>(sB, 0, kk), !FIRST || kk > 4 * X0);
-}
-
 template <class E, bool ATOMIC>
 __global__ void __launch_bounds__(kNT, 1)
     bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
@@ -765,22 +754,23 @@ __global__ void __launch_bounds__(kNT, 1)
     const int h = steps.head(it), i0 = steps.row0(it);
     hm.init(p, b, h, kLog2e);
 
-    // Sᵀ and dPᵀ in the order the parts land; Pᵀ is computed while the
-    // second half of dPᵀ runs.
+    // Sᵀ and dPᵀ in the order the parts land (reduction steps 8-15 are the
+    // other half's columns, positions 2 and 3; 0-7 the own half's); Pᵀ is
+    // computed while the second half of dPᵀ runs.
     fence_regs(st);
     fence_regs(dpt);
     wgmma_fence();
     mbar_wait(bar.full(Bars::kQOther), u);
     ThreadRowStats<kBQ> row_l, row_d;  // L and D, loaded while Sᵀ and dPᵀ run
     row_l.load(sL + u * kBQ, 0, lane);
-    issue_scores_blocks<E, 2, 4, true>(st, sK, sQ, c * 64);
+    issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true>(st, sK, c * 64, sQ, 0);
     mbar_wait(bar.full(Bars::kDOOther), u);
-    issue_scores_blocks<E, 2, 4, true>(dpt, sV, sdO, c * 64);
+    issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true>(dpt, sV, c * 64, sdO, 0);
     mbar_wait(bar.full(Bars::kQOwn), u);
-    issue_scores_blocks<E, 0, 2, false>(st, sK, sQ, c * 64);
+    issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false>(st, sK, c * 64, sQ, 0);
     wgmma_commit();
     mbar_wait(bar.full(Bars::kDOOwn), u);
-    issue_scores_blocks<E, 0, 2, false>(dpt, sV, sdO, c * 64);
+    issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false>(dpt, sV, c * 64, sdO, 0);
     wgmma_commit();
     wgmma_wait<1>();
     fence_regs(st);

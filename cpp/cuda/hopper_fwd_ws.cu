@@ -86,7 +86,10 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2;
-  const int b = blockIdx.z, n = blockIdx.y, i0 = blockIdx.x * kBQ;
+  // Query blocks go last first: under causality the last ones see the most
+  // keys, and blocks start in launch order, so the heaviest start first and
+  // the light ones fill the tail.
+  const int b = blockIdx.z, n = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * kBQ;
   const int kvh = n / (p.N / p.K);
   HeadMask hm;
   hm.init(p, b, n, kLog2e);

@@ -123,10 +123,13 @@ LARGE = [
 # three consumer warpgroups without causality or a window, else two;
 # "fwd_consumers2" and "fwd_consumers3" force each, so that both run on every
 # such case. At head dim 256 without a mask or bias the warp-specialised
-# backward splits the head dim between two blocks per key block;
-# "bwd_d256_shared_keys" runs the kernel whose two consumers share 64 keys
-# instead, in both modes, and "bwd_d256_dq_atomics" runs that one with the
-# float2 atomics it used for dQ before its tensor reductions.
+# backward takes two blocks per key block: in the atomic mode a cluster that
+# splits the score products between them, in the deterministic mode two
+# blocks that split the head dim; "bwd_d256_split_head" runs the latter in
+# the atomic mode too. "bwd_d256_shared_keys" runs the kernel whose two
+# consumers share 64 keys instead, in both modes, and "bwd_d256_dq_atomics"
+# runs that one with the float2 atomics it used for dQ before its tensor
+# reductions.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -140,7 +143,7 @@ def _kernel_rows(case):
              (False, "fwd_consumers3")]
   if plain and case.head_dim == 256:
     rows += [(False, "bwd_d256_shared_keys"), (True, "bwd_d256_shared_keys"),
-             (False, "bwd_d256_dq_atomics")]
+             (False, "bwd_d256_dq_atomics"), (False, "bwd_d256_split_head")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -156,6 +159,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
   elif kernels == "bwd_d256_shared_keys":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
+  elif kernels == "bwd_d256_split_head":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head")
   elif kernels == "bwd_d256_dq_atomics":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics")

@@ -272,11 +272,11 @@ __device__ __forceinline__ void issue_dv_packed(float (&dv)[D / 2], const uint32
 }
 
 // dSᵀ = Pᵀ (dPᵀ - D) as compute_dst, with Pᵀ read back from its packed
-// 16-bit form (the values dV used).
-template <class E, int NQ>
+// 16-bit form (the values dV used); cDs as in compute_dst.
+template <class E, int NQ, class Stats = const float*>
 __device__ __forceinline__ void compute_dst_packed(float (&dpt)[NQ / 2],
                                                    const uint32_t (&pt)[NQ / 4],
-                                                   const float* cDs, int q_w0, int lane) {
+                                                   const Stats& cDs, int q_w0, int lane) {
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
 #pragma unroll

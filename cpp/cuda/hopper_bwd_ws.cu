@@ -2,7 +2,8 @@
 // warpgroups that never meet at a block-wide barrier (sm_90a only): head
 // dims 64 and 128 (bwd_ws_kernel, without a mask or bias or with one that
 // qualifies for staging, KParams::staged) and 256 (without a mask or bias:
-// bwd_ws_split_head_kernel, further down, or bwd_ws_d256_kernel).
+// bwd_ws_cluster_pair_kernel, bwd_ws_split_head_kernel or
+// bwd_ws_d256_kernel, further down).
 //
 // Why: hopper_bwd.cu loads each step's Q and dO with cp.async from all 256
 // threads and meets at two block-wide barriers per step (before the step, and
@@ -404,8 +405,9 @@ __global__ void __launch_bounds__(kNT, 1)
 }
 
 // head_dim 256, shared keys (JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys;
-// bwd_ws_split_head_kernel below is the default: 11-18% faster forward +
-// backward on the GQA 16:2 rows on an H200). dK and dV of 64 keys x 256 take 256 registers per thread, so
+// bwd_ws_split_head_kernel and bwd_ws_cluster_pair_kernel below are faster,
+// the first by 11-18% forward + backward on the GQA 16:2 rows on an H200).
+// dK and dV of 64 keys x 256 take 256 registers per thread, so
 // here, as in hopper_bwd.cu's D = 256 kernel, both consumers share the
 // block's 64 keys and split the head dim: consumer c keeps dK, dV columns
 // [128 c, 128 c + 128). Per step it computes Sᵀ, dPᵀ for the 64 keys x
@@ -585,8 +587,9 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-// head_dim 256, split head (the default where it applies; launch.h says how
-// to select bwd_ws_d256_kernel instead). cuDNN's decomposition (PERF_NOTES,
+// head_dim 256, split head (the default in the deterministic mode, and
+// where bwd_ws_cluster_pair_kernel's pair of blocks does not fit; launch.h
+// says how to select it or bwd_ws_d256_kernel instead). cuDNN's decomposition (PERF_NOTES,
 // tenth session): a block owns 128 keys, as bwd_ws_kernel does at D = 128,
 // but only one 128-column half of their dK, dV and of dQ; the grid has two
 // blocks per key block, one per half, that both compute the full Sᵀ and dPᵀ
@@ -810,6 +813,378 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
+// head_dim 256 by a pair of blocks that share the score products (the
+// default in the atomic mode; JAX_FATRAIN_CUDA_HOPPER_BWD_D256=split_head
+// runs bwd_ws_split_head_kernel instead). On an H200 it took the GQA 16:2
+// T = 8192 backward from 15.5 ms (twelfth session) to 14.75, against
+// cuDNN's 15.93 in the same call (PERF_NOTES, thirteenth session).
+// bwd_ws_split_head_kernel's two blocks of a key block each compute all of
+// Sᵀ and dPᵀ (a reduction over the whole head dim) and use them for their
+// half of dK, dV and dQ: per step 7 products of 128 keys x 64 queries x 128
+// where the math needs 5. Here the two blocks are one cluster and split the
+// score products instead: rank 0 computes Sᵀ = K Qᵀ and Pᵀ, rank 1
+// dPᵀ = V dOᵀ, and each sends the other what it needs by bulk copies into
+// the other's shared memory, each warp its 16 keys (2 KB) completing on a
+// barrier there:
+//   rank 0: Sᵀ -> Pᵀ -> Pᵀ (16-bit, in accumulator order) to rank 1;
+//     dV += Pᵀ dO; then, for the step before (so that it never waits for
+//     rank 1), dK += dSᵀ Q (both operands in shared memory) and dQ = dS K.
+//   rank 1: dPᵀ; with rank 0's Pᵀ, dSᵀ = Pᵀ (dPᵀ - D) -> to rank 0;
+//     dV += Pᵀ dO, dK += dSᵀ Q, dQ = dS K.
+// Rank r keeps dK, dV and adds dQ for head-dim columns [128 r, 128 r + 128),
+// and holds only what its products read: rank 0 K and Q whole (Q in two
+// slots: a step's Q stays until its late dK) and dO's own half; rank 1 V
+// and dO whole and K's and Q's own halves. Column blocks are placed as in
+// bwd_ws_split_head_kernel (positions 0 and 1 of a whole tile are the
+// block's own half).
+// The producer refills three parts per step, each once its last reader is
+// done: kOther (the score operand's other half: after the score product),
+// kOwn (its own half: rank 0's after dK, rank 1's after dV) and kAux (the
+// other operand's own half: rank 0's dO after dV, rank 1's Q after dK). Pᵀ
+// and dSᵀ have two buffers each: "p_full" (rank 1) / "p_empty" (rank 0)
+// pass the Pᵀ buffers, "ds_ready" (both) / "ds_done" (rank 1, where both
+// blocks' readers arrive) the dSᵀ buffers.
+struct PairBarriers {
+  enum Part { kOther, kOwn, kAux, kParts };
+  uint32_t base;
+  __device__ __forceinline__ uint32_t kv_full() const { return base; }
+  // Part `part` of score-operand slot s (rank 1 has one slot; kAux one).
+  __device__ __forceinline__ uint32_t full(int part, int s = 0) const {
+    return base + 8 * (1 + 2 * part + s);
+  }
+  __device__ __forceinline__ uint32_t empty(int part, int s = 0) const {
+    return base + 8 * (1 + 2 * kParts + 2 * part + s);
+  }
+  __device__ __forceinline__ uint32_t ds_ready(int u) const {
+    return base + 8 * (1 + 4 * kParts + u);
+  }
+  __device__ __forceinline__ uint32_t ds_done(int u) const {
+    return base + 8 * (3 + 4 * kParts + u);
+  }
+  __device__ __forceinline__ uint32_t p_full(int u) const {
+    return base + 8 * (5 + 4 * kParts + u);
+  }
+  __device__ __forceinline__ uint32_t p_empty(int u) const {
+    return base + 8 * (7 + 4 * kParts + u);
+  }
+  static constexpr int kCount = 9 + 4 * kParts;
+  // Local arrivals are per thread; those from the other block per warp (one
+  // lane, after the warp's reads or writes).
+  __device__ __forceinline__ void init(int rank) const {
+    constexpr int kThreads = kConsumers * 128, kWarps = kConsumers * 4;
+    mbar_init(kv_full(), 1);
+    for (int part = 0; part < kParts; ++part) {
+      for (int s = 0; s < 2; ++s) {
+        mbar_init(full(part, s), part == kOther ? 32 : 1);
+        mbar_init(empty(part, s), kThreads);
+      }
+    }
+    for (int u = 0; u < 2; ++u) {
+      mbar_init(ds_ready(u), rank == 0 ? kWarps : kThreads);  // rank 0: each with its bytes
+      mbar_init(ds_done(u), kThreads + kWarps);               // rank 1 only
+      mbar_init(p_full(u), kWarps);                           // rank 1 only, with the bytes
+      mbar_init(p_empty(u), kWarps);                          // rank 0 only
+    }
+    fence_mbar_init();
+  }
+};
+
+struct PairLayout {
+  static constexpr int D = 256;
+  static constexpr int kWholeKVBytes = kBK * D * 2;   // rank 0: K; rank 1: V
+  static constexpr int kScoreOpBytes = kBQ * D * 2;   // one slot of Q (rank 0) or dO (rank 1)
+  static constexpr int kHalfKVBytes = kBK * D;        // rank 1: K's own half
+  static constexpr int kAuxBytes = kBQ * D;           // rank 0: dO's own half; rank 1: Q's
+  static constexpr int kDSBytes = kBK * kBQ * 2;      // one dSᵀ buffer: [128 keys][64 queries]
+  static constexpr int kPBytes = kBK * kBQ * 2;       // one Pᵀ buffer
+  static constexpr int kStatBytes = kBQ * 4;          // one stage of L, or D
+  static_assert(kHalfKVBytes == kScoreOpBytes, "rank 0's second Q slot is rank 1's half K");
+  // kSlot1: rank 0's second Q slot, rank 1's half of K.
+  static constexpr int kWholeKV = 0, kSlot0 = kWholeKV + kWholeKVBytes,
+                       kSlot1 = kSlot0 + kScoreOpBytes, kAux = kSlot1 + kScoreOpBytes,
+                       kDS = kAux + kAuxBytes, kP = kDS + 2 * kDSBytes, kL = kP + 2 * kPBytes,
+                       kDsum = kL + 2 * kStatBytes, kBars = kDsum + 2 * kStatBytes;
+  static constexpr int kSmemBytes = kBars + 8 * PairBarriers::kCount + 1024;  // + slack
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
+};
+
+// Rank 0 sends Pᵀ as float16 whatever E is. P lies in [0, 1],
+// where float16 keeps 3 more mantissa bits than bfloat16, and rank 1's
+// dSᵀ = Pᵀ (dPᵀ - D) is then nearly as exact as from float32 Pᵀ. On an
+// H200 (tools/cuda_tile_sweep.py --head-dim 256, the largest relative
+// difference from cuDNN's output and gradients), 8:8 and GQA 16:2:
+// bfloat16 Pᵀ 3.6e-3 and 4.0e-3, float16 Pᵀ 1.8e-3 and 2.9e-3,
+// bwd_ws_split_head_kernel (float32 Pᵀ) 1.0e-3 and 2.6e-3.
+// Where lane `lane` of consumer warp w (0 .. 7 over both consumers) of rank
+// 0 puts 16 bytes v (0 .. 3) of its packed Pᵀ in a Pᵀ buffer, and rank 1's
+// same lane reads them: each warp's 2 KB contiguous, for one bulk copy.
+__device__ __forceinline__ uint32_t pair_p_offset(int w, int v, int lane) {
+  return static_cast<uint32_t>(w * 2048 + v * 512 + lane * 16);
+}
+
+// Copies a warp's 2 KB at shared address `src` to the same place in the
+// other block of the pair, completing on that block's `bar` (the same
+// barrier's local address); lane 0 issues it, after the warp's writes
+// (each writing lane has fenced for the async proxy).
+__device__ __forceinline__ void send_warp_rows(uint32_t src, uint32_t bar, uint32_t other,
+                                               int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    const uint32_t remote_bar = map_to_rank(bar, other);
+    mbar_arrive_expect_tx_remote(remote_bar, 2048);
+    bulk_copy_to_rank(map_to_rank(src, other), src, 2048, remote_bar);
+    bulk_commit();
+  }
+}
+
+template <class E>
+__global__ void __launch_bounds__(kNT, 1)
+    bwd_ws_cluster_pair_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = PairLayout;
+  using Bars = PairBarriers;
+  constexpr int DH = 128;  // the block's own columns
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
+  const uint32_t sWholeKV = base + L::kWholeKV, sAux = base + L::kAux;
+  const uint32_t sdS = base + L::kDS, sP = base + L::kP;
+  float* sL = reinterpret_cast<float*>(smem_ptr(base + L::kL));
+  float* sDs = reinterpret_cast<float*>(smem_ptr(base + L::kDsum));
+  const Bars bar{base + L::kBars};
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int b = blockIdx.z, kvh = blockIdx.y;
+  const int rank = static_cast<int>(cluster_rank());  // also the half of the head dim
+  const uint32_t other = rank ^ 1;
+  const int j0 = (blockIdx.x >> 1) * kBK;
+  // Step it's score operand is in slot slot(it), filled for the use(it)-th
+  // time: rank 0 alternates two slots, rank 1 has one.
+  auto slot = [&](int it) { return rank == 0 ? it & 1 : 0; };
+  auto use = [&](int it) { return rank == 0 ? it >> 1 : it; };
+  auto slot_tile = [&](int s) { return base + (s == 0 ? L::kSlot0 : L::kSlot1); };
+  const uint32_t sHalfK = base + L::kSlot1;  // rank 1
+  HeadMask hm;
+  QuerySteps<> steps;
+  steps.init(p, hm, b, kvh, j0, kBK);
+  const int total = steps.total;  // the same in both blocks: one key block
+
+  if (tid == 0) bar.init(rank);
+  // Both blocks' barriers are initialised before either block's threads
+  // arrive on the other's; the last cluster-wide barrier before the end.
+  cluster_sync();
+
+  if (wg == 0) {
+    setmaxnreg_dec<24>();
+    // Exited threads do not hold up the cluster barrier at the end.
+    if (warp != 0 || total == 0) return;
+    // The producer warp: rank 0's K (whole), rank 1's V (whole) and K's own
+    // half once, then each step's three parts, each once its previous use is
+    // done, and with kOther the step's L and D into stage it & 1.
+    auto load_blocks = [&](uint32_t tile, const CUtensorMap* map, uint32_t full, int rows,
+                           int x0, int row, int h) {
+      for (int x = x0; x < x0 + 2; ++x)
+        tma_load_4d(tile + x * rows * 128, map, full, 64 * ((x + 2 * rank) & 3), row, h, b);
+    };
+    const CUtensorMap* whole_kv = rank == 0 ? &maps.k : &maps.v;
+    const CUtensorMap* score_op = rank == 0 ? &maps.q : &maps.d_o;
+    const CUtensorMap* aux_op = rank == 0 ? &maps.d_o : &maps.q;
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar.kv_full(), L::kWholeKVBytes + (rank == 1 ? L::kHalfKVBytes : 0));
+      load_blocks(sWholeKV, whole_kv, bar.kv_full(), kBK, 0, j0, kvh);
+      load_blocks(sWholeKV, whole_kv, bar.kv_full(), kBK, 2, j0, kvh);
+      if (rank == 1) load_blocks(sHalfK, &maps.k, bar.kv_full(), kBK, 0, j0, kvh);
+    }
+    constexpr int kPartBytes = kBQ * 128 * 2;  // two column blocks
+    for (int it = 0; it < total; ++it) {
+      const int h = steps.head(it), i0 = steps.row0(it);
+      const int s = slot(it), n = use(it);
+      if (n > 0) mbar_wait(bar.empty(Bars::kOther, s), (n - 1) & 1);
+      float *l = sL + (it & 1) * kBQ, *dsum = sDs + (it & 1) * kBQ;
+      load_row_stats(p, b, h, i0, kBQ, lane, l, dsum);
+      load_row_stats(p, b, h, i0, kBQ, lane + 32, l, dsum);
+      if (lane != 0) mbar_arrive(bar.full(Bars::kOther, s));  // after this lane's statistics
+      if (lane == 0) {
+        mbar_arrive_expect_tx(bar.full(Bars::kOther, s), kPartBytes);
+        load_blocks(slot_tile(s), score_op, bar.full(Bars::kOther, s), kBQ, 2, i0, h);
+      }
+      if (n > 0) mbar_wait(bar.empty(Bars::kOwn, s), (n - 1) & 1);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(bar.full(Bars::kOwn, s), kPartBytes);
+        load_blocks(slot_tile(s), score_op, bar.full(Bars::kOwn, s), kBQ, 0, i0, h);
+      }
+      if (it > 0) mbar_wait(bar.empty(Bars::kAux), (it - 1) & 1);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(bar.full(Bars::kAux), kPartBytes);
+        load_blocks(sAux, aux_op, bar.full(Bars::kAux), kBQ, 0, i0, h);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<240>();
+  const int c = wg - 1, wq = warp & 3, w = warp - 4;  // w: 0 .. 7 over both consumers
+  const int key_w0 = c * 64 + wq * 16;  // the warp's 16 keys, relative to j0
+
+  float dk[DH / 2], dv[DH / 2], sc[kBQ / 2];  // sc: rank 0's Sᵀ, Pᵀ; rank 1's dPᵀ, dSᵀ
+  uint32_t pt[kBQ / 4];                       // Pᵀ, packed (pack_pairs)
+#pragma unroll
+  for (int i = 0; i < DH / 2; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBQ / 2; ++i) sc[i] = 0.f;
+
+  // Rank 0: dK += dSᵀ Q and dQ = dS K of step `prev` (issued as two commit
+  // groups) once rank 1's dSᵀ has landed; then finish_late() waits for
+  // them, frees what they read and adds dQ.
+  float dq[32];
+  auto issue_late = [&](int prev) {
+    const uint32_t cdS = sdS + (prev & 1) * L::kDSBytes;
+    mbar_wait(bar.ds_ready(prev & 1), (prev >> 1) & 1);
+    fence_regs(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBQ / 16; ++kk)
+      Wgmma<E, DH>::template ss<0, 1>(dk, desc_k_major<kBK>(cdS, c * 64, kk),
+                                      desc_mn_major<kBQ>(slot_tile(slot(prev)), 0, kk), 1);
+    wgmma_commit();
+    issue_dq<E, 64, kBK>(dq, cdS, sWholeKV, 64 * c);
+  };
+  auto finish_late = [&](int prev) {
+    wgmma_wait<1>();
+    fence_regs(dk);
+    mbar_arrive(bar.empty(Bars::kOwn, slot(prev)));
+    wgmma_wait<0>();
+    fence_regs(dq);
+    __syncwarp();
+    if (lane == 0) mbar_arrive_remote(map_to_rank(bar.ds_done(prev & 1), other));
+    add_dq_tile_v4<64>(p, dq, b, steps.head(prev), steps.row0(prev), 64 * c, wq, lane);
+  };
+
+  if (total > 0) mbar_wait(bar.kv_full(), 0);
+  for (int it = 0; it < total; ++it) {
+    // The step's row statistics stage, Pᵀ and dSᵀ buffer, and the parity of
+    // the buffers' (it / 2)-th use.
+    const int u = it & 1;
+    const uint32_t use_parity = (it >> 1) & 1;
+    const int h = steps.head(it), i0 = steps.row0(it);
+    const int s = slot(it);
+    const uint32_t parts_parity = use(it) & 1;
+    const uint32_t score_tile = slot_tile(s);
+
+    // The score product (rank 0 Sᵀ, rank 1 dPᵀ) in the order the parts land.
+    fence_regs(sc);
+    wgmma_fence();
+    mbar_wait(bar.full(Bars::kOther, s), parts_parity);
+    ThreadRowStats<kBQ> row_stat;  // rank 0: L; rank 1: D
+    row_stat.load((rank == 0 ? sL : sDs) + u * kBQ, 0, lane);
+    issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true>(sc, sWholeKV, c * 64, score_tile, 0);
+    mbar_wait(bar.full(Bars::kOwn, s), parts_parity);
+    issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false>(sc, sWholeKV, c * 64, score_tile, 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(sc);
+    mbar_arrive(bar.empty(Bars::kOther, s));
+
+    if (rank == 0) {
+      hm.init(p, b, h, kLog2e);
+      const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+      compute_pt<0, 0>(sc, hm, p.scale_log2, row_stat, i0, j0, key_w0, 0, lane, full_tile,
+                       nullptr);
+      pack_pairs<E, kBQ>(sc, pt);
+      uint32_t p_sent[kBQ / 4];  // Pᵀ as float16 pairs (see above pair_p_offset)
+      pack_pairs<__half, kBQ>(sc, p_sent);
+      // Pᵀ to rank 1 through this block's buffer u: once rank 1 has read its
+      // buffer u's previous Pᵀ, and this warp's copy from ours has.
+      if (it >= 2) mbar_wait(bar.p_empty(u), use_parity ^ 1);
+      if (lane == 0) bulk_wait_read<1>();
+      __syncwarp();
+      const uint32_t warp_p = sP + u * L::kPBytes + pair_p_offset(w, 0, 0);
+      uint8_t* stage = smem_ptr(warp_p);
+#pragma unroll
+      for (int v = 0; v < 4; ++v)
+        *reinterpret_cast<uint4*>(stage + pair_p_offset(0, v, lane)) =
+            make_uint4(p_sent[4 * v], p_sent[4 * v + 1], p_sent[4 * v + 2], p_sent[4 * v + 3]);
+      fence_proxy_async();  // the bulk copy reads them through the async proxy
+      send_warp_rows(warp_p, bar.p_full(u), other, lane);
+
+      mbar_wait(bar.full(Bars::kAux), it & 1);
+      issue_dv_packed<E, DH, kBQ>(dv, pt, sAux);
+      if (it > 0) {
+        issue_late(it - 1);
+        wgmma_wait<2>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(dv);
+      mbar_arrive(bar.empty(Bars::kAux));
+      if (it > 0) finish_late(it - 1);
+    } else {
+      // Rank 0's Pᵀ of the step: dSᵀ from its float16 values, dV from them
+      // rounded to E.
+      mbar_wait(bar.p_full(u), use_parity);
+      const uint8_t* local_p = smem_ptr(sP + u * L::kPBytes + pair_p_offset(w, 0, 0));
+      uint32_t p_got[kBQ / 4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const uint4 x = *reinterpret_cast<const uint4*>(local_p + pair_p_offset(0, v, lane));
+        p_got[4 * v] = x.x;
+        p_got[4 * v + 1] = x.y;
+        p_got[4 * v + 2] = x.z;
+        p_got[4 * v + 3] = x.w;
+      }
+      compute_dst_packed<__half, kBQ>(sc, p_got, row_stat, 0, lane);
+#pragma unroll
+      for (int m = 0; m < kBQ / 4; ++m) {
+        const float2 pair = Cvt<__half>::unpack(p_got[m]);
+        pt[m] = Cvt<E>::pack(pair.x, pair.y);
+      }
+      __syncwarp();  // every lane has used its Pᵀ: the buffer may be refilled
+      if (lane == 0) mbar_arrive_remote(map_to_rank(bar.p_empty(u), other));
+      // dSᵀ into buffer u, once both blocks are done reading its use two
+      // steps ago and this warp's copy of it to rank 0 has read it; then
+      // each warp sends its 16 keys to rank 0's buffer u.
+      const uint32_t cdS = sdS + u * L::kDSBytes;
+      if (it >= 2) mbar_wait(bar.ds_done(u), use_parity ^ 1);
+      if (lane == 0) bulk_wait_read<1>();
+      __syncwarp();
+      store_key_major<E, kBK>(smem_ptr(cdS), sc, key_w0, 0, lane);
+      fence_proxy_async();  // this block's dQ wgmma and the bulk copy read them
+      mbar_arrive(bar.ds_ready(u));
+      send_warp_rows(cdS + key_w0 * 128, bar.ds_ready(u), other, lane);  // 128 bytes a key
+
+      issue_dv_packed<E, DH, kBQ>(dv, pt, score_tile);
+      issue_dk<E, DH>(dk, sc, sAux);
+      mbar_wait(bar.ds_ready(u), use_parity);  // both consumers' keys, for dQ
+      issue_dq<E, 64, kBK>(dq, cdS, sHalfK, 64 * c);
+      wgmma_wait<2>();
+      fence_regs(dv);
+      mbar_arrive(bar.empty(Bars::kOwn));
+      wgmma_wait<1>();
+      fence_regs(dk);
+      mbar_arrive(bar.empty(Bars::kAux));
+      wgmma_wait<0>();
+      fence_regs(dq);
+      mbar_arrive(bar.ds_done(u));
+      add_dq_tile_v4<64>(p, dq, b, h, i0, DH + 64 * c, wq, lane);
+    }
+  }
+  if (rank == 0 && total > 0) {
+    issue_late(total - 1);
+    finish_late(total - 1);
+  }
+  // Every arrival the other block makes here has landed before this block
+  // leaves: the last two steps' (rank 0: rank 1 read those Pᵀ; rank 1: both
+  // blocks read those dSᵀ), the phases nobody waited for yet.
+  for (int it = max(total - 2, 0); it < total; ++it)
+    mbar_wait(rank == 0 ? bar.p_empty(it & 1) : bar.ds_done(it & 1), (it >> 1) & 1);
+
+  store_dk_dv<E, DH>(p, dk, dv, b, kvh, j0 + c * 64, DH * rank, wq, lane);
+  if (lane == 0) bulk_wait<0>();  // this warp's copies to the other block are done
+  // Neither block leaves while the other may still use its shared memory.
+  cluster_sync();
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
+}
+
 // Tensor maps of the four operands: Q and dO in boxes of a query step's bq
 // rows, K and V of a key block's bk.
 inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk, int bq) {
@@ -862,6 +1237,48 @@ cudaError_t launch_split_head(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(kernel, grid, kNT, SplitHeadLayout::kSmemBytes, stream, maps, p);
 }
 
+// bwd_ws_cluster_pair_kernel: two blocks per key block, one cluster.
+template <class E>
+cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
+  auto* kernel = bwd_ws_cluster_pair_kernel<E>;
+  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
+  BwdTensorMaps maps;
+  if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
+  int device = 0, optin = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e =
+          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      e != cudaSuccess)
+    return e;
+  if (PairLayout::kSmemBytes > optin) return cudaErrorNotSupported;
+  if (cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           PairLayout::kSmemBytes);
+      e != cudaSuccess)
+    return e;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(2 * ((p.S + kBK - 1) / kBK), p.K, p.B);  // the pair: adjacent blocks
+  config.blockDim = dim3(kNT);
+  config.dynamicSmemBytes = PairLayout::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // A GPU (or a slice of one) where no pair of blocks fits: the caller falls
+  // back to bwd_ws_split_head_kernel.
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess ||
+      clusters < 1) {
+    cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  return cudaLaunchKernelEx(&config, kernel, maps, p);
+}
+
 template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   if (p.mask != nullptr || p.bias != nullptr) {
@@ -875,6 +1292,12 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
                                             : launch<E, 64, ATOMIC, 0, kBQWide>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);
     case 256:
+      if constexpr (ATOMIC) {
+        if (hopper_bwd_d256_cluster_pair()) {
+          if (cudaError_t e = launch_cluster_pair<E>(p, stream); e != cudaErrorNotSupported)
+            return e;
+        }
+      }
       if (hopper_bwd_d256_split_head()) return launch_split_head<E, ATOMIC>(p, stream);
       if constexpr (ATOMIC) {
         if (hopper_bwd_d256_dq_by_tensor_reduce()) return launch_d256<E, true, true>(p, stream);

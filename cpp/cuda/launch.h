@@ -128,13 +128,23 @@ inline int hopper_bwd_query_rows() {
 }
 
 // Which warp-specialised backward runs at head dim 256 without a mask or
-// bias: bwd_ws_split_head_kernel (each block one half of the head dim of 128
-// keys), unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys asks for
-// bwd_ws_d256_kernel (both consumers share 64 keys; read on every launch so
-// that tests can switch it). On an H200 (tools/cuda_tile_sweep.py --head-dim
-// 256, forward+backward TFLOP/s, same call, the first split-head version with
-// float2 dQ atomics): 8:8 T = 4096 328 vs 315, GQA 16:2 T = 8192 362-366 vs
-// 346, causal 273 vs 273 and 345 vs 327.
+// bias. In the atomic mode bwd_ws_cluster_pair_kernel (two blocks per key
+// block, one cluster, splitting the score products), unless
+// JAX_FATRAIN_CUDA_HOPPER_BWD_D256 is split_head or shared_keys; in the
+// deterministic mode (and where no cluster fits) bwd_ws_split_head_kernel
+// (each block one half of the head dim of 128 keys), unless it is
+// shared_keys: bwd_ws_d256_kernel (both consumers share 64 keys). Read on
+// every launch so that tests can switch it.
+// On an H200 (tools/cuda_tile_sweep.py --head-dim 256, forward+backward
+// TFLOP/s, same call, two rounds): cluster pair vs split head, 8:8
+// T = 4096 379-391 vs 362-369, GQA 16:2 T = 8192 435-439 vs 391-398, causal
+// GQA 403 vs 367-373. Split head vs shared keys (the first split-head
+// version, float2 dQ atomics): 8:8 328 vs 315, GQA 362-366 vs 346, causal
+// 273 vs 273 and 345 vs 327.
+inline bool hopper_bwd_d256_cluster_pair() {
+  return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head") &&
+         !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
+}
 inline bool hopper_bwd_d256_split_head() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
 }

@@ -184,6 +184,58 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- Clusters (sm_90): blocks that read and write each other's shared memory ----
+
+// This block's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of `addr` (a shared::cta address of this
+// block) in the shared memory of the cluster's block `rank`: the same offset,
+// since every block of a kernel lays its shared memory out alike.
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// Arrives on an mbarrier of another block of the cluster (an address from
+// map_to_rank), ordering nothing: for "done reading" signals whose reads are
+// complete (their values used, or their wgmma waited for).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
+               : "memory");
+}
+// Arrives on an mbarrier of another block of the cluster and adds `bytes` to
+// the transaction count its phase waits for (those of a bulk_copy_to_rank).
+__device__ __forceinline__ void mbar_arrive_expect_tx_remote(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [%0], %1;\n" ::"r"(
+                   bar),
+               "r"(bytes)
+               : "memory");
+}
+// Copies `bytes` (a multiple of 16) of this block's shared memory at `src`
+// to another block's at `dst` (from map_to_rank), through the async proxy,
+// completing on that block's mbarrier `bar` (from map_to_rank) with the
+// bytes. The writes that filled `src` need fence_proxy_async() first; the
+// issuing thread tracks the read of `src` in bulk groups (bulk_commit,
+// bulk_wait_read).
+__device__ __forceinline__ void bulk_copy_to_rank(uint32_t dst, uint32_t src, uint32_t bytes,
+                                                  uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+      "[%3];\n" ::"r"(dst),
+      "r"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// Every thread of every block of the cluster (exited threads excepted)
+// arrives, then waits for all: a block-wide barrier that also orders the
+// blocks' shared memory accesses to each other.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // Warpgroup-wide register budget changes (sm_90a): a producer warpgroup gives
 // registers back, consumer warpgroups take them. Every thread of the
 // warpgroup executes it; N is a multiple of 8 in [24, 256].

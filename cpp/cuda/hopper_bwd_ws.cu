@@ -658,6 +658,18 @@ struct SplitHeadLayout {
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
+// The column-block placement of the D = 256 kernels whose block owns one
+// half of the head dim: positions x0 and x0 + 1 of `tile` (blocks of rows x
+// 64 columns) get the operand's column blocks (x + 2 half) mod 4, so that
+// positions 0 and 1 hold the half's own columns. Rows [row, row + rows) of
+// head h, batch b, completing on `full`; one thread issues them.
+__device__ __forceinline__ void load_half_blocks(uint32_t tile, const CUtensorMap* map,
+                                                 uint32_t full, int rows, int x0, int half,
+                                                 int row, int h, int b) {
+  for (int x = x0; x < x0 + 2; ++x)
+    tma_load_4d(tile + x * rows * 128, map, full, 64 * ((x + 2 * half) & 3), row, h, b);
+}
+
 template <class E, bool ATOMIC>
 __global__ void __launch_bounds__(kNT, 1)
     bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
@@ -694,8 +706,7 @@ __global__ void __launch_bounds__(kNT, 1)
     // A part is two column blocks: positions 2 x, 2 x + 1 of its tile.
     auto load_blocks = [&](uint32_t tile, const CUtensorMap* map, uint32_t full, int rows,
                            int x0, int row, int h) {
-      for (int x = x0; x < x0 + 2; ++x)
-        tma_load_4d(tile + x * rows * 128, map, full, 64 * ((x + 2 * half) & 3), row, h, b);
+      load_half_blocks(tile, map, full, rows, x0, half, row, h, b);
     };
     if (lane == 0) {
       mbar_arrive_expect_tx(bar.kv_full(), 2 * L::kKVBytes);
@@ -983,8 +994,7 @@ __global__ void __launch_bounds__(kNT, 1)
     // done, and with kOther the step's L and D into stage it & 1.
     auto load_blocks = [&](uint32_t tile, const CUtensorMap* map, uint32_t full, int rows,
                            int x0, int row, int h) {
-      for (int x = x0; x < x0 + 2; ++x)
-        tma_load_4d(tile + x * rows * 128, map, full, 64 * ((x + 2 * rank) & 3), row, h, b);
+      load_half_blocks(tile, map, full, rows, x0, rank, row, h, b);
     };
     const CUtensorMap* whole_kv = rank == 0 ? &maps.k : &maps.v;
     const CUtensorMap* score_op = rank == 0 ? &maps.q : &maps.d_o;
@@ -1244,18 +1254,7 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   BwdTensorMaps maps;
   if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
-  int device = 0, optin = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e =
-          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      e != cudaSuccess)
-    return e;
-  if (PairLayout::kSmemBytes > optin) return cudaErrorNotSupported;
-  if (cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           PairLayout::kSmemBytes);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = allow_smem(kernel, PairLayout::kSmemBytes); e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(2 * ((p.S + kBK - 1) / kBK), p.K, p.B);  // the pair: adjacent blocks
   config.blockDim = dim3(kNT);

@@ -12,16 +12,14 @@ namespace fatrain::cuda {
 
 struct KParams;
 
-// Launches a tensor-core kernel with `smem_bytes` of dynamic shared memory on
-// the current device. Returns cudaErrorNotSupported, before anything is
-// launched, when the device cannot give one block that much (the D = 256
-// backward needs 209 KB; an A100 allows 163 KB): callers then fall back to
-// the SIMT kernels. The kernel's shared-memory limit is raised on every
-// launch because it belongs to each device's context: set once per process,
-// it would hold only on the first GPU of a multi-GPU process.
+// Raises `kernel`'s dynamic shared-memory limit to `smem_bytes` on the
+// current device. Returns cudaErrorNotSupported when the device cannot give
+// one block that much (the D = 256 backward needs 209 KB; an A100 allows
+// 163 KB): callers then fall back to the SIMT kernels. Called before every
+// launch because the limit belongs to each device's context: set once per
+// process, it would hold only on the first GPU of a multi-GPU process.
 template <class... Params>
-cudaError_t launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads, int smem_bytes,
-                             cudaStream_t stream, const Params&... params) {
+cudaError_t allow_smem(void (*kernel)(Params...), int smem_bytes) {
   int device = 0, optin = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e =
@@ -29,11 +27,16 @@ cudaError_t launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads, 
       e != cudaSuccess)
     return e;
   if (smem_bytes > optin) return cudaErrorNotSupported;
-  if (cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           smem_bytes);
-      e != cudaSuccess)
-    return e;
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+}
+// Launches a tensor-core kernel with `smem_bytes` of dynamic shared memory
+// on the current device; allow_smem's errors return before anything is
+// launched.
+template <class... Params>
+cudaError_t launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads, int smem_bytes,
+                             cudaStream_t stream, const Params&... params) {
+  if (cudaError_t e = allow_smem(kernel, smem_bytes); e != cudaSuccess) return e;
   kernel<<<grid, threads, smem_bytes, stream>>>(params...);
   return cudaGetLastError();
 }

@@ -82,6 +82,10 @@ LARGE = [
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S), bias_shape=(1, N, T, S)),
     Case(batch=1, q_len=300, kv_len=300, q_heads=16, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True),
+    # Causal D = 256 with four key blocks, two of them past every query: the
+    # folded cluster-pair backward's clusters do key blocks 0 and 3, 1 and 2.
+    Case(batch=2, q_len=200, kv_len=500, q_heads=4, kv_heads=2, head_dim=256,
+         dtype=jnp.float16, is_causal=True),
     # A mask read one score at a time (kv_len 300 is not a whole number of
     # 16-byte chunks, so no kernel stages it): the kernel instances built for
     # problems with a mask or bias.
@@ -129,7 +133,8 @@ LARGE = [
 # the atomic mode too. "bwd_d256_shared_keys" runs the kernel whose two
 # consumers share 64 keys instead, in both modes, and "bwd_d256_dq_atomics"
 # runs that one with the float2 atomics it used for dQ before its tensor
-# reductions.
+# reductions. With causality the cluster pair folds the key blocks (a cluster
+# does key blocks m and nkb - 1 - m); "bwd_d256_unfolded" runs one per cluster.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -144,6 +149,8 @@ def _kernel_rows(case):
   if plain and case.head_dim == 256:
     rows += [(False, "bwd_d256_shared_keys"), (True, "bwd_d256_shared_keys"),
              (False, "bwd_d256_dq_atomics"), (False, "bwd_d256_split_head")]
+    if case.is_causal:
+      rows += [(False, "bwd_d256_unfolded")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -161,6 +168,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
   elif kernels == "bwd_d256_split_head":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head")
+  elif kernels == "bwd_d256_unfolded":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off")
   elif kernels == "bwd_d256_dq_atomics":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics")

@@ -878,12 +878,16 @@ struct PairBarriers {
   __device__ __forceinline__ uint32_t p_empty(int u) const {
     return base + 8 * (7 + 4 * kParts + u);
   }
-  static constexpr int kCount = 9 + 4 * kParts;
+  // K and V (rank 1: and K's half) read for the last time: a folded
+  // cluster's next key block may be loaded.
+  __device__ __forceinline__ uint32_t kv_empty() const { return base + 8 * (9 + 4 * kParts); }
+  static constexpr int kCount = 10 + 4 * kParts;
   // Local arrivals are per thread; those from the other block per warp (one
   // lane, after the warp's reads or writes).
   __device__ __forceinline__ void init(int rank) const {
     constexpr int kThreads = kConsumers * 128, kWarps = kConsumers * 4;
     mbar_init(kv_full(), 1);
+    mbar_init(kv_empty(), kThreads);
     for (int part = 0; part < kParts; ++part) {
       for (int s = 0; s < 2; ++s) {
         mbar_init(full(part, s), part == kOther ? 32 : 1);
@@ -950,7 +954,8 @@ __device__ __forceinline__ void send_warp_rows(uint32_t src, uint32_t bar, uint3
 
 template <class E>
 __global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_cluster_pair_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+    bwd_ws_cluster_pair_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
+                               const int folded) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = PairLayout;
   using Bars = PairBarriers;
@@ -968,17 +973,20 @@ __global__ void __launch_bounds__(kNT, 1)
   const int b = blockIdx.z, kvh = blockIdx.y;
   const int rank = static_cast<int>(cluster_rank());  // also the half of the head dim
   const uint32_t other = rank ^ 1;
-  const int j0 = (blockIdx.x >> 1) * kBK;
-  // Step it's score operand is in slot slot(it), filled for the use(it)-th
+  // The cluster's key blocks ("units"), one after the other: key block m,
+  // and when folded (causal) also key block nkb - 1 - m (see
+  // launch_cluster_pair). Both blocks of the cluster walk the same units and
+  // steps; a step's number g counts on over the units, so that every
+  // barrier's phases do too.
+  const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x >> 1);
+  const int units = folded && nkb - 1 - m != m ? 2 : 1;
+  auto unit_j0 = [&](int unit) { return (unit == 0 ? m : nkb - 1 - m) * kBK; };
+  // Step g's score operand is in slot slot(g), filled for the use(g)-th
   // time: rank 0 alternates two slots, rank 1 has one.
-  auto slot = [&](int it) { return rank == 0 ? it & 1 : 0; };
-  auto use = [&](int it) { return rank == 0 ? it >> 1 : it; };
+  auto slot = [&](int g) { return rank == 0 ? g & 1 : 0; };
+  auto use = [&](int g) { return rank == 0 ? g >> 1 : g; };
   auto slot_tile = [&](int s) { return base + (s == 0 ? L::kSlot0 : L::kSlot1); };
   const uint32_t sHalfK = base + L::kSlot1;  // rank 1
-  HeadMask hm;
-  QuerySteps<> steps;
-  steps.init(p, hm, b, kvh, j0, kBK);
-  const int total = steps.total;  // the same in both blocks: one key block
 
   if (tid == 0) bar.init(rank);
   // Both blocks' barriers are initialised before either block's threads
@@ -988,10 +996,11 @@ __global__ void __launch_bounds__(kNT, 1)
   if (wg == 0) {
     setmaxnreg_dec<24>();
     // Exited threads do not hold up the cluster barrier at the end.
-    if (warp != 0 || total == 0) return;
-    // The producer warp: rank 0's K (whole), rank 1's V (whole) and K's own
-    // half once, then each step's three parts, each once its previous use is
-    // done, and with kOther the step's L and D into stage it & 1.
+    if (warp != 0) return;
+    // The producer warp, per unit with steps: rank 0's K (whole), rank 1's
+    // V (whole) and K's own half, once the last unit's are read, then each
+    // step's three parts, each once its previous use is done, and with
+    // kOther the step's L and D into stage g & 1.
     auto load_blocks = [&](uint32_t tile, const CUtensorMap* map, uint32_t full, int rows,
                            int x0, int row, int h) {
       load_half_blocks(tile, map, full, rows, x0, rank, row, h, b);
@@ -999,35 +1008,47 @@ __global__ void __launch_bounds__(kNT, 1)
     const CUtensorMap* whole_kv = rank == 0 ? &maps.k : &maps.v;
     const CUtensorMap* score_op = rank == 0 ? &maps.q : &maps.d_o;
     const CUtensorMap* aux_op = rank == 0 ? &maps.d_o : &maps.q;
-    if (lane == 0) {
-      mbar_arrive_expect_tx(bar.kv_full(), L::kWholeKVBytes + (rank == 1 ? L::kHalfKVBytes : 0));
-      load_blocks(sWholeKV, whole_kv, bar.kv_full(), kBK, 0, j0, kvh);
-      load_blocks(sWholeKV, whole_kv, bar.kv_full(), kBK, 2, j0, kvh);
-      if (rank == 1) load_blocks(sHalfK, &maps.k, bar.kv_full(), kBK, 0, j0, kvh);
-    }
     constexpr int kPartBytes = kBQ * 128 * 2;  // two column blocks
-    for (int it = 0; it < total; ++it) {
-      const int h = steps.head(it), i0 = steps.row0(it);
-      const int s = slot(it), n = use(it);
-      if (n > 0) mbar_wait(bar.empty(Bars::kOther, s), (n - 1) & 1);
-      float *l = sL + (it & 1) * kBQ, *dsum = sDs + (it & 1) * kBQ;
-      load_row_stats(p, b, h, i0, kBQ, lane, l, dsum);
-      load_row_stats(p, b, h, i0, kBQ, lane + 32, l, dsum);
-      if (lane != 0) mbar_arrive(bar.full(Bars::kOther, s));  // after this lane's statistics
+    int g0 = 0, loads = 0;  // steps and K/V loads of the units before
+    for (int unit = 0; unit < units; ++unit) {
+      const int j0 = unit_j0(unit);
+      HeadMask hm;
+      QuerySteps<> steps;
+      steps.init(p, hm, b, kvh, j0, kBK);
+      if (steps.total == 0) continue;
+      if (loads > 0) mbar_wait(bar.kv_empty(), (loads - 1) & 1);
+      ++loads;
       if (lane == 0) {
-        mbar_arrive_expect_tx(bar.full(Bars::kOther, s), kPartBytes);
-        load_blocks(slot_tile(s), score_op, bar.full(Bars::kOther, s), kBQ, 2, i0, h);
+        mbar_arrive_expect_tx(bar.kv_full(), L::kWholeKVBytes + (rank == 1 ? L::kHalfKVBytes : 0));
+        load_blocks(sWholeKV, whole_kv, bar.kv_full(), kBK, 0, j0, kvh);
+        load_blocks(sWholeKV, whole_kv, bar.kv_full(), kBK, 2, j0, kvh);
+        if (rank == 1) load_blocks(sHalfK, &maps.k, bar.kv_full(), kBK, 0, j0, kvh);
       }
-      if (n > 0) mbar_wait(bar.empty(Bars::kOwn, s), (n - 1) & 1);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(bar.full(Bars::kOwn, s), kPartBytes);
-        load_blocks(slot_tile(s), score_op, bar.full(Bars::kOwn, s), kBQ, 0, i0, h);
+      for (int it = 0; it < steps.total; ++it) {
+        const int g = g0 + it;
+        const int h = steps.head(it), i0 = steps.row0(it);
+        const int s = slot(g), n = use(g);
+        if (n > 0) mbar_wait(bar.empty(Bars::kOther, s), (n - 1) & 1);
+        float *l = sL + (g & 1) * kBQ, *dsum = sDs + (g & 1) * kBQ;
+        load_row_stats(p, b, h, i0, kBQ, lane, l, dsum);
+        load_row_stats(p, b, h, i0, kBQ, lane + 32, l, dsum);
+        if (lane != 0) mbar_arrive(bar.full(Bars::kOther, s));  // after this lane's statistics
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar.full(Bars::kOther, s), kPartBytes);
+          load_blocks(slot_tile(s), score_op, bar.full(Bars::kOther, s), kBQ, 2, i0, h);
+        }
+        if (n > 0) mbar_wait(bar.empty(Bars::kOwn, s), (n - 1) & 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar.full(Bars::kOwn, s), kPartBytes);
+          load_blocks(slot_tile(s), score_op, bar.full(Bars::kOwn, s), kBQ, 0, i0, h);
+        }
+        if (g > 0) mbar_wait(bar.empty(Bars::kAux), (g - 1) & 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar.full(Bars::kAux), kPartBytes);
+          load_blocks(sAux, aux_op, bar.full(Bars::kAux), kBQ, 0, i0, h);
+        }
       }
-      if (it > 0) mbar_wait(bar.empty(Bars::kAux), (it - 1) & 1);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(bar.full(Bars::kAux), kPartBytes);
-        load_blocks(sAux, aux_op, bar.full(Bars::kAux), kBQ, 0, i0, h);
-      }
+      g0 += steps.total;
     }
     return;
   }
@@ -1039,156 +1060,172 @@ __global__ void __launch_bounds__(kNT, 1)
   float dk[DH / 2], dv[DH / 2], sc[kBQ / 2];  // sc: rank 0's Sᵀ, Pᵀ; rank 1's dPᵀ, dSᵀ
   uint32_t pt[kBQ / 4];                       // Pᵀ, packed (pack_pairs)
 #pragma unroll
-  for (int i = 0; i < DH / 2; ++i) dk[i] = dv[i] = 0.f;
-#pragma unroll
   for (int i = 0; i < kBQ / 2; ++i) sc[i] = 0.f;
-
-  // Rank 0: dK += dSᵀ Q and dQ = dS K of step `prev` (issued as two commit
-  // groups) once rank 1's dSᵀ has landed; then finish_late() waits for
-  // them, frees what they read and adds dQ.
   float dq[32];
-  auto issue_late = [&](int prev) {
-    const uint32_t cdS = sdS + (prev & 1) * L::kDSBytes;
-    mbar_wait(bar.ds_ready(prev & 1), (prev >> 1) & 1);
-    fence_regs(dk);
-    wgmma_fence();
+
+  int g0 = 0, loads = 0;  // steps and K/V loads of the units before
+  for (int unit = 0; unit < units; ++unit) {
+    const int j0 = unit_j0(unit);
+    HeadMask hm;
+    QuerySteps<> steps;
+    steps.init(p, hm, b, kvh, j0, kBK);
+    const int total = steps.total;  // the same in both blocks
 #pragma unroll
-    for (int kk = 0; kk < kBQ / 16; ++kk)
-      Wgmma<E, DH>::template ss<0, 1>(dk, desc_k_major<kBK>(cdS, c * 64, kk),
-                                      desc_mn_major<kBQ>(slot_tile(slot(prev)), 0, kk), 1);
-    wgmma_commit();
-    issue_dq<E, 64, kBK>(dq, cdS, sWholeKV, 64 * c);
-  };
-  auto finish_late = [&](int prev) {
-    wgmma_wait<1>();
-    fence_regs(dk);
-    mbar_arrive(bar.empty(Bars::kOwn, slot(prev)));
-    wgmma_wait<0>();
-    fence_regs(dq);
-    __syncwarp();
-    if (lane == 0) mbar_arrive_remote(map_to_rank(bar.ds_done(prev & 1), other));
-    add_dq_tile_v4<64>(p, dq, b, steps.head(prev), steps.row0(prev), 64 * c, wq, lane);
-  };
+    for (int i = 0; i < DH / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  if (total > 0) mbar_wait(bar.kv_full(), 0);
-  for (int it = 0; it < total; ++it) {
-    // The step's row statistics stage, Pᵀ and dSᵀ buffer, and the parity of
-    // the buffers' (it / 2)-th use.
-    const int u = it & 1;
-    const uint32_t use_parity = (it >> 1) & 1;
-    const int h = steps.head(it), i0 = steps.row0(it);
-    const int s = slot(it);
-    const uint32_t parts_parity = use(it) & 1;
-    const uint32_t score_tile = slot_tile(s);
-
-    // The score product (rank 0 Sᵀ, rank 1 dPᵀ) in the order the parts land.
-    fence_regs(sc);
-    wgmma_fence();
-    mbar_wait(bar.full(Bars::kOther, s), parts_parity);
-    ThreadRowStats<kBQ> row_stat;  // rank 0: L; rank 1: D
-    row_stat.load((rank == 0 ? sL : sDs) + u * kBQ, 0, lane);
-    issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true>(sc, sWholeKV, c * 64, score_tile, 0);
-    mbar_wait(bar.full(Bars::kOwn, s), parts_parity);
-    issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false>(sc, sWholeKV, c * 64, score_tile, 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(sc);
-    mbar_arrive(bar.empty(Bars::kOther, s));
-
-    if (rank == 0) {
-      hm.init(p, b, h, kLog2e);
-      const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
-      compute_pt<0, 0>(sc, hm, p.scale_log2, row_stat, i0, j0, key_w0, 0, lane, full_tile,
-                       nullptr);
-      pack_pairs<E, kBQ>(sc, pt);
-      uint32_t p_sent[kBQ / 4];  // Pᵀ as float16 pairs (see above pair_p_offset)
-      pack_pairs<__half, kBQ>(sc, p_sent);
-      // Pᵀ to rank 1 through this block's buffer u: once rank 1 has read its
-      // buffer u's previous Pᵀ, and this warp's copy from ours has.
-      if (it >= 2) mbar_wait(bar.p_empty(u), use_parity ^ 1);
-      if (lane == 0) bulk_wait_read<1>();
-      __syncwarp();
-      const uint32_t warp_p = sP + u * L::kPBytes + pair_p_offset(w, 0, 0);
-      uint8_t* stage = smem_ptr(warp_p);
+    // Rank 0: dK += dSᵀ Q and dQ = dS K of step `prev` (issued as two commit
+    // groups) once rank 1's dSᵀ has landed; then finish_late() waits for
+    // them, frees what they read and adds dQ.
+    auto issue_late = [&](int prev) {
+      const uint32_t cdS = sdS + (prev & 1) * L::kDSBytes;
+      mbar_wait(bar.ds_ready(prev & 1), (prev >> 1) & 1);
+      fence_regs(dk);
+      wgmma_fence();
 #pragma unroll
-      for (int v = 0; v < 4; ++v)
-        *reinterpret_cast<uint4*>(stage + pair_p_offset(0, v, lane)) =
-            make_uint4(p_sent[4 * v], p_sent[4 * v + 1], p_sent[4 * v + 2], p_sent[4 * v + 3]);
-      fence_proxy_async();  // the bulk copy reads them through the async proxy
-      send_warp_rows(warp_p, bar.p_full(u), other, lane);
-
-      mbar_wait(bar.full(Bars::kAux), it & 1);
-      issue_dv_packed<E, DH, kBQ>(dv, pt, sAux);
-      if (it > 0) {
-        issue_late(it - 1);
-        wgmma_wait<2>();
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_regs(dv);
-      mbar_arrive(bar.empty(Bars::kAux));
-      if (it > 0) finish_late(it - 1);
-    } else {
-      // Rank 0's Pᵀ of the step: dSᵀ from its float16 values, dV from them
-      // rounded to E.
-      mbar_wait(bar.p_full(u), use_parity);
-      const uint8_t* local_p = smem_ptr(sP + u * L::kPBytes + pair_p_offset(w, 0, 0));
-      uint32_t p_got[kBQ / 4];
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const uint4 x = *reinterpret_cast<const uint4*>(local_p + pair_p_offset(0, v, lane));
-        p_got[4 * v] = x.x;
-        p_got[4 * v + 1] = x.y;
-        p_got[4 * v + 2] = x.z;
-        p_got[4 * v + 3] = x.w;
-      }
-      compute_dst_packed<__half, kBQ>(sc, p_got, row_stat, 0, lane);
-#pragma unroll
-      for (int m = 0; m < kBQ / 4; ++m) {
-        const float2 pair = Cvt<__half>::unpack(p_got[m]);
-        pt[m] = Cvt<E>::pack(pair.x, pair.y);
-      }
-      __syncwarp();  // every lane has used its Pᵀ: the buffer may be refilled
-      if (lane == 0) mbar_arrive_remote(map_to_rank(bar.p_empty(u), other));
-      // dSᵀ into buffer u, once both blocks are done reading its use two
-      // steps ago and this warp's copy of it to rank 0 has read it; then
-      // each warp sends its 16 keys to rank 0's buffer u.
-      const uint32_t cdS = sdS + u * L::kDSBytes;
-      if (it >= 2) mbar_wait(bar.ds_done(u), use_parity ^ 1);
-      if (lane == 0) bulk_wait_read<1>();
-      __syncwarp();
-      store_key_major<E, kBK>(smem_ptr(cdS), sc, key_w0, 0, lane);
-      fence_proxy_async();  // this block's dQ wgmma and the bulk copy read them
-      mbar_arrive(bar.ds_ready(u));
-      send_warp_rows(cdS + key_w0 * 128, bar.ds_ready(u), other, lane);  // 128 bytes a key
-
-      issue_dv_packed<E, DH, kBQ>(dv, pt, score_tile);
-      issue_dk<E, DH>(dk, sc, sAux);
-      mbar_wait(bar.ds_ready(u), use_parity);  // both consumers' keys, for dQ
-      issue_dq<E, 64, kBK>(dq, cdS, sHalfK, 64 * c);
-      wgmma_wait<2>();
-      fence_regs(dv);
-      mbar_arrive(bar.empty(Bars::kOwn));
+      for (int kk = 0; kk < kBQ / 16; ++kk)
+        Wgmma<E, DH>::template ss<0, 1>(dk, desc_k_major<kBK>(cdS, c * 64, kk),
+                                        desc_mn_major<kBQ>(slot_tile(slot(prev)), 0, kk), 1);
+      wgmma_commit();
+      issue_dq<E, 64, kBK>(dq, cdS, sWholeKV, 64 * c);
+    };
+    auto finish_late = [&](int prev) {
       wgmma_wait<1>();
       fence_regs(dk);
-      mbar_arrive(bar.empty(Bars::kAux));
+      mbar_arrive(bar.empty(Bars::kOwn, slot(prev)));
       wgmma_wait<0>();
       fence_regs(dq);
-      mbar_arrive(bar.ds_done(u));
-      add_dq_tile_v4<64>(p, dq, b, h, i0, DH + 64 * c, wq, lane);
+      __syncwarp();
+      if (lane == 0) mbar_arrive_remote(map_to_rank(bar.ds_done(prev & 1), other));
+      add_dq_tile_v4<64>(p, dq, b, steps.head(prev - g0), steps.row0(prev - g0), 64 * c, wq,
+                         lane);
+    };
+
+    if (total > 0) mbar_wait(bar.kv_full(), loads & 1);
+    for (int it = 0; it < total; ++it) {
+      // The step's row statistics stage, Pᵀ and dSᵀ buffer, and the parity of
+      // the buffers' (g / 2)-th use.
+      const int g = g0 + it;
+      const int u = g & 1;
+      const uint32_t use_parity = (g >> 1) & 1;
+      const int h = steps.head(it), i0 = steps.row0(it);
+      const int s = slot(g);
+      const uint32_t parts_parity = use(g) & 1;
+      const uint32_t score_tile = slot_tile(s);
+
+      // The score product (rank 0 Sᵀ, rank 1 dPᵀ) in the order the parts land.
+      fence_regs(sc);
+      wgmma_fence();
+      mbar_wait(bar.full(Bars::kOther, s), parts_parity);
+      ThreadRowStats<kBQ> row_stat;  // rank 0: L; rank 1: D
+      row_stat.load((rank == 0 ? sL : sDs) + u * kBQ, 0, lane);
+      issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true>(sc, sWholeKV, c * 64, score_tile, 0);
+      mbar_wait(bar.full(Bars::kOwn, s), parts_parity);
+      issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false>(sc, sWholeKV, c * 64, score_tile, 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(sc);
+      mbar_arrive(bar.empty(Bars::kOther, s));
+
+      if (rank == 0) {
+        hm.init(p, b, h, kLog2e);
+        const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+        compute_pt<0, 0>(sc, hm, p.scale_log2, row_stat, i0, j0, key_w0, 0, lane, full_tile,
+                         nullptr);
+        pack_pairs<E, kBQ>(sc, pt);
+        uint32_t p_sent[kBQ / 4];  // Pᵀ as float16 pairs (see above pair_p_offset)
+        pack_pairs<__half, kBQ>(sc, p_sent);
+        // Pᵀ to rank 1 through this block's buffer u: once rank 1 has read its
+        // buffer u's previous Pᵀ, and this warp's copy from ours has.
+        if (g >= 2) mbar_wait(bar.p_empty(u), use_parity ^ 1);
+        if (lane == 0) bulk_wait_read<1>();
+        __syncwarp();
+        const uint32_t warp_p = sP + u * L::kPBytes + pair_p_offset(w, 0, 0);
+        uint8_t* stage = smem_ptr(warp_p);
+#pragma unroll
+        for (int v = 0; v < 4; ++v)
+          *reinterpret_cast<uint4*>(stage + pair_p_offset(0, v, lane)) =
+              make_uint4(p_sent[4 * v], p_sent[4 * v + 1], p_sent[4 * v + 2], p_sent[4 * v + 3]);
+        fence_proxy_async();  // the bulk copy reads them through the async proxy
+        send_warp_rows(warp_p, bar.p_full(u), other, lane);
+
+        mbar_wait(bar.full(Bars::kAux), g & 1);
+        issue_dv_packed<E, DH, kBQ>(dv, pt, sAux);
+        if (it > 0) {
+          issue_late(g - 1);
+          wgmma_wait<2>();
+        } else {
+          wgmma_wait<0>();
+        }
+        fence_regs(dv);
+        mbar_arrive(bar.empty(Bars::kAux));
+        if (it > 0) finish_late(g - 1);
+      } else {
+        // Rank 0's Pᵀ of the step: dSᵀ from its float16 values, dV from them
+        // rounded to E.
+        mbar_wait(bar.p_full(u), use_parity);
+        const uint8_t* local_p = smem_ptr(sP + u * L::kPBytes + pair_p_offset(w, 0, 0));
+        uint32_t p_got[kBQ / 4];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const uint4 x = *reinterpret_cast<const uint4*>(local_p + pair_p_offset(0, v, lane));
+          p_got[4 * v] = x.x;
+          p_got[4 * v + 1] = x.y;
+          p_got[4 * v + 2] = x.z;
+          p_got[4 * v + 3] = x.w;
+        }
+        compute_dst_packed<__half, kBQ>(sc, p_got, row_stat, 0, lane);
+#pragma unroll
+        for (int m = 0; m < kBQ / 4; ++m) {
+          const float2 pair = Cvt<__half>::unpack(p_got[m]);
+          pt[m] = Cvt<E>::pack(pair.x, pair.y);
+        }
+        __syncwarp();  // every lane has used its Pᵀ: the buffer may be refilled
+        if (lane == 0) mbar_arrive_remote(map_to_rank(bar.p_empty(u), other));
+        // dSᵀ into buffer u, once both blocks are done reading its use two
+        // steps ago and this warp's copy of it to rank 0 has read it; then
+        // each warp sends its 16 keys to rank 0's buffer u.
+        const uint32_t cdS = sdS + u * L::kDSBytes;
+        if (g >= 2) mbar_wait(bar.ds_done(u), use_parity ^ 1);
+        if (lane == 0) bulk_wait_read<1>();
+        __syncwarp();
+        store_key_major<E, kBK>(smem_ptr(cdS), sc, key_w0, 0, lane);
+        fence_proxy_async();  // this block's dQ wgmma and the bulk copy read them
+        mbar_arrive(bar.ds_ready(u));
+        send_warp_rows(cdS + key_w0 * 128, bar.ds_ready(u), other, lane);  // 128 bytes a key
+
+        issue_dv_packed<E, DH, kBQ>(dv, pt, score_tile);
+        issue_dk<E, DH>(dk, sc, sAux);
+        mbar_wait(bar.ds_ready(u), use_parity);  // both consumers' keys, for dQ
+        issue_dq<E, 64, kBK>(dq, cdS, sHalfK, 64 * c);
+        wgmma_wait<2>();
+        fence_regs(dv);
+        mbar_arrive(bar.empty(Bars::kOwn));
+        wgmma_wait<1>();
+        fence_regs(dk);
+        mbar_arrive(bar.empty(Bars::kAux));
+        wgmma_wait<0>();
+        fence_regs(dq);
+        mbar_arrive(bar.ds_done(u));
+        add_dq_tile_v4<64>(p, dq, b, h, i0, DH + 64 * c, wq, lane);
+      }
     }
-  }
-  if (rank == 0 && total > 0) {
-    issue_late(total - 1);
-    finish_late(total - 1);
-  }
+    if (total > 0) {
+      if (rank == 0) {
+        issue_late(g0 + total - 1);
+        finish_late(g0 + total - 1);
+      }
+      mbar_arrive(bar.kv_empty());  // every product that reads K or V is done
+      ++loads;
+    }
+    store_dk_dv<E, DH>(p, dk, dv, b, kvh, j0 + c * 64, DH * rank, wq, lane);
+    g0 += total;
+  }  // unit
+
   // Every arrival the other block makes here has landed before this block
   // leaves: the last two steps' (rank 0: rank 1 read those Pᵀ; rank 1: both
   // blocks read those dSᵀ), the phases nobody waited for yet.
-  for (int it = max(total - 2, 0); it < total; ++it)
-    mbar_wait(rank == 0 ? bar.p_empty(it & 1) : bar.ds_done(it & 1), (it >> 1) & 1);
-
-  store_dk_dv<E, DH>(p, dk, dv, b, kvh, j0 + c * 64, DH * rank, wq, lane);
+  for (int g = max(g0 - 2, 0); g < g0; ++g)
+    mbar_wait(rank == 0 ? bar.p_empty(g & 1) : bar.ds_done(g & 1), (g >> 1) & 1);
   if (lane == 0) bulk_wait<0>();  // this warp's copies to the other block are done
   // Neither block leaves while the other may still use its shared memory.
   cluster_sync();
@@ -1256,7 +1293,15 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
   if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
   if (cudaError_t e = allow_smem(kernel, PairLayout::kSmemBytes); e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(2 * ((p.S + kBK - 1) / kBK), p.K, p.B);  // the pair: adjacent blocks
+  // With causality key block j sees the queries from 128 j on, so its work
+  // falls with j, and one cluster per key block left SMs idle for 22% of
+  // the kernel's cycles at GQA 16:2 T = 2048 (Nsight Compute, SM active
+  // cycles; 4% without causality). Folded, cluster m does key block m and
+  // then key block nkb - 1 - m: every cluster about the same work, and the
+  // clusters of one head still start together.
+  const int nkb = (p.S + kBK - 1) / kBK;
+  const int folded = p.causal && hopper_bwd_d256_fold_causal() ? 1 : 0;
+  config.gridDim = dim3(2 * (folded ? (nkb + 1) / 2 : nkb), p.K, p.B);  // a pair: adjacent blocks
   config.blockDim = dim3(kNT);
   config.dynamicSmemBytes = PairLayout::kSmemBytes;
   config.stream = stream;
@@ -1275,7 +1320,7 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
     cudaGetLastError();
     return cudaErrorNotSupported;
   }
-  return cudaLaunchKernelEx(&config, kernel, maps, p);
+  return cudaLaunchKernelEx(&config, kernel, maps, p, folded);
 }
 
 template <class E, bool ATOMIC>

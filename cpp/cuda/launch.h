@@ -148,6 +148,17 @@ inline bool hopper_bwd_d256_cluster_pair() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head") &&
          !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
 }
+// Whether bwd_ws_cluster_pair_kernel folds a causal problem's key blocks
+// (each cluster does key blocks m and nkb - 1 - m, launch_cluster_pair),
+// unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD=off (read on every launch so
+// that tests can switch it). On an H200 (python -m jax_fatrain.benchmark_cuda
+// --part K/12 --no-xla, folded and not in one call, forward+backward
+// TFLOP/s, cuDNN beside each): GQA 16:2 T = 2048 causal 293 vs 262 (cuDNN
+// 296, 302), i.e. 0.99x against 0.87x; the T = 4096 and 8192 causal rows,
+// where the unfolded tail was 1-2%, within the run-to-run spread.
+inline bool hopper_bwd_d256_fold_causal() {
+  return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off");
+}
 inline bool hopper_bwd_d256_split_head() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
 }
@@ -156,8 +167,9 @@ inline bool hopper_bwd_d256_split_head() {
 // dQ in the atomic mode: by tensor reductions staged in the step's Q/dO slot
 // (hopper_bwd_ws.cu, REDUCE_DQ), unless
 // JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics asks for the float2 atomics it
-// used before (read on every launch so that tests can switch it). On an H200 (tools/cuda_tile_sweep.py --head-dim 256, two runs,
-// forward+backward TFLOP/s): 8:8 T = 4096 299-301 vs 280-289, GQA 16:2
+// used before (read on every launch so that tests can switch it). On an
+// H200 (tools/cuda_tile_sweep.py --head-dim 256, two runs, forward+backward
+// TFLOP/s): 8:8 T = 4096 299-301 vs 280-289, GQA 16:2
 // T = 8192 329-331 vs 314; Nsight Compute put the atomics' REDG at the top of
 // the stall samples.
 inline bool hopper_bwd_d256_dq_by_tensor_reduce() {

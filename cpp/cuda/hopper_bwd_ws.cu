@@ -827,7 +827,7 @@ __global__ void __launch_bounds__(kNT, 1)
 // head_dim 256 by a pair of blocks that share the score products, when
 // JAX_FATRAIN_CUDA_HOPPER_BWD_D256=cluster_pair asks for it (not the
 // default: twice a run of it stopped with a CUDA error that running again
-// did not reproduce; see launch.h). On an H200 it took the GQA 16:2 T = 8192
+// did not reproduce; see launch.h and the kAux wait in rank 1's step). On an H200 it took the GQA 16:2 T = 8192
 // backward from 15.5 ms (twelfth session) to 14.75, against
 // cuDNN's 15.93 in the same call (PERF_NOTES, thirteenth session).
 // bwd_ws_split_head_kernel's two blocks of a key block each compute all of
@@ -1195,6 +1195,12 @@ __global__ void __launch_bounds__(kNT, 1)
         send_warp_rows(cdS + key_w0 * 128, bar.ds_ready(u), other, lane);  // 128 bytes a key
 
         issue_dv_packed<E, DH, kBQ>(dv, pt, score_tile);
+        // Q's own half (kAux) has landed. Without this wait (fb7a737 to
+        // 06928b8) dK could read the tile before its copy completed, and the
+        // producer could arm the barrier for the next step while this
+        // step's copy was still pending: the likely cause of the two
+        // CUDA errors in PERF_NOTES (thirteenth and fourteenth sessions).
+        mbar_wait(bar.full(Bars::kAux), g & 1);
         issue_dk<E, DH>(dk, sc, sAux);
         mbar_wait(bar.ds_ready(u), use_parity);  // both consumers' keys, for dQ
         issue_dq<E, 64, kBK>(dq, cdS, sHalfK, 64 * c);

@@ -139,8 +139,10 @@ inline int hopper_bwd_query_rows() {
 // keys). Read on every launch so that tests can switch it.
 // The cluster pair is faster but not the default: two runs of it on an H200
 // stopped with a CUDA error that did not come back when run again
-// (PERF_NOTES.md, thirteenth and fourteenth sessions); until that is found,
-// a training run should not depend on it.
+// (PERF_NOTES.md, thirteenth and fourteenth sessions). A missing wait found
+// since (rank 1 read Q's own half without waiting for its copy) is the
+// likely cause and is fixed, but the fix has not run on a GPU yet; until
+// runs show the error gone, a training run should not depend on it.
 // On an H200 (tools/cuda_tile_sweep.py --head-dim 256, forward+backward
 // TFLOP/s, same call, two rounds): cluster pair vs split head, 8:8
 // T = 4096 379-391 vs 362-369, GQA 16:2 T = 8192 435-439 vs 391-398, causal

@@ -981,7 +981,12 @@ __global__ void __launch_bounds__(kNT, 1)
   // barrier's phases do too.
   const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x >> 1);
   const int units = folded && nkb - 1 - m != m ? 2 : 1;
-  auto unit_j0 = [&](int unit) { return (unit == 0 ? m : nkb - 1 - m) * kBK; };
+  // Unit `unit`'s first key and query steps, for the producer and consumers.
+  auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<>& steps) {
+    const int j0 = (unit == 0 ? m : nkb - 1 - m) * kBK;
+    steps.init(p, hm, b, kvh, j0, kBK);
+    return j0;
+  };
   // Step g's score operand is in slot slot(g), filled for the use(g)-th
   // time: rank 0 alternates two slots, rank 1 has one.
   auto slot = [&](int g) { return rank == 0 ? g & 1 : 0; };
@@ -1012,10 +1017,9 @@ __global__ void __launch_bounds__(kNT, 1)
     constexpr int kPartBytes = kBQ * 128 * 2;  // two column blocks
     int g0 = 0, loads = 0;  // steps and K/V loads of the units before
     for (int unit = 0; unit < units; ++unit) {
-      const int j0 = unit_j0(unit);
       HeadMask hm;
       QuerySteps<> steps;
-      steps.init(p, hm, b, kvh, j0, kBK);
+      const int j0 = start_unit(unit, hm, steps);
       if (steps.total == 0) continue;
       if (loads > 0) mbar_wait(bar.kv_empty(), (loads - 1) & 1);
       ++loads;
@@ -1066,10 +1070,9 @@ __global__ void __launch_bounds__(kNT, 1)
 
   int g0 = 0, loads = 0;  // steps and K/V loads of the units before
   for (int unit = 0; unit < units; ++unit) {
-    const int j0 = unit_j0(unit);
     HeadMask hm;
     QuerySteps<> steps;
-    steps.init(p, hm, b, kvh, j0, kBK);
+    const int j0 = start_unit(unit, hm, steps);
     const int total = steps.total;  // the same in both blocks
 #pragma unroll
     for (int i = 0; i < DH / 2; ++i) dk[i] = dv[i] = 0.f;

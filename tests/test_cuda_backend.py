@@ -127,14 +127,14 @@ LARGE = [
 # three consumer warpgroups without causality or a window, else two;
 # "fwd_consumers2" and "fwd_consumers3" force each, so that both run on every
 # such case. At head dim 256 without a mask or bias the warp-specialised
-# backward takes two blocks per key block that split the head dim;
-# "bwd_d256_cluster_pair" runs (in the atomic mode) the kernel whose two
-# blocks form a cluster and split the score products instead, which with
-# causality folds the key blocks (a cluster does key blocks m and
-# nkb - 1 - m); "bwd_d256_cluster_pair_unfolded" runs it with one key block
-# per cluster. "bwd_d256_shared_keys" runs the kernel whose two consumers
-# share 64 keys, in both modes, and "bwd_d256_dq_atomics" runs that one with
-# the float2 atomics it used for dQ before its tensor reductions.
+# backward takes two blocks per key block: in the atomic mode a cluster that
+# splits the score products between them, in the deterministic mode two
+# blocks that split the head dim; "bwd_d256_split_head" runs the latter in
+# the atomic mode too. With causality the cluster pair folds the key blocks
+# (a cluster does key blocks m and nkb - 1 - m); "bwd_d256_unfolded" runs
+# one key block per cluster. "bwd_d256_shared_keys" runs the kernel whose two
+# consumers share 64 keys, in both modes, and "bwd_d256_dq_atomics" runs that
+# one with the float2 atomics it used for dQ before its tensor reductions.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -148,9 +148,9 @@ def _kernel_rows(case):
              (False, "fwd_consumers3")]
   if plain and case.head_dim == 256:
     rows += [(False, "bwd_d256_shared_keys"), (True, "bwd_d256_shared_keys"),
-             (False, "bwd_d256_dq_atomics"), (False, "bwd_d256_cluster_pair")]
+             (False, "bwd_d256_dq_atomics"), (False, "bwd_d256_split_head")]
     if case.is_causal:
-      rows += [(False, "bwd_d256_cluster_pair_unfolded")]
+      rows += [(False, "bwd_d256_unfolded")]
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -166,10 +166,9 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
   elif kernels == "bwd_d256_shared_keys":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
-  elif kernels == "bwd_d256_cluster_pair":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "cluster_pair")
-  elif kernels == "bwd_d256_cluster_pair_unfolded":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "cluster_pair")
+  elif kernels == "bwd_d256_split_head":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head")
+  elif kernels == "bwd_d256_unfolded":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off")
   elif kernels == "bwd_d256_dq_atomics":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")

@@ -9,7 +9,7 @@
     JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys python tools/cuda_tile_sweep.py --head-dim 256
     JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics \
         python tools/cuda_tile_sweep.py --head-dim 256
-    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=cluster_pair python tools/cuda_tile_sweep.py --head-dim 256
+    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=split_head python tools/cuda_tile_sweep.py --head-dim 256
     JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
     python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
     python tools/cuda_tile_sweep.py --head-dim 64       # only the D=64 configurations

@@ -587,16 +587,17 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-// head_dim 256, split head (the default; launch.h says how to select
-// bwd_ws_cluster_pair_kernel or bwd_ws_d256_kernel instead). cuDNN's
-// decomposition (PERF_NOTES,
-// tenth session): a block owns 128 keys, as bwd_ws_kernel does at D = 128,
-// but only one 128-column half of their dK, dV and of dQ; the grid has two
-// blocks per key block, one per half, that both compute the full Sᵀ and dPᵀ
-// (contracted over all 256 columns). That is 1.4x the tensor work of the
-// problem, for dK and dV of 64 keys x 128 columns per consumer (what fits
-// the registers) and a dQ of 64 queries x 128 columns per 128 keys instead
-// of per 64: half bwd_ws_d256_kernel's float32 dQ traffic per product.
+// head_dim 256, split head (the default in the deterministic mode, and
+// where bwd_ws_cluster_pair_kernel's pair of blocks does not fit; launch.h
+// says how to select it or bwd_ws_d256_kernel instead). cuDNN's
+// decomposition (PERF_NOTES, tenth session): a block owns 128 keys, as
+// bwd_ws_kernel does at D = 128, but only one 128-column half of their dK,
+// dV and of dQ; the grid has two blocks per key block, one per half, that
+// both compute the full Sᵀ and dPᵀ (contracted over all 256 columns).
+// That is 1.4x the tensor work of the problem, for dK and dV of 64 keys x
+// 128 columns per consumer (what fits the registers) and a dQ of 64
+// queries x 128 columns per 128 keys instead of per 64: half
+// bwd_ws_d256_kernel's float32 dQ traffic per product.
 // Consumer c owns keys [64 c, 64 c + 64) and, per step, computes dQ columns
 // [64 c, 64 c + 64) of the half over all 128 keys, a step late, as
 // bwd_ws_kernel does (the dSᵀ buffers, "ready" and "done").
@@ -824,11 +825,11 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-// head_dim 256 by a pair of blocks that share the score products, when
-// JAX_FATRAIN_CUDA_HOPPER_BWD_D256=cluster_pair asks for it (not the
-// default: twice a run of it stopped with a CUDA error that running again
-// did not reproduce; see launch.h and the kAux wait in rank 1's step). On an H200 it took the GQA 16:2 T = 8192
-// backward from 15.5 ms (twelfth session) to 14.75, against
+// head_dim 256 by a pair of blocks that share the score products (the
+// default in the atomic mode; JAX_FATRAIN_CUDA_HOPPER_BWD_D256=split_head
+// runs bwd_ws_split_head_kernel instead; launch.h says why it was opt-in for
+// a while: a missing kAux wait in rank 1's step). On an H200 it took the GQA
+// 16:2 T = 8192 backward from 15.5 ms (twelfth session) to 14.75, against
 // cuDNN's 15.93 in the same call (PERF_NOTES, thirteenth session).
 // bwd_ws_split_head_kernel's two blocks of a key block each compute all of
 // Sᵀ and dPᵀ (a reduction over the whole head dim) and use them for their

@@ -131,18 +131,20 @@ inline int hopper_bwd_query_rows() {
 }
 
 // Which warp-specialised backward runs at head dim 256 without a mask or
-// bias: bwd_ws_split_head_kernel (each block one half of the head dim of
-// 128 keys), unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256 is cluster_pair (in
-// the atomic mode, where a cluster of two blocks fits:
-// bwd_ws_cluster_pair_kernel, two blocks per key block splitting the score
-// products) or shared_keys (bwd_ws_d256_kernel, both consumers share 64
-// keys). Read on every launch so that tests can switch it.
-// The cluster pair is faster but not the default: two runs of it on an H200
-// stopped with a CUDA error that did not come back when run again
-// (PERF_NOTES.md, thirteenth and fourteenth sessions). A missing wait found
-// since (rank 1 read Q's own half without waiting for its copy) is the
-// likely cause and is fixed, but the fix has not run on a GPU yet; until
-// runs show the error gone, a training run should not depend on it.
+// bias. In the atomic mode bwd_ws_cluster_pair_kernel (two blocks per key
+// block, one cluster, splitting the score products), unless
+// JAX_FATRAIN_CUDA_HOPPER_BWD_D256 is split_head or shared_keys; in the
+// deterministic mode (and where no cluster fits) bwd_ws_split_head_kernel
+// (each block one half of the head dim of 128 keys), unless it is
+// shared_keys: bwd_ws_d256_kernel (both consumers share 64 keys). Read on
+// every launch so that tests can switch it.
+// The cluster pair was opt-in for one session: two runs of it had stopped
+// with a CUDA error, and rank 1 was then found reading Q's own half without
+// waiting for its copy (fixed in 41fa286). Since the fix, on an H200
+// (PERF_NOTES.md, fifteenth session): every test_cuda_backend.py row, 150
+// causal and non-causal runs compared with the split head in one process,
+// and compute-sanitizer synccheck and memcheck on a causal GQA case, all
+// without an error.
 // On an H200 (tools/cuda_tile_sweep.py --head-dim 256, forward+backward
 // TFLOP/s, same call, two rounds): cluster pair vs split head, 8:8
 // T = 4096 379-391 vs 362-369, GQA 16:2 T = 8192 435-439 vs 391-398, causal
@@ -150,7 +152,8 @@ inline int hopper_bwd_query_rows() {
 // version, float2 dQ atomics): 8:8 328 vs 315, GQA 362-366 vs 346, causal
 // 273 vs 273 and 345 vs 327.
 inline bool hopper_bwd_d256_cluster_pair() {
-  return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "cluster_pair");
+  return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head") &&
+         !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
 }
 // Whether bwd_ws_cluster_pair_kernel folds a causal problem's key blocks
 // (each cluster does key blocks m and nkb - 1 - m, launch_cluster_pair),

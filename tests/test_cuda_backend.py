@@ -132,9 +132,11 @@ LARGE = [
 # blocks that split the head dim; "bwd_d256_split_head" runs the latter in
 # the atomic mode too. With causality the cluster pair folds the key blocks
 # (a cluster does key blocks m and nkb - 1 - m); "bwd_d256_unfolded" runs
-# one key block per cluster. "bwd_d256_shared_keys" runs the kernel whose two
-# consumers share 64 keys, in both modes, and "bwd_d256_dq_atomics" runs that
-# one with the float2 atomics it used for dQ before its tensor reductions.
+# one key block per cluster. "bwd_heads_outer" runs the warp-specialised
+# backward (both modes) with its query steps head by head instead of tile by
+# tile. "bwd_d256_shared_keys" runs the kernel whose two consumers share 64
+# keys, in both modes, and "bwd_d256_dq_atomics" runs that one with the
+# float2 atomics it used for dQ before its tensor reductions.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -142,7 +144,8 @@ def _kernel_rows(case):
   plain = case.mask_shape is None and case.bias_shape is None
   one = (case.mask_shape is None) != (case.bias_shape is None)
   if plain or (case.head_dim in (64, 128) and one):
-    rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async")]
+    rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async"), (False, "bwd_heads_outer"),
+             (True, "bwd_heads_outer")]
   if plain and case.head_dim == 64:
     rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers2"),
              (False, "fwd_consumers3")]
@@ -162,6 +165,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async")
   elif kernels == "bwd_cp_async":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
+  elif kernels == "bwd_heads_outer":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ORDER", "heads_outer")
   elif kernels == "bwd_rows64":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
   elif kernels == "bwd_d256_shared_keys":

@@ -109,23 +109,44 @@ __device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[
   }
 }
 
+// The order of a key block's query steps.
+//   kHeadsOuter: head by head, each head's query tiles ascending.
+//   kTilesDown, kTilesUp: tile by tile (descending, ascending), at each
+//     tile every query head of the group.
+// Blocks of one KV head run at the same time and read the same Q and dO
+// tiles only if they walk them in step: with causality key block j's
+// queries start at tile j (for 128-row tiles), so head by head every block
+// reads its own tiles, while tiles down from the last one all blocks read
+// the same tile until each reaches its own first; L2 then serves one copy
+// (and the dQ rows all blocks add to). See launch.h for what it measured.
+enum class StepOrder : int { kHeadsOuter, kTilesDown, kTilesUp };
+
 // The query steps one key block walks: the G query heads of its KV head,
-// each times the query tiles of BQ rows that can see keys [j0, j0 + BK).
-// Step `it` is head head(it), rows [row0(it), row0(it) + BQ). init() also
-// sets hm up for the group's first head.
+// each times the query tiles of BQ rows that can see keys [j0, j0 + BK), in
+// `order`. Step `it` is head head(it), rows [row0(it), row0(it) + BQ).
+// init() also sets hm up for the group's first head.
 template <int BQ = kBwdBQ>
 struct QuerySteps {
   int G, kvh, qt_begin, nq, total;
+  StepOrder order;
   __device__ __forceinline__ void init(const KParams& p, HeadMask& hm, int b, int kvh_, int j0,
-                                       int BK) {
+                                       int BK, StepOrder order_ = StepOrder::kHeadsOuter) {
     G = p.N / p.K;
     kvh = kvh_;
+    order = order_;
     hm.init(p, b, kvh * G, kLog2e);
     hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
     total = G * nq;
   }
-  __device__ __forceinline__ int head(int it) const { return kvh * G + it / nq; }
-  __device__ __forceinline__ int row0(int it) const { return (qt_begin + it % nq) * BQ; }
+  __device__ __forceinline__ int head(int it) const {
+    return kvh * G + (order == StepOrder::kHeadsOuter ? it / nq : it % G);
+  }
+  __device__ __forceinline__ int row0(int it) const {
+    const int tile = order == StepOrder::kHeadsOuter ? it % nq
+                     : order == StepOrder::kTilesUp  ? it / G
+                                                     : nq - 1 - it / G;
+    return (qt_begin + tile) * BQ;
+  }
 };
 
 

@@ -279,7 +279,8 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
 
 template <class E, int D, bool ATOMIC, int EB, int BQ>
 __global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
+                  const StepOrder order) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdWsLayout<D, EB, BQ>;
   using Dq = DqSplit<D, BQ>;
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kNT, 1)
   const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * kBK;
   HeadMask hm;
   QuerySteps<BQ> steps;
-  steps.init(p, hm, b, kvh, j0, kBK);
+  steps.init(p, hm, b, kvh, j0, kBK, order);
   const int total = steps.total;
 
   if (tid == 0) bar.init();
@@ -673,7 +674,8 @@ __device__ __forceinline__ void load_half_blocks(uint32_t tile, const CUtensorMa
 
 template <class E, bool ATOMIC>
 __global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
+    bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
+                             const StepOrder order) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = SplitHeadLayout;
   using Bars = SplitHeadBarriers;
@@ -692,7 +694,7 @@ __global__ void __launch_bounds__(kNT, 1)
   const int j0 = (blockIdx.x >> 1) * kBK;
   HeadMask hm;
   QuerySteps<> steps;
-  steps.init(p, hm, b, kvh, j0, kBK);
+  steps.init(p, hm, b, kvh, j0, kBK, order);
   const int total = steps.total;
 
   if (tid == 0) bar.init();
@@ -957,7 +959,7 @@ __device__ __forceinline__ void send_warp_rows(uint32_t src, uint32_t bar, uint3
 template <class E>
 __global__ void __launch_bounds__(kNT, 1)
     bwd_ws_cluster_pair_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
-                               const int folded) {
+                               const int folded, const StepOrder order) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = PairLayout;
   using Bars = PairBarriers;
@@ -982,10 +984,18 @@ __global__ void __launch_bounds__(kNT, 1)
   // barrier's phases do too.
   const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x >> 1);
   const int units = folded && nkb - 1 - m != m ? 2 : 1;
+  // Walked tile by tile, folded clusters do the short key block first,
+  // tiles down, then the long one, tiles up: at step t (counted in tiles)
+  // cluster m is at tile nq - 1 - t in its first unit, and at tile t - 2
+  // in its second (which starts at tile 2m after 2m + 2 tiles), so the
+  // clusters of a KV head read at most two tiles at a time.
+  const bool short_first = folded && order != StepOrder::kHeadsOuter;
   // Unit `unit`'s first key and query steps, for the producer and consumers.
   auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<>& steps) {
-    const int j0 = (unit == 0 ? m : nkb - 1 - m) * kBK;
-    steps.init(p, hm, b, kvh, j0, kBK);
+    const bool key_block_m = (unit == 0) != short_first;
+    const int j0 = (key_block_m ? m : nkb - 1 - m) * kBK;
+    steps.init(p, hm, b, kvh, j0, kBK,
+               short_first && unit == 1 ? StepOrder::kTilesUp : order);
     return j0;
   };
   // Step g's score operand is in slot slot(g), filled for the use(g)-th
@@ -1243,6 +1253,11 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
+// The query step order of the kernels below (launch.h).
+inline StepOrder step_order() {
+  return hopper_bwd_tiles_outer() ? StepOrder::kTilesDown : StepOrder::kHeadsOuter;
+}
+
 // Tensor maps of the four operands: Q and dO in boxes of a query step's bq
 // rows, K and V of a key block's bk.
 inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk, int bq) {
@@ -1269,7 +1284,7 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
     return cudaErrorNotSupported;
   dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
   return launch_with_smem(kernel, grid, kNT, BwdWsLayout<D, EB, BQ>::kSmemBytes, stream, maps,
-                          p);
+                          p, step_order());
 }
 
 template <class E, bool ATOMIC, bool REDUCE_DQ = false>
@@ -1292,7 +1307,8 @@ cudaError_t launch_split_head(const KParams& p, cudaStream_t stream) {
   BwdTensorMaps maps;
   if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
   dim3 grid(2 * ((p.S + kBK - 1) / kBK), p.K, p.B);  // two halves per key block, adjacent
-  return launch_with_smem(kernel, grid, kNT, SplitHeadLayout::kSmemBytes, stream, maps, p);
+  return launch_with_smem(kernel, grid, kNT, SplitHeadLayout::kSmemBytes, stream, maps, p,
+                          step_order());
 }
 
 // bwd_ws_cluster_pair_kernel: two blocks per key block, one cluster.
@@ -1307,9 +1323,9 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
   // With causality key block j sees the queries from 128 j on, so its work
   // falls with j, and one cluster per key block left SMs idle for 22% of
   // the kernel's cycles at GQA 16:2 T = 2048 (Nsight Compute, SM active
-  // cycles; 4% without causality). Folded, cluster m does key block m and
-  // then key block nkb - 1 - m: every cluster about the same work, and the
-  // clusters of one head still start together.
+  // cycles; 4% without causality). Folded, cluster m does key blocks m and
+  // nkb - 1 - m (the kernel says in which order): every cluster about the
+  // same work, and the clusters of one head still start together.
   const int nkb = (p.S + kBK - 1) / kBK;
   const int folded = p.causal && hopper_bwd_d256_fold_causal() ? 1 : 0;
   config.gridDim = dim3(2 * (folded ? (nkb + 1) / 2 : nkb), p.K, p.B);  // a pair: adjacent blocks
@@ -1331,7 +1347,7 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
     cudaGetLastError();
     return cudaErrorNotSupported;
   }
-  return cudaLaunchKernelEx(&config, kernel, maps, p, folded);
+  return cudaLaunchKernelEx(&config, kernel, maps, p, folded, step_order());
 }
 
 template <class E, bool ATOMIC>

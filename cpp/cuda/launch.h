@@ -130,6 +130,21 @@ inline int hopper_bwd_query_rows() {
   return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64") ? 64 : 128;
 }
 
+// The order in which a warp-specialised backward's key block walks its
+// query steps (hopper_bwd_common.cuh, StepOrder): tile by tile from the last
+// tile down, every head of the GQA group at each tile, unless
+// JAX_FATRAIN_CUDA_HOPPER_BWD_ORDER=heads_outer asks for head by head, tiles
+// up, the order before (read on every launch so that tests can switch it).
+// On an H200 (python -m jax_fatrain.benchmark_cuda --part K/12 --no-xla,
+// both orders in one call, forward+backward TFLOP/s, tiles vs heads): 12 of
+// 16 rows faster, none by more than 6% (GQA 16:2 D = 256 causal T = 8192 392
+// vs 382, T = 2048 291 vs 275; 8:8 causal 369 vs 361 and 310 vs 305), three
+// slower by at most 2% (D = 128 causal T = 8192 400 vs 408), all within
+// what single runs move; PERF_NOTES.md, fifteenth session.
+inline bool hopper_bwd_tiles_outer() {
+  return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ORDER", "heads_outer");
+}
+
 // Which warp-specialised backward runs at head dim 256 without a mask or
 // bias. In the atomic mode bwd_ws_cluster_pair_kernel (two blocks per key
 // block, one cluster, splitting the score products), unless

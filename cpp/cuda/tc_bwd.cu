@@ -9,6 +9,9 @@
 //   2. dV += Pᵀ dO, dK += dSᵀ Q (warp: 16 keys x D/2).
 //   3. (atomic mode) dQ += dS K (warp: 16 queries x D/2) by float32 atomics
 //      into scratch; the deterministic mode leaves dQ to tc_dq.cu.
+#include <algorithm>
+#include <cstdint>
+
 #include "cuda/common.cuh"
 #include "cuda/launch.h"
 
@@ -221,19 +224,26 @@ __global__ void __launch_bounds__(kNT, MIN_BLOCKS) bwd_tc_kernel(const KParams p
   }
 }
 
+// dQ = scale * dq_acc, rounded to E: dq_acc is float32 [B, N, T, D], dQ
+// has Q's strides. Block (x, n, b) walks rows i of head n of batch b, four
+// columns per thread: a float4 load and one 8-byte store. The row's
+// coordinates come from 32-bit divisions within one head (T * D fits); the
+// kernel this replaced split a flat 64-bit index per element and took
+// 0.33 ms at B 2, T 8192, N 16, D 256 on an H200, where cuDNN's conversion
+// takes 0.10 (Nsight Compute, fifteenth session).
 template <class E>
 __global__ void dq_convert_kernel(const KParams p) {
-  const int64_t total = static_cast<int64_t>(p.B) * p.N * p.T * p.D;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int d = idx % p.D;
-    int64_t r = idx / p.D;
-    const int i = r % p.T;
-    r /= p.T;
-    const int n = r % p.N;
-    const int b = r / p.N;
-    static_cast<E*>(p.dq)[b * p.q_bs + n * p.q_hs + i * p.q_ss + d] =
-        Cvt<E>::from_f(p.dq_acc[idx] * p.scale);
+  const int per_row = p.D / 4, n = blockIdx.y, b = blockIdx.z;
+  const int count = p.T * per_row;
+  const float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.N + n) * p.T * p.D;
+  E* dq = static_cast<E*>(p.dq) + static_cast<int64_t>(b) * p.q_bs +
+          static_cast<int64_t>(n) * p.q_hs;
+  for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < count; x += gridDim.x * blockDim.x) {
+    const int i = x / per_row, d = (x - i * per_row) * 4;
+    const float4 a = *reinterpret_cast<const float4*>(acc + static_cast<int64_t>(i) * p.D + d);
+    *reinterpret_cast<uint2*>(dq + static_cast<int64_t>(i) * p.q_ss + d) =
+        make_uint2(Cvt<E>::pack(a.x * p.scale, a.y * p.scale),
+                   Cvt<E>::pack(a.z * p.scale, a.w * p.scale));
   }
 }
 
@@ -278,15 +288,31 @@ cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStr
   return atomic_dq ? launch_d<__half, true>(p, stream) : launch_d<__half, false>(p, stream);
 }
 
-cudaError_t launch_dq_convert(const KParams& p, DType dtype, cudaStream_t stream) {
-  const int64_t total = static_cast<int64_t>(p.B) * p.N * p.T * p.D;
-  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 132 * 16));
-  if (dtype == DType::kBF16) {
-    dq_convert_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p);
-  } else {
-    dq_convert_kernel<__half><<<blocks, 256, 0, stream>>>(p);
-  }
+namespace {
+
+template <class E>
+cudaError_t launch_dq_convert_e(const KParams& p, cudaStream_t stream) {
+  // Whole 4-column groups, 8-byte aligned in dQ (dq_acc is 256-byte
+  // aligned). Always so for the head dims of the tensor-core kernels (64,
+  // 128, 256) and XLA's dense buffers; otherwise the caller falls back to
+  // the SIMT backward, which computes dQ itself.
+  if (p.D % 4 != 0 || p.q_ss % 4 != 0 || p.q_hs % 4 != 0 || p.q_bs % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(p.dq) % 8 != 0)
+    return cudaErrorNotSupported;
+  // About 132 SMs x 16 blocks of 256 threads over all heads, at least one
+  // block per head.
+  const int per_head = p.T * (p.D / 4);
+  const int64_t heads = static_cast<int64_t>(p.B) * p.N;
+  const int x = static_cast<int>(std::clamp<int64_t>(132 * 16 / heads, 1, (per_head + 255) / 256));
+  dq_convert_kernel<E><<<dim3(x, p.N, p.B), 256, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_dq_convert(const KParams& p, DType dtype, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? launch_dq_convert_e<__nv_bfloat16>(p, stream)
+                               : launch_dq_convert_e<__half>(p, stream);
 }
 
 }  // namespace fatrain::cuda

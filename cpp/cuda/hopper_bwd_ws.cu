@@ -985,10 +985,12 @@ __global__ void __launch_bounds__(kNT, 1)
   const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x >> 1);
   const int units = folded && nkb - 1 - m != m ? 2 : 1;
   // Walked tile by tile, folded clusters do the short key block first,
-  // tiles down, then the long one, tiles up: at step t (counted in tiles)
-  // cluster m is at tile nq - 1 - t in its first unit, and at tile t - 2
-  // in its second (which starts at tile 2m after 2m + 2 tiles), so the
-  // clusters of a KV head read at most two tiles at a time.
+  // tiles down, then the long one, tiles up. With T = S, nt query tiles of
+  // kBQ = 64 rows in all and t counting whole tiles (every head of the
+  // group), cluster m is at tile nt - 1 - t in its first unit (key block
+  // nkb - 1 - m: 2m + 2 tiles), then at tile t - 2 in its second (key block
+  // m, from tile 2m on), so the clusters of a KV head read at most two
+  // tiles at a time.
   const bool short_first = folded && order != StepOrder::kHeadsOuter;
   // Unit `unit`'s first key and query steps, for the producer and consumers.
   auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<>& steps) {

@@ -16,6 +16,7 @@ The bias gradient is always deterministic.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -63,6 +64,36 @@ def gpu_present() -> bool:
     return len(jax.devices("cuda")) > 0
   except RuntimeError:
     return False
+
+
+@contextlib.contextmanager
+def recording_launches():
+  """Records which of our CUDA kernels run inside the ``with`` block (a test tool).
+
+  Several kernels can serve one problem, and environment variables choose
+  among them (``cpp/cuda/launch.h``); a test that forces one checks that it
+  ran::
+
+    with _cuda.recording_launches() as launched:
+      jax.block_until_ready(f(q, k, v))
+    assert any("bwd_ws_cluster_pair_kernel" in name for name in launched)
+
+  ``launched`` is filled when the block exits with the symbol names (usually
+  mangled; they contain the kernel's own name) of the kernels launched since
+  it began, oldest first. Kernels are launched when XLA runs a computation,
+  so block on its results inside the ``with``. Not for concurrent use: the
+  record is one per process.
+  """
+  if _cuda_ffi is None:
+    raise RuntimeError(f"jax_fatrain's CUDA backend is unavailable: {IMPORT_ERROR}")
+  launched: list[str] = []
+  _cuda_ffi.take_launch_record()  # drop anything recorded before
+  _cuda_ffi.set_launch_recording(True)
+  try:
+    yield launched
+  finally:
+    _cuda_ffi.set_launch_recording(False)
+    launched.extend(_cuda_ffi.take_launch_record())
 
 
 def _register_targets() -> None:

@@ -3,6 +3,7 @@ multi-tile problems (head dims 64/128/256, GQA, causal, window, BNTH), and the
 float32 SIMT path. Skipped where the CUDA extension or a GPU is missing."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,51 @@ def _kernel_rows(case):
           for d, k in rows]
 
 
+def _on_hopper():
+  return getattr(jax.devices("cuda")[0], "compute_capability", None) == "9.0"
+
+
+def _expected_kernels(case, deterministic, kernels):
+  """(must, never): patterns that some launched kernel's name must match, and
+  patterns that none may, for what row `kernels` chooses on an sm_90 GPU
+  (cpp/cuda/launch.h says how each kernel is chosen). Names are demangled
+  (`_cuda.recording_launches`): "bwd_ws_kernel<__nv_bfloat16, 64, true, 0,
+  128>(...)". Where the choice depends on which masks are staged (tested by
+  the cases' results), only what the row forces is checked."""
+  plain = case.mask_shape is None and case.bias_shape is None
+  d = case.head_dim
+  # dQ: the deterministic mode's own kernel, or the float32 scratch converted.
+  must = [r"\bdq_tc_kernel<" if deterministic else r"\bdq_convert_kernel<"]
+  never = []
+  if kernels == "mma_sync":
+    return must + [r"\bfwd_tc_kernel<", r"\bbwd_tc_kernel<"], [r"wgmma|_ws_"]
+  if kernels == "fwd_cp_async":
+    must.append(r"\bfwd_wgmma_kernel<")
+    never.append(r"\bfwd_ws_kernel<")
+  else:
+    must.append(r"\bfwd_ws_kernel<")
+  if kernels.startswith("fwd_consumers"):
+    must.append(rf"WsTile<64, 128, 0, {kernels[-1]}>")
+  if kernels == "bwd_cp_async":
+    must.append(r"\bbwd_wgmma_(d256_)?kernel<")
+    never.append(r"\bbwd_ws_")
+  elif kernels == "bwd_rows64":
+    must.append(r"\bbwd_ws_kernel<[^>]*, 64>")
+  elif kernels == "bwd_d256_shared_keys":
+    must.append(r"\bbwd_ws_d256_kernel<")
+  elif kernels == "bwd_d256_dq_atomics":
+    must.append(r"\bbwd_ws_d256_kernel<[^>]*, true, false>")
+  elif kernels == "bwd_d256_split_head":
+    must.append(r"\bbwd_ws_split_head_kernel<")
+  elif plain and d in (64, 128):
+    # 128-row query steps at D = 64 without a mask or bias, else 64.
+    must.append(rf"\bbwd_ws_kernel<[^>]*, {d}, (true|false), 0, {128 if d == 64 else 64}>")
+  elif plain:  # D = 256, default, heads outer or unfolded
+    must.append(r"\bbwd_ws_split_head_kernel<" if deterministic else
+                r"\bbwd_ws_cluster_pair_kernel<")
+  return must, never
+
+
 @pytest.mark.parametrize("case,deterministic,kernels",
                          [row for case in LARGE for row in _kernel_rows(case)])
 def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch):
@@ -183,16 +229,25 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
   elif kernels != "default":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
   x = make_inputs(case, seed=7)
-  out, lse = jax.jit(lambda q, k, v: jax_fatrain.dot_product_attention(
-      q, k, v, implementation="cuda", return_residual=True, **x.kwargs(case)))(
-          x.q, x.k, x.v)
   ref_out, ref_lse, ref_grads = _reference_results(case)
+  with _cuda.recording_launches() as launched:
+    out, lse = jax.block_until_ready(jax.jit(lambda q, k, v: jax_fatrain.dot_product_attention(
+        q, k, v, implementation="cuda", return_residual=True, **x.kwargs(case)))(
+            x.q, x.k, x.v))
+    grads = jax.block_until_ready(_grads(case, x, deterministic, runs=1)[0])
+  # The row ran the kernels it asked for (an environment variable that no
+  # longer selects anything would otherwise test the default twice).
+  if _on_hopper():
+    must, never = _expected_kernels(case, deterministic, kernels)
+    for pattern in must:
+      assert any(re.search(pattern, name) for name in launched), (pattern, launched)
+    for pattern in never:
+      assert not any(re.search(pattern, name) for name in launched), (pattern, launched)
   tol = TOLERANCE[case.dtype]
   live = x.live_rows
   assert relative_error(out, ref_out, live) < tol
   assert relative_error(lse, ref_lse, live) < 1e-3
   assert np.all(np.asarray(out, np.float32)[~live] == 0)
-  grads = _grads(case, x, deterministic, runs=1)[0]
   assert len(grads) == len(ref_grads)
   for name, g, rg in zip("qkvb", grads, ref_grads):
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name

@@ -1,8 +1,17 @@
 // Host side of the CUDA kernels: validation, path selection, launches.
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if __has_include(<cxxabi.h>)
+#include <cxxabi.h>
+#define FATRAIN_HAVE_CXXABI 1
+#endif
 
 #include "cuda/attention_cuda.h"
 #include "cuda/common.cuh"
@@ -152,6 +161,51 @@ const char* validate_problem(const AttentionProblem& p) {
 
 const char* selected_path(const AttentionProblem& problem, DType dtype) {
   return tensor_core_ok(problem, dtype) ? "tensor_core" : "simt";
+}
+
+namespace {
+std::atomic<bool> g_recording{false};
+std::mutex g_record_mutex;
+std::vector<std::string> g_record;
+}  // namespace
+
+void set_launch_recording(bool on) { g_recording.store(on, std::memory_order_relaxed); }
+
+std::vector<std::string> take_launch_record() {
+  std::lock_guard<std::mutex> lock(g_record_mutex);
+  std::vector<std::string> names;
+  names.swap(g_record);
+  return names;
+}
+
+void record_launch(const void* kernel) {
+  if (!g_recording.load(std::memory_order_relaxed)) return;
+  // A launch that failed is not recorded, and its error stays for the
+  // launcher's cudaGetLastError.
+  if (cudaPeekAtLastError() != cudaSuccess) return;
+  const char* name = "(unknown: the kernel's name needs CUDA 12.3 or newer)";
+#if CUDART_VERSION >= 12030
+  if (const char* n = nullptr; cudaFuncGetName(&n, kernel) == cudaSuccess && n != nullptr) {
+    name = n;
+  } else {
+    cudaGetLastError();  // the lookup's own error, not the launch's
+    name = "(unknown: cudaFuncGetName failed)";
+  }
+#else
+  (void)kernel;
+#endif
+  std::string readable = name;
+#if defined(FATRAIN_HAVE_CXXABI)
+  // "bwd_ws_kernel<__nv_bfloat16, 64, true, 0, 128>(...)" rather than the
+  // mangled symbol, so that tests can match template arguments too.
+  int status = 0;
+  if (char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status); d != nullptr) {
+    if (status == 0) readable = d;
+    std::free(d);
+  }
+#endif
+  std::lock_guard<std::mutex> lock(g_record_mutex);
+  g_record.push_back(std::move(readable));
 }
 
 size_t forward_scratch_bytes(const AttentionProblem&) { return 0; }

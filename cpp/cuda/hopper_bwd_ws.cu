@@ -1349,7 +1349,9 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
     cudaGetLastError();
     return cudaErrorNotSupported;
   }
-  return cudaLaunchKernelEx(&config, kernel, maps, p, folded, step_order());
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, maps, p, folded, step_order());
+  if (e == cudaSuccess) record_launch(kernel);
+  return e;
 }
 
 template <class E, bool ATOMIC>

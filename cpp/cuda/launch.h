@@ -30,6 +30,15 @@ cudaError_t allow_smem(void (*kernel)(Params...), int smem_bytes) {
   return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
+// Notes `kernel` in the launch record when recording is on
+// (attention_cuda.h, set_launch_recording). Every launcher calls it right
+// after its launch.
+void record_launch(const void* kernel);
+template <class... Params>
+void record_launch(void (*kernel)(Params...)) {
+  record_launch(reinterpret_cast<const void*>(kernel));
+}
+
 // Launches a tensor-core kernel with `smem_bytes` of dynamic shared memory
 // on the current device; allow_smem's errors return before anything is
 // launched.
@@ -38,6 +47,7 @@ cudaError_t launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads, 
                              cudaStream_t stream, const Params&... params) {
   if (cudaError_t e = allow_smem(kernel, smem_bytes); e != cudaSuccess) return e;
   kernel<<<grid, threads, smem_bytes, stream>>>(params...);
+  record_launch(kernel);
   return cudaGetLastError();
 }
 

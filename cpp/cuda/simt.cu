@@ -246,11 +246,18 @@ unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kWarps 
     const unsigned nb = blocks_for(rows);                                                  \
     if (nb == 0) return cudaSuccess;                                                       \
     switch (dtype) {                                                                       \
-      case DType::kF32: kernel<float><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__); break; \
+      case DType::kF32:                                                                    \
+        kernel<float><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__);                        \
+        record_launch(kernel<float>);                                                      \
+        break;                                                                             \
       case DType::kBF16:                                                                   \
         kernel<__nv_bfloat16><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__);                \
+        record_launch(kernel<__nv_bfloat16>);                                              \
         break;                                                                             \
-      default: kernel<__half><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__); break;         \
+      default:                                                                             \
+        kernel<__half><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__);                       \
+        record_launch(kernel<__half>);                                                     \
+        break;                                                                             \
     }                                                                                      \
   } while (0)
 

@@ -305,6 +305,7 @@ cudaError_t launch_dq_convert_e(const KParams& p, cudaStream_t stream) {
   const int64_t heads = static_cast<int64_t>(p.B) * p.N;
   const int x = static_cast<int>(std::clamp<int64_t>(132 * 16 / heads, 1, (per_head + 255) / 256));
   dq_convert_kernel<E><<<dim3(x, p.N, p.B), 256, 0, stream>>>(p);
+  record_launch(dq_convert_kernel<E>);
   return cudaGetLastError();
 }
 

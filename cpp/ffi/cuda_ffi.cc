@@ -15,6 +15,7 @@
 #include "ffi/attention_ffi.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -191,4 +192,8 @@ NB_MODULE(_cuda_ffi, m) {
     if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
     return count;
   }, "Number of CUDA devices the runtime sees (0 when none or no driver).");
+  m.def("set_launch_recording", &fatrain::cuda::set_launch_recording, nb::arg("on"),
+        "Starts or stops recording the kernels the handlers launch (a test tool).");
+  m.def("take_launch_record", &fatrain::cuda::take_launch_record,
+        "The recorded kernels' symbol names since the last call, oldest first.");
 }

@@ -156,10 +156,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   (int32 ``[B]``) padding, and ``local_window_size`` ``(left, right)`` (an
   int means both sides).
 
-  ``implementation``: ``None`` (the best one for the default backend: ``"cpu"``
-  on CPU, ``"xla"`` elsewhere), ``"cpu"`` (C++ kernels through XLA FFI) or
-  ``"xla"`` (a pure-JAX blockwise version of the same math, any platform).
-  :func:`available_implementations` lists them.
+  ``implementation``: ``None`` (the best one for the default backend:
+  ``"cuda"`` on an NVIDIA GPU where the CUDA extension is built, ``"metal"``
+  on a Mac where the Metal extension is, ``"cpu"`` on CPU, ``"xla"``
+  elsewhere), or one by name: ``"cpu"`` (C++ kernels through XLA FFI),
+  ``"cuda"``, ``"metal"``, ``"metal_emulated"`` or ``"xla"`` (a pure-JAX
+  blockwise version of the same math, any platform).
+  :func:`available_implementations` lists those this installation has.
 
   Differences from ``jax.nn``: a query row that sees no key at all (fully
   masked) gives 0 and a logsumexp of -inf (``jax.nn``'s XLA path gives the

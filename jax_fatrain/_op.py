@@ -90,6 +90,11 @@ def resolve_implementation(name: str | None) -> Implementation:
   """Maps ``implementation=`` to an Implementation, or raises ValueError."""
   if name is None:
     backend = jax.default_backend()
+    # On an NVIDIA GPU our CUDA kernels where they are built (JAX calls the
+    # backend "gpu", the platform "cuda"; ROCm GPUs are "gpu" too, hence
+    # the device check).
+    if backend == "gpu" and "cuda" in _IMPLEMENTATIONS and _cuda.gpu_present():
+      return _IMPLEMENTATIONS["cuda"]
     # On a Mac with a Metal device, "metal" (its handlers live on XLA's cpu
     # platform too); elsewhere the CPU kernels.
     for candidate in ("metal", "cpu"):

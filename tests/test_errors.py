@@ -83,6 +83,18 @@ def test_available_implementations():
   assert jax_fatrain.cpu_isa() in ("avx512", "avx2", "baseline")
 
 
+def test_none_picks_the_best_implementation_for_the_default_backend():
+  from jax_fatrain import _cuda, _op
+  chosen = _op.resolve_implementation(None).name
+  available = jax_fatrain.available_implementations()
+  if jax.default_backend() == "gpu" and "cuda" in available and _cuda.gpu_present():
+    assert chosen == "cuda"
+  elif jax.default_backend() == "cpu":
+    assert chosen == ("metal" if "metal" in available else "cpu")
+  else:
+    assert chosen == "xla"
+
+
 def test_ffi_handler_rechecks_its_inputs():
   """Bypassing the Python checks gives an FFI error, not a crash."""
   from jax_fatrain import _cpu

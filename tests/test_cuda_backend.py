@@ -87,6 +87,13 @@ LARGE = [
     # folded cluster-pair backward's clusters do key blocks 0 and 3, 1 and 2.
     Case(batch=2, q_len=200, kv_len=500, q_heads=4, kv_heads=2, head_dim=256,
          dtype=jnp.float16, is_causal=True),
+    # Causal D = 128 with six key blocks, the last not whole, four of them past
+    # every query (with causality key j is seen by queries j on): the folded
+    # warp-specialised backward's blocks do key blocks 5 and 0, 4 and 1, 3
+    # and 2, so two blocks start with a key block without steps and one has
+    # none at all, yet must write zero dK, dV for both of its key blocks.
+    Case(batch=1, q_len=200, kv_len=700, q_heads=4, kv_heads=1, head_dim=128,
+         dtype=jnp.float16, is_causal=True),
     # A mask read one score at a time (kv_len 300 is not a whole number of
     # 16-byte chunks, so no kernel stages it): the kernel instances built for
     # problems with a mask or bias.
@@ -133,11 +140,14 @@ LARGE = [
 # blocks that split the head dim; "bwd_d256_split_head" runs the latter in
 # the atomic mode too. With causality the cluster pair folds the key blocks
 # (a cluster does key blocks m and nkb - 1 - m); "bwd_d256_unfolded" runs
-# one key block per cluster. "bwd_heads_outer" runs the warp-specialised
-# backward (both modes) with its query steps head by head instead of tile by
-# tile. "bwd_d256_shared_keys" runs the kernel whose two consumers share 64
-# keys, in both modes, and "bwd_d256_dq_atomics" runs that one with the
-# float2 atomics it used for dQ before its tensor reductions.
+# one key block per cluster. The warp-specialised backward at head dims 64
+# and 128 folds them too (a block does key blocks m and nkb - 1 - m);
+# "bwd_unfolded" runs it, in both modes, with one key block per block.
+# "bwd_heads_outer" runs the warp-specialised backward (both modes) with its
+# query steps head by head instead of tile by tile. "bwd_d256_shared_keys"
+# runs the kernel whose two consumers share 64 keys, in both modes, and
+# "bwd_d256_dq_atomics" runs that one with the float2 atomics it used for dQ
+# before its tensor reductions.
 def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
@@ -147,6 +157,8 @@ def _kernel_rows(case):
   if plain or (case.head_dim in (64, 128) and one):
     rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async"), (False, "bwd_heads_outer"),
              (True, "bwd_heads_outer")]
+    if case.is_causal and case.head_dim in (64, 128):
+      rows += [(False, "bwd_unfolded"), (True, "bwd_unfolded")]
   if plain and case.head_dim == 64:
     rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers2"),
              (False, "fwd_consumers3")]
@@ -221,6 +233,8 @@ def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch)
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head")
   elif kernels == "bwd_d256_unfolded":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off")
+  elif kernels == "bwd_unfolded":
+    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD", "off")
   elif kernels == "bwd_d256_dq_atomics":
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
     monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics")

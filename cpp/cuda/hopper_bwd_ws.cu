@@ -11,14 +11,20 @@
 // the same phase at the same time and the tensor cores idle through every
 // softmax and dS phase (PERF_NOTES.md, "The backward, attributed").
 //
-// Grid (ceil(S / 128), K, B), three warpgroups:
+// Grid (ceil(S / 128), K, B), one block per key block of 128 keys; with
+// causality (unless JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD=off) half that, rounded
+// up: block m folds key blocks nkb - 1 - m and m (nkb of them), one after
+// the other, so that every block has about the same work. Three warpgroups:
 //   warpgroup 0, the producer: gives its registers back; one warp loads K and
-//     V of the block once (TMA), then for each query step the Q and dO tiles
-//     (TMA) and the L and D row statistics (plain loads) into kStages slots,
-//     each completing on the slot's "full" mbarrier; before refilling a slot
-//     it waits on the slot's "empty" mbarrier.
+//     V of the key block once (TMA; a folded block's second ones once both
+//     consumers are done with the first: "kv_empty"), then for each query
+//     step the Q and dO tiles (TMA) and the L and D row statistics (plain
+//     loads) into kStages slots, each completing on the slot's "full"
+//     mbarrier; before refilling a slot it waits on the slot's "empty"
+//     mbarrier.
 //   warpgroups 1 and 2, the consumers: consumer c owns keys [64 c, 64 c + 64)
-//     of the block and keeps their dK, dV in registers. Per step it:
+//     of the key block and keeps their dK, dV in registers until the key
+//     block's last step. Per step it:
 //     1. Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (ss wgmma); Pᵀ = exp2(Sᵀ - L); dV += Pᵀ dO (rs);
 //        dSᵀ = Pᵀ (dPᵀ - D); dK += dSᵀ Q (rs) -- as in hopper_bwd.cu;
 //     2. (atomic mode) stores its 64 keys of dSᵀ, 16-bit, into the step's dSᵀ
@@ -73,10 +79,12 @@ struct BwdTensorMaps {
 // A block's mbarriers, 8 bytes each from `base`, for STAGES slots of Q and dO.
 template <int STAGES>
 struct BwdBarrierSet {
-  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2 + STAGES;
+  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2 + STAGES + 1;
   uint32_t base;
-  // K and V landed.
+  // K and V landed; every consumer thread is done with them (bwd_ws_kernel
+  // with folded key blocks: the next unit's K and V may be loaded).
   __device__ __forceinline__ uint32_t kv_full() const { return base; }
+  __device__ __forceinline__ uint32_t kv_empty() const { return base + 8 * (7 + 3 * STAGES); }
   // Slot s's Q, dO (bytes) and row statistics (the producer warp's 32 lanes)
   // landed; every consumer thread is done with it.
   __device__ __forceinline__ uint32_t full(int s) const { return base + 8 * (1 + s); }
@@ -105,6 +113,7 @@ struct BwdBarrierSet {
   // the one thread that adds the staged dQ).
   __device__ __forceinline__ void init(int empty_arrivals = kConsumers * 128) const {
     mbar_init(kv_full(), 1);
+    mbar_init(kv_empty(), kConsumers * 128);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 32);
       mbar_init(empty(s), empty_arrivals);
@@ -219,16 +228,21 @@ struct BwdTiles {
   float *l, *dsum;
 };
 
-// The producer warp (see the top of the file): K and V rows [j0, j0 + BK) of
-// KV head kvh once, then each BQ-row query step's Q, dO, L, D into slot it %
-// kStages, and (EB > 0) its staged score tile. With staged scores it waits
-// for its last copies before it exits.
+// The producer warp (see the top of the file), for one key block ("unit";
+// bwd_ws_kernel's folded blocks have two): K and V rows [j0, j0 + BK) of KV
+// head kvh once, then each BQ-row query step's Q, dO, L, D into slot g %
+// kStages, and (EB > 0) its staged score tile. g = g0 + it numbers the steps
+// over the units (g0: the steps of the units before), so that every
+// barrier's phases continue; loads: the K/V loads of the units before, whose
+// K and V the consumers must be done with before these overwrite them. With
+// staged scores it waits for its last copies before it returns.
 template <int D, int BK, int EB, int BQ>
 __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams& p,
                                         const BwdBarriers& bar, const BwdTiles& t,
                                         const QuerySteps<BQ>& steps, int b, int kvh, int j0,
-                                        int lane) {
+                                        int lane, int g0 = 0, int loads = 0) {
   constexpr int kQBytes = BQ * D * 2, kKVBytes = BK * D * 2;
+  if (loads > 0) mbar_wait(bar.kv_empty(), (loads - 1) & 1);
   if (lane == 0) {
     mbar_arrive_expect_tx(bar.kv_full(), 2 * kKVBytes);
     for (int cb = 0; cb < D / 64; ++cb) {
@@ -239,7 +253,8 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
   // Slot s holds steps s, s + kStages, ...; its u-th refill (u >= 1) waits
   // for the u-th completion of its empty barrier, parity (u - 1) & 1.
   for (int it = 0; it < steps.total; ++it) {
-    const int s = it % kStages, use = it / kStages;
+    const int g = g0 + it;
+    const int s = g % kStages, use = g / kStages;
     if (use > 0) mbar_wait(bar.empty(s), (use - 1) & 1);
     const int h = steps.head(it), i0 = steps.row0(it);
     // Written out rather than looped: a loop here changed how ptxas unrolled
@@ -261,8 +276,8 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
       mbar_arrive(bar.full(s));  // after this lane's row statistics
     }
     if constexpr (EB > 0) {
-      // The slot is free once both consumers have their step it - 1 Pᵀ.
-      if (it > 0) mbar_wait(bar.scores_empty(), (it - 1) & 1);
+      // The slot is free once both consumers have their step g - 1 Pᵀ.
+      if (g > 0) mbar_wait(bar.scores_empty(), (g - 1) & 1);
       // 8 rows at a time: unrolled whole, the copies' addresses overflow the
       // producer's registers.
       constexpr int kRow = staged_row_bytes<BK, EB>();
@@ -273,13 +288,14 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
     }
   }
   // A thread's cp.async copies are not documented to survive its exit: wait
-  // for the last step's (the consumers wait on their arrival anyway).
+  // for the last step's (the consumers wait on their arrival anyway, and
+  // before a next unit's K and V for more than that).
   if constexpr (EB > 0) cp_async_wait_all();
 }
 
 template <class E, int D, bool ATOMIC, int EB, int BQ>
 __global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
+    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p, const int folded,
                   const StepOrder order) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdWsLayout<D, EB, BQ>;
@@ -295,11 +311,25 @@ __global__ void __launch_bounds__(kNT, 1)
   const BwdBarriers bar{base + L::kBars};
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * kBK;
-  HeadMask hm;
-  QuerySteps<BQ> steps;
-  steps.init(p, hm, b, kvh, j0, kBK, order);
-  const int total = steps.total;
+  const int b = blockIdx.z, kvh = blockIdx.y;
+  // The block's key blocks ("units"), one after the other: key block m, and
+  // when folded (causal) also key block nkb - 1 - m (see launch), as in
+  // bwd_ws_cluster_pair_kernel. A step's number g counts on over the units,
+  // so that every barrier's phases (Q/dO slots, dSᵀ buffers, the staged
+  // score slot) do too; K and V have one buffer, refilled per unit.
+  const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x);
+  const int units = folded && nkb - 1 - m != m ? 2 : 1;
+  // Walked tile by tile, folded blocks do the short key block first, tiles
+  // down, then the long one, tiles up, so that the blocks of a KV head read
+  // at most two query tiles at a time (bwd_ws_cluster_pair_kernel says how).
+  const bool short_first = folded && order != StepOrder::kHeadsOuter;
+  // Unit `unit`'s first key and query steps, for the producer and consumers.
+  auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<BQ>& steps) {
+    const bool key_block_m = (unit == 0) != short_first;
+    const int j0 = (key_block_m ? m : nkb - 1 - m) * kBK;
+    steps.init(p, hm, b, kvh, j0, kBK, short_first && unit == 1 ? StepOrder::kTilesUp : order);
+    return j0;
+  };
 
   if (tid == 0) bar.init();
   __syncthreads();  // the last block-wide barrier: producer threads exit early
@@ -311,9 +341,19 @@ __global__ void __launch_bounds__(kNT, 1)
   // masked problems hung on an H200; at 24 they run.)
   if (wg == 0) {
     setmaxnreg_dec<24>();
-    if (warp != 0 || total == 0) return;
-    produce<D, kBK, EB, BQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, sScore, sL, sDs}, steps, b,
-                            kvh, j0, lane);
+    if (warp != 0) return;
+    // Units without steps load nothing (the consumers skip them too).
+    int g0 = 0, loads = 0;  // steps and K/V loads of the units before
+    for (int unit = 0; unit < units; ++unit) {
+      HeadMask hm;
+      QuerySteps<BQ> steps;
+      const int j0 = start_unit(unit, hm, steps);
+      if (steps.total == 0) continue;
+      produce<D, kBK, EB, BQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, sScore, sL, sDs}, steps,
+                              b, kvh, j0, lane, g0, loads);
+      g0 += steps.total;
+      ++loads;
+    }
     return;
   }
 
@@ -324,84 +364,103 @@ __global__ void __launch_bounds__(kNT, 1)
 
   float dk[D / 2], dv[D / 2], st[BQ / 2], dpt[BQ / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-#pragma unroll
   for (int i = 0; i < BQ / 2; ++i) st[i] = dpt[i] = 0.f;
 
-  // The previous step's dQ (atomic mode), this consumer's part of it
-  // (DqSplit): wait for both halves of its dSᵀ, compute, release the buffer,
-  // add to the scratch.
-  auto finish_dq = [&](int prev) {
-    float dq[Dq::kCols / 2];
-    mbar_wait(bar.ready(prev & 1), (prev >> 1) & 1);
-    issue_dq<E, Dq::kCols, kBK>(dq, sdS + (prev & 1) * L::kDSBytes, sK, Dq::col0(c),
-                                Dq::row0(c));
-    wgmma_wait<0>();
-    fence_regs(dq);
-    mbar_arrive(bar.done(prev & 1));
-    add_dq_rows<Dq::kCols>(&maps.dq_acc, dq, sdq, b, steps.head(prev),
-                           steps.row0(prev) + Dq::row0(c), Dq::col0(c), wq, lane);
-  };
+  int g0 = 0, loads = 0;  // steps and K/V loads of the units before
+  for (int unit = 0; unit < units; ++unit) {
+    HeadMask hm;
+    QuerySteps<BQ> steps;
+    const int j0 = start_unit(unit, hm, steps);
+    const int total = steps.total;
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  if (total > 0) mbar_wait(bar.kv_full(), 0);
-  for (int it = 0; it < total; ++it) {
-    const int s = it % kStages;
-    const int h = steps.head(it), i0 = steps.row0(it);
-    hm.init(p, b, h, kLog2e);
-    const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
-    const float* cL = sL + s * BQ;
-    const float* cDs = sDs + s * BQ;
-    mbar_wait(bar.full(s), (it / kStages) & 1);
+    // The previous step's dQ (atomic mode), this consumer's part of it
+    // (DqSplit): wait for both halves of its dSᵀ, compute, release the
+    // buffer, add to the scratch. prev: the step's number in the unit (its
+    // head and rows); g0 + prev its number over the units (its buffer).
+    auto finish_dq = [&](int prev) {
+      const int g = g0 + prev;
+      float dq[Dq::kCols / 2];
+      mbar_wait(bar.ready(g & 1), (g >> 1) & 1);
+      issue_dq<E, Dq::kCols, kBK>(dq, sdS + (g & 1) * L::kDSBytes, sK, Dq::col0(c),
+                                  Dq::row0(c));
+      wgmma_wait<0>();
+      fence_regs(dq);
+      mbar_arrive(bar.done(g & 1));
+      add_dq_rows<Dq::kCols>(&maps.dq_acc, dq, sdq, b, steps.head(prev),
+                             steps.row0(prev) + Dq::row0(c), Dq::col0(c), wq, lane);
+    };
 
-    // Sᵀ and dPᵀ for this consumer's 64 keys x the step's BQ queries; Pᵀ and
-    // dV += Pᵀ dO go ahead while dPᵀ computes.
-    issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
-    wgmma_wait<1>();
-    fence_regs(st);
-    const bool full_tile = hm.tile_is_full<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
-    if constexpr (EB > 0) mbar_wait(bar.scores_full(), it & 1);
-    compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
-                                     full_tile, smem_ptr(sScore));
-    if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
+    if (total > 0) mbar_wait(bar.kv_full(), loads & 1);
+    for (int it = 0; it < total; ++it) {
+      const int g = g0 + it;
+      const int s = g % kStages;
+      const int h = steps.head(it), i0 = steps.row0(it);
+      hm.init(p, b, h, kLog2e);
+      const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
+      const float* cL = sL + s * BQ;
+      const float* cDs = sDs + s * BQ;
+      mbar_wait(bar.full(s), (g / kStages) & 1);
 
-    // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
-    // consumers are done with its use two steps ago.
-    if constexpr (BQ == kBQWide) {
-      uint32_t pt[BQ / 4];  // Pᵀ, packed (pack_pairs says why)
-      pack_pairs<E, BQ>(st, pt);
-      issue_dv_packed<E, D, BQ>(dv, pt, cdO);
-      wgmma_wait<1>();  // dPᵀ is done; dV may still run
-      fence_regs(dpt);
-      compute_dst_packed<E, BQ>(dpt, pt, cDs, 0, lane);
-    } else {
-      issue_dv<E, D, BQ>(dv, st, cdO);
-      wgmma_wait<1>();  // dPᵀ is done; dV may still run
-      fence_regs(dpt);
-      compute_dst<BQ>(dpt, st, cDs, 0, lane);
+      // Sᵀ and dPᵀ for this consumer's 64 keys x the step's BQ queries; Pᵀ
+      // and dV += Pᵀ dO go ahead while dPᵀ computes.
+      issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
+      wgmma_wait<1>();
+      fence_regs(st);
+      const bool full_tile = hm.tile_is_full<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
+      if constexpr (EB > 0) mbar_wait(bar.scores_full(), g & 1);
+      compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
+                                       full_tile, smem_ptr(sScore));
+      if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
+
+      // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
+      // consumers are done with its use two steps ago.
+      if constexpr (BQ == kBQWide) {
+        uint32_t pt[BQ / 4];  // Pᵀ, packed (pack_pairs says why)
+        pack_pairs<E, BQ>(st, pt);
+        issue_dv_packed<E, D, BQ>(dv, pt, cdO);
+        wgmma_wait<1>();  // dPᵀ is done; dV may still run
+        fence_regs(dpt);
+        compute_dst_packed<E, BQ>(dpt, pt, cDs, 0, lane);
+      } else {
+        issue_dv<E, D, BQ>(dv, st, cdO);
+        wgmma_wait<1>();  // dPᵀ is done; dV may still run
+        fence_regs(dpt);
+        compute_dst<BQ>(dpt, st, cDs, 0, lane);
+      }
+      if constexpr (ATOMIC) {
+        if (g >= 2) mbar_wait(bar.done(g & 1), ((g >> 1) - 1) & 1);
+        store_key_major<E, kBK, BQ>(smem_ptr(sdS + (g & 1) * L::kDSBytes), dpt, key_w0, 0, lane);
+        fence_proxy_async();  // dQ's wgmma reads it through the async proxy
+        mbar_arrive(bar.ready(g & 1));
+      }
+
+      issue_dk<E, D, BQ>(dk, dpt, cQ);
+      wgmma_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+      mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
+
+      if constexpr (ATOMIC) {
+        if (it > 0) finish_dq(it - 1);
+      }
     }
-    if constexpr (ATOMIC) {
-      if (it >= 2) mbar_wait(bar.done(it & 1), ((it >> 1) - 1) & 1);
-      store_key_major<E, kBK, BQ>(smem_ptr(sdS + (it & 1) * L::kDSBytes), dpt, key_w0, 0, lane);
-      fence_proxy_async();  // dQ's wgmma reads it through the async proxy
-      mbar_arrive(bar.ready(it & 1));
+    if (total > 0) {
+      // The unit's last dQ reads K (dS K), so it comes before K and V are
+      // released; then this thread reads neither again.
+      if constexpr (ATOMIC) finish_dq(total - 1);
+      mbar_arrive(bar.kv_empty());
+      ++loads;
     }
-
-    issue_dk<E, D, BQ>(dk, dpt, cQ);
-    wgmma_wait<0>();
-    fence_regs(dv);
-    fence_regs(dk);
-    mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
-
-    if constexpr (ATOMIC) {
-      if (it > 0) finish_dq(it - 1);
-    }
-  }
-  if constexpr (ATOMIC) {
-    if (total > 0) finish_dq(total - 1);
-    bulk_wait<0>();  // the staging rows stay valid until the reductions are done
-  }
-
-  store_dk_dv<E, D>(p, dk, dv, b, kvh, j0 + c * 64, 0, wq, lane);
+    // Zeros for a key block without steps (past every query, or every key
+    // past its KV length).
+    store_dk_dv<E, D>(p, dk, dv, b, kvh, j0 + c * 64, 0, wq, lane);
+    g0 += total;
+  }  // unit
+  // The staging rows stay valid until the reductions are done (between
+  // units, add_dq_rows waits for them to be read before rewriting them).
+  if constexpr (ATOMIC) bulk_wait<0>();
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
@@ -1284,9 +1343,16 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   if (make_bwd_maps(&maps, p, kBK, BQ) != cudaSuccess) return cudaErrorNotSupported;
   if (ATOMIC && make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B) != cudaSuccess)
     return cudaErrorNotSupported;
-  dim3 grid((p.S + kBK - 1) / kBK, p.K, p.B);
+  // With causality key block j sees the queries from 128 j on, so its work
+  // falls with j and the grid's last wave ends in a tail of idle SMs.
+  // Folded, block m does key blocks nkb - 1 - m and m (the kernel says in
+  // which order), as launch_cluster_pair's clusters do: every block about
+  // the same work.
+  const int nkb = (p.S + kBK - 1) / kBK;
+  const int folded = p.causal && hopper_bwd_fold_causal() ? 1 : 0;
+  dim3 grid(folded ? (nkb + 1) / 2 : nkb, p.K, p.B);
   return launch_with_smem(kernel, grid, kNT, BwdWsLayout<D, EB, BQ>::kSmemBytes, stream, maps,
-                          p, step_order());
+                          p, folded, step_order());
 }
 
 template <class E, bool ATOMIC, bool REDUCE_DQ = false>

@@ -193,6 +193,14 @@ inline bool hopper_bwd_d256_cluster_pair() {
 inline bool hopper_bwd_d256_fold_causal() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off");
 }
+// Whether bwd_ws_kernel (head dims 64 and 128) folds a causal problem's key
+// blocks the same way (block m does key blocks nkb - 1 - m and m,
+// hopper_bwd_ws.cu's launch), unless JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD=off
+// (read on every launch so that tests can switch it). Why: key block j's
+// work falls linearly with j, so one block per key block leaves the last
+// wave with idle SMs (a model puts the tail at 4-7% at these head dims). Not
+// yet measured on a GPU.
+inline bool hopper_bwd_fold_causal() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD", "off"); }
 inline bool hopper_bwd_d256_split_head() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
 }

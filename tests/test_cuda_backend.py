@@ -87,12 +87,12 @@ LARGE = [
     # folded cluster-pair backward's clusters do key blocks 0 and 3, 1 and 2.
     Case(batch=2, q_len=200, kv_len=500, q_heads=4, kv_heads=2, head_dim=256,
          dtype=jnp.float16, is_causal=True),
-    # Causal D = 128 with six key blocks, the last not whole, four of them past
-    # every query (with causality key j is seen by queries j on): the folded
-    # warp-specialised backward's blocks do key blocks 5 and 0, 4 and 1, 3
-    # and 2, so two blocks start with a key block without steps and one has
-    # none at all, yet must write zero dK, dV for both of its key blocks.
-    Case(batch=1, q_len=200, kv_len=700, q_heads=4, kv_heads=1, head_dim=128,
+    # Causal D = 128 with five key blocks, the last not whole, three of them
+    # past every query (with causality key j is seen by queries j on): the
+    # folded warp-specialised backward's blocks do key blocks 4 and 0, 3 and
+    # 1, and 2 alone, so two blocks start with a key block without steps and
+    # one has none at all, yet each must write zero dK, dV for those.
+    Case(batch=1, q_len=200, kv_len=600, q_heads=4, kv_heads=1, head_dim=128,
          dtype=jnp.float16, is_causal=True),
     # A mask read one score at a time (kv_len 300 is not a whole number of
     # 16-byte chunks, so no kernel stages it): the kernel instances built for

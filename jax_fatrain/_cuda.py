@@ -7,9 +7,9 @@ with ``-C cmake.define.JAX_FATRAIN_CUDA=ON`` where nvcc exists, and without it
 
 Determinism: by default the backward accumulates dQ with float32 atomics (the
 FA-2 scheme; the last bits of dQ may differ between runs when several KV tiles
-contribute to a row). ``deterministic=True`` (``AttentionConfig.deterministic``
-when the config has that field, else :func:`set_deterministic` or the
-environment variable ``JAX_FATRAIN_CUDA_DETERMINISTIC=1``) computes dQ in a
+contribute to a row). ``deterministic=True`` (``AttentionConfig.deterministic``,
+or where that is None the process default: :func:`set_deterministic`, first
+the environment variable ``JAX_FATRAIN_CUDA_DETERMINISTIC=1``) computes dQ in a
 separate Q-tile-outer kernel instead: bitwise reproducible, somewhat slower.
 The bias gradient is always deterministic.
 """
@@ -17,6 +17,7 @@ The bias gradient is always deterministic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 
@@ -51,7 +52,11 @@ _deterministic_default = os.environ.get("JAX_FATRAIN_CUDA_DETERMINISTIC", "0") =
 
 
 def set_deterministic(value: bool) -> None:
-  """Default for the backward's dQ mode of calls traced from now on."""
+  """Default for the backward's dQ mode of calls traced from now on.
+
+  A function that ``jax.jit`` has already traced keeps the mode it was traced
+  with; a new trace (a new function, other shapes) takes the new one.
+  """
   global _deterministic_default
   _deterministic_default = bool(value)
 
@@ -102,9 +107,20 @@ def _register_targets() -> None:
   _ffi.register_targets(_cuda_ffi, "CUDA", _registered)
 
 
+def resolve_config(config: AttentionConfig) -> AttentionConfig:
+  """``config`` with the dQ mode filled in from the process default.
+
+  Called by the op when it traces a call (``_op.stage``), so that calls traced
+  after :func:`set_deterministic` get the new mode even where the same shapes
+  were traced before with the old one.
+  """
+  if config.deterministic is not None:
+    return config
+  return dataclasses.replace(config, deterministic=_deterministic_default)
+
+
 def _deterministic(config: AttentionConfig) -> bool:
-  value = getattr(config, "deterministic", None)
-  return _deterministic_default if value is None else bool(value)
+  return resolve_config(config).deterministic
 
 
 def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths):

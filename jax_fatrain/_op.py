@@ -37,6 +37,9 @@ class Implementation:
   max_head_dim: int | None
   # JAX platforms the implementation runs on (None: any).
   platforms: tuple[str, ...] | None
+  # Fills in the config's process-wide defaults (e.g. the CUDA dQ mode) when
+  # a call is traced; None: nothing to fill in.
+  resolve_config: Callable[[AttentionConfig], AttentionConfig] | None = None
 
 
 def _unavailable_reasons() -> dict[str, str]:
@@ -78,7 +81,8 @@ if _cuda.IMPORT_ERROR is None:
   # Our CUDA kernels behind FFI handlers on the CUDA platform.
   _IMPLEMENTATIONS["cuda"] = Implementation(
       "cuda", _cuda.forward, _cuda.backward, _cuda.bias_grad,
-      max_head_dim=_cuda.MAX_HEAD_DIM, platforms=("cuda",))
+      max_head_dim=_cuda.MAX_HEAD_DIM, platforms=("cuda",),
+      resolve_config=_cuda.resolve_config)
 
 
 def available_implementations() -> tuple[str, ...]:
@@ -173,8 +177,20 @@ def _batched(fn: Callable, stage: str) -> Callable:
   return wrapped
 
 
-@functools.lru_cache(maxsize=None)
 def stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callable:
+  """The callable for one stage ("forward", "backward", "bias_grad").
+
+  The config's defaults are filled in first: the callables below are cached
+  by config, and JAX caches what it traces through them, so a default read
+  later, while tracing, would stay whatever it was the first time.
+  """
+  if impl.resolve_config is not None:
+    config = impl.resolve_config(config)
+  return _stage(impl, stage, config)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callable:
   # Sharding (_sharding.py): the stage is wrapped in custom_partitioning so
   # that under a multi-device jit each device runs the kernel on its shard
   # (batch/heads: no collectives; a sharded sequence: ring attention). On one

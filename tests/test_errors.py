@@ -83,6 +83,26 @@ def test_available_implementations():
   assert jax_fatrain.cpu_isa() in ("avx512", "avx2", "baseline")
 
 
+def test_cuda_dq_mode_is_fixed_when_a_call_is_traced():
+  """The process default enters the config (and so every cache key) at trace
+  time: before, a backward traced once kept its first mode for good, and the
+  GPU suite's deterministic rows ran the atomic kernels after atomic rows of
+  the same shapes."""
+  import dataclasses
+  from jax_fatrain import _cuda
+  from jax_fatrain._config import AttentionConfig
+  config = AttentionConfig(scale=0.5)
+  before = _cuda._deterministic_default
+  try:
+    for mode in (True, False, True):
+      _cuda.set_deterministic(mode)
+      assert _cuda.resolve_config(config).deterministic is mode
+    explicit = dataclasses.replace(config, deterministic=False)
+    assert _cuda.resolve_config(explicit) is explicit
+  finally:
+    _cuda.set_deterministic(before)
+
+
 def test_none_picks_the_best_implementation_for_the_default_backend():
   from jax_fatrain import _cuda, _op
   chosen = _op.resolve_implementation(None).name

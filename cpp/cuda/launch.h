@@ -198,8 +198,13 @@ inline bool hopper_bwd_d256_fold_causal() {
 // hopper_bwd_ws.cu's launch), unless JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD=off
 // (read on every launch so that tests can switch it). Why: key block j's
 // work falls linearly with j, so one block per key block leaves the last
-// wave with idle SMs (a model puts the tail at 4-7% at these head dims). Not
-// yet measured on a GPU.
+// wave with idle SMs (a model puts the tail at 4-7% at these head dims). On
+// an H200 (python -m jax_fatrain.benchmark_cuda --no-xla --part K/12, K = 1
+// .. 6, folded and not in one call, forward+backward TFLOP/s): causal
+// T = 1024 165 vs 146 (D = 64) and 210 vs 185 (D = 128), T = 4096 307 vs
+// 305 and 355 vs 357, T = 8192 362 vs 359 and 431 vs 420; the non-causal
+// rows (same kernel either way) moved by 0-4% (PERF_NOTES.md, sixteenth
+// session).
 inline bool hopper_bwd_fold_causal() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD", "off"); }
 inline bool hopper_bwd_d256_split_head() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");

@@ -83,9 +83,10 @@ def recording_launches():
       jax.block_until_ready(f(q, k, v))
     assert any("bwd_ws_cluster_pair_kernel" in name for name in launched)
 
-  ``launched`` is filled when the block exits with the symbol names (usually
-  mangled; they contain the kernel's own name) of the kernels launched since
-  it began, oldest first. Kernels are launched when XLA runs a computation,
+  ``launched`` is filled when the block exits with the names of the kernels
+  launched since it began, oldest first, demangled where the C++ runtime can
+  (``"void fatrain::cuda::(anonymous namespace)::bwd_ws_kernel<__nv_bfloat16,
+  64, true, 0, 128>(...)"``), else as the CUDA runtime gives them. Kernels are launched when XLA runs a computation,
   so block on its results inside the ``with``. Not for concurrent use: the
   record is one per process.
   """

@@ -74,10 +74,10 @@ const char* selected_path(const AttentionProblem& problem, DType dtype);
 // A record of the kernels the entry points launch, for tests: several
 // kernels can serve one problem and environment variables choose among them
 // (launch.h), so a test that forces one checks here that it ran. While
-// recording is on, every launch appends its kernel's symbol name (as the CUDA
-// runtime reports it, usually mangled: it contains the kernel's own name,
-// e.g. "bwd_ws_cluster_pair_kernel"); take_launch_record returns the names
-// since the last call and empties the record. Off by default, and then a
+// recording is on, every launch appends its kernel's name (cudaFuncGetName,
+// demangled where the C++ runtime can: "...bwd_ws_kernel<__nv_bfloat16, 64,
+// true, 0, 128>(...)"); take_launch_record returns the names since the last
+// call and empties the record. Off by default, and then a
 // launch only reads one flag.
 void set_launch_recording(bool on);
 std::vector<std::string> take_launch_record();

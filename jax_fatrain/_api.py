@@ -89,7 +89,7 @@ def _prepare(q, k, v, bias, mask, q_lengths, kv_lengths, *, layout: str,
              bias_name="bias", mask_name="mask"):
   """Checks operands in `layout` (rank 4) and returns them canonicalised."""
   q, k, v = (_as_array(n, x) for n, x in ((q_name, q), (k_name, k), (v_name, v)))
-  impl = _op.resolve_implementation(implementation)
+  impl = _op.resolve_implementation(implementation, q.dtype, q.shape[-1])
   dims = "[B, T, N, H]" if layout == "BTNH" else "[B, N, T, H]"
   kv_dims = "[B, S, K, H]" if layout == "BTNH" else "[B, K, S, H]"
   for name, x, want in ((q_name, q, dims), (k_name, k, kv_dims), (v_name, v, kv_dims)):
@@ -157,7 +157,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   int means both sides).
 
   ``implementation``: ``None`` (the best one for the default backend:
-  ``"cuda"`` on an NVIDIA GPU where the CUDA extension is built, ``"metal"``
+  ``"cuda"`` on an NVIDIA GPU where the CUDA extension is built, for
+  bfloat16/float16 at head dims 64, 128 and 256, ``"metal"``
   on a Mac where the Metal extension is, ``"cpu"`` on CPU, ``"xla"``
   elsewhere), or one by name: ``"cpu"`` (C++ kernels through XLA FFI),
   ``"cuda"``, ``"metal"``, ``"metal_emulated"`` or ``"xla"`` (a pure-JAX

@@ -71,6 +71,14 @@ def gpu_present() -> bool:
     return False
 
 
+def has_tensor_core_kernels(dtype, head_dim: int) -> bool:
+  """Whether problems of this dtype and head dim run on tensor cores here
+  (else on the float32 SIMT kernels, exact but slow)."""
+  if _cuda_ffi is None:
+    return False
+  return _cuda_ffi.selected_path(jnp.dtype(dtype).name, int(head_dim)) == "tensor_core"
+
+
 @contextlib.contextmanager
 def recording_launches():
   """Records which of our CUDA kernels run inside the ``with`` block (a test tool).

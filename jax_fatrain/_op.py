@@ -90,15 +90,24 @@ def available_implementations() -> tuple[str, ...]:
   return tuple(sorted(_IMPLEMENTATIONS))
 
 
-def resolve_implementation(name: str | None) -> Implementation:
-  """Maps ``implementation=`` to an Implementation, or raises ValueError."""
+def resolve_implementation(name: str | None, dtype=None, head_dim: int | None = None
+                           ) -> Implementation:
+  """Maps ``implementation=`` to an Implementation, or raises ValueError.
+
+  For None, the query's dtype and head dim (when given) choose too.
+  """
   if name is None:
     backend = jax.default_backend()
     # On an NVIDIA GPU our CUDA kernels where they are built (JAX calls the
     # backend "gpu", the platform "cuda"; ROCm GPUs are "gpu" too, hence
-    # the device check).
+    # the device check), for the problems they run on tensor cores; the
+    # others (float32, other head dims) would take their float32 SIMT
+    # kernels, so those go to the XLA path, whose matrix products XLA runs
+    # on tensor cores (not measured against each other).
     if backend == "gpu" and "cuda" in _IMPLEMENTATIONS and _cuda.gpu_present():
-      return _IMPLEMENTATIONS["cuda"]
+      if dtype is None or _cuda.has_tensor_core_kernels(dtype, head_dim):
+        return _IMPLEMENTATIONS["cuda"]
+      return _IMPLEMENTATIONS["xla"]
     # On a Mac with a Metal device, "metal" (its handlers live on XLA's cpu
     # platform too); elsewhere the CPU kernels.
     for candidate in ("metal", "cpu"):

@@ -105,14 +105,17 @@ def test_cuda_dq_mode_is_fixed_when_a_call_is_traced():
 
 def test_none_picks_the_best_implementation_for_the_default_backend():
   from jax_fatrain import _cuda, _op
-  chosen = _op.resolve_implementation(None).name
   available = jax_fatrain.available_implementations()
-  if jax.default_backend() == "gpu" and "cuda" in available and _cuda.gpu_present():
-    assert chosen == "cuda"
-  elif jax.default_backend() == "cpu":
-    assert chosen == ("metal" if "metal" in available else "cpu")
-  else:
-    assert chosen == "xla"
+  for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 128),
+                          (jnp.bfloat16, 96)):
+    chosen = _op.resolve_implementation(None, dtype, head_dim).name
+    if jax.default_backend() == "gpu" and "cuda" in available and _cuda.gpu_present():
+      tensor_cores = jnp.dtype(dtype) != jnp.float32 and head_dim in (64, 128, 256)
+      assert chosen == ("cuda" if tensor_cores else "xla"), (dtype, head_dim)
+    elif jax.default_backend() == "cpu":
+      assert chosen == ("metal" if "metal" in available else "cpu")
+    else:
+      assert chosen == "xla"
 
 
 def test_ffi_handler_rechecks_its_inputs():

@@ -192,6 +192,16 @@ NB_MODULE(_cuda_ffi, m) {
     if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
     return count;
   }, "Number of CUDA devices the runtime sees (0 when none or no driver).");
+  m.def("selected_path", [](const std::string& dtype, int64_t head_dim) {
+    fatrain::AttentionProblem problem;
+    problem.head_dim = head_dim;
+    const fatrain::DType code = dtype == "bfloat16" ? fatrain::DType::kBF16
+                                : dtype == "float16" ? fatrain::DType::kF16
+                                                     : fatrain::DType::kF32;
+    return std::string(fatrain::cuda::selected_path(problem, code));
+  }, nb::arg("dtype"), nb::arg("head_dim"),
+        "The path (\"tensor_core\" or \"simt\") of problems with this dtype name and "
+        "head dim.");
   m.def("set_launch_recording", &fatrain::cuda::set_launch_recording, nb::arg("on"),
         "Starts or stops recording the kernels the handlers launch (a test tool).");
   m.def("take_launch_record", &fatrain::cuda::take_launch_record,

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU test of the CUDA backend, as nine pytest processes at once (one
+# H200 runs them in about 5 minutes; one after the other they take several
+# times that), for the GPU machine after tools/cuda_device_build.sh:
+#   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S]
+# Each process writes OUTDIR/NAME.txt (default /tmp/cuda_gpu_tests) and is
+# stopped after TIMEOUT_S seconds (default 540). Prints one line per process
+# and exits non-zero when a test failed or a process did not finish.
+# Without a GPU every test skips.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-/tmp/cuda_gpu_tests}
+limit=${2:-540}
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+
+backend=tests/test_cuda_backend.py
+names=()
+run() {  # NAME PYTEST_ARGS...: one process in the background
+  local name=$1
+  shift
+  names+=("$name")
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1 &
+}
+# test_cuda_backend.py by head dim and dQ mode, then the shared suite's
+# cuda cases by file.
+run d64_atomic "$backend" -k "d64 and atomic"
+run d64_det "$backend" -k "d64 and det"
+run d128_atomic "$backend" -k "d128 and atomic"
+run d128_det "$backend" -k "d128 and det"
+run d256_default "$backend" -k "d256 and default"
+run backend_rest "$backend" -k "not d64 and not d128 and not (d256 and default)"
+run attention tests/test_attention.py -k "cuda and not compiles"
+run transforms_errors tests/test_transforms.py tests/test_errors.py \
+  -k "cuda or none_picks or dq_mode"
+run shared_rest tests -k "cuda and not compiles" --ignore "$backend" \
+  --ignore tests/test_attention.py --ignore tests/test_transforms.py \
+  --ignore tests/test_errors.py --ignore tests/test_metal_emulator.py
+wait
+
+status=0
+for name in "${names[@]}"; do
+  # pytest's closing line: "3 passed, 1 skipped, 20 deselected in 9.81s".
+  summary=$(grep -E "(passed|failed|skipped|deselected|errors?|no tests ran).* in [0-9.]+s" \
+              "$out/$name.txt" | tail -1)
+  if [[ -z $summary ]]; then
+    summary="did not finish within ${limit} s: $(head -c 200 "$out/$name.txt" | head -1)"
+    status=1
+  elif [[ $summary == *failed* || $summary == *error* ]]; then
+    status=1
+  fi
+  printf '%-18s %s\n' "$name" "$summary"
+  grep -E "^FAILED|^ERROR" "$out/$name.txt" | head -5
+done
+exit $status

@@ -40,6 +40,25 @@ def _time(fn, *args, n=10, warm=2):
   return statistics.median(ts)
 
 
+def warm_up(seconds=2.0, size=8192):
+  """Bfloat16 matrix products for about `seconds`; returns how many ran.
+
+  An idle GPU sits at a low clock (an H200 at 360 MHz) and needs a moment
+  of load to reach its full one: run first, the table's first rows (the
+  smallest problems, whose own two warm-up calls take a millisecond) read
+  low for every implementation (this package's PERF_NOTES, sixteenth session:
+  cuDNN's D = 64 T = 1024 forward at half its usual rate).
+  """
+  a = jnp.ones((size, size), jnp.bfloat16)
+  product = jax.jit(lambda x: (x @ x) * jnp.bfloat16(1 / size))
+  jax.block_until_ready(product(a))  # compiled outside the time
+  count, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    a = jax.block_until_ready(product(a))
+    count += 1
+  return count
+
+
 def _attention(impl):
   if impl == "cuda":
     import jax_fatrain
@@ -164,6 +183,7 @@ def main(argv=None):
     print(f"benchmark_cuda: cannot run: {why}", file=sys.stderr)
     return 2
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  warm_up()
   impls = ("cuda", "cudnn") + (() if args.no_xla else ("xla",))
   results = []
   header = ("| B | N:K | T | D | causal | extra | cuda fwd | cudnn fwd | xla fwd | "

@@ -103,6 +103,43 @@ def test_cuda_dq_mode_is_fixed_when_a_call_is_traced():
     _cuda.set_deterministic(before)
 
 
+def test_op_fills_in_config_defaults_each_time_it_traces():
+  """_op.stage applies Implementation.resolve_config before its caches: a
+  probe implementation (the CPU kernels, recording the config its backward
+  is traced with) sees a changed default on the next trace of the same
+  shapes, not the value of the first trace."""
+  import dataclasses
+  from jax_fatrain import _op
+  from jax_fatrain._config import AttentionConfig
+  cpu = _op.resolve_implementation("cpu")
+  default = {"mode": False}
+  seen = []
+
+  def backward(*operands, config):
+    seen.append(config.deterministic)
+    return cpu.backward(*operands, config=config)
+
+  def resolve(config):
+    if config.deterministic is not None:
+      return config
+    return dataclasses.replace(config, deterministic=default["mode"])
+
+  probe = dataclasses.replace(cpu, name="cpu_probe", backward=backward, resolve_config=resolve)
+  config = AttentionConfig(scale=0.25)
+
+  def loss(q, k, v):
+    o, _ = _op.attention(q, k, v, None, None, None, None, config, probe)
+    return jnp.sum(o * o)
+
+  q = jnp.ones((1, 8, 2, 16), jnp.float32)
+  kv = jnp.ones((1, 8, 1, 16), jnp.float32)
+  for mode in (False, True, False):
+    default["mode"] = mode
+    seen.clear()
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
+    assert seen and set(seen) == {mode}, (mode, seen)
+
+
 def test_none_picks_the_best_implementation_for_the_default_backend():
   from jax_fatrain import _cuda, _op
   available = jax_fatrain.available_implementations()

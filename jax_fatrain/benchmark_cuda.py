@@ -15,6 +15,15 @@ Times are medians of jitted calls (jax.block_until_ready). With --repeat N each
 row is measured in N rounds, the implementations' order rotated between rounds,
 and each time is the median over the rounds: single rounds at T = 1k have come
 out 2x off on an H200.
+
+An idle GPU starts at a low clock, so the first, smallest rows can read low
+for every implementation (an H200 at 360 MHz: cuDNN's D = 64 T = 1k forward at
+half its usual rate). There is no warm-up load on purpose: JAX's allocator
+grows its pool in steps that depend on what was allocated first, and after
+2 s of matrix products, or of the first row's own problem, the XLA reference
+could no longer get the 40 GiB that its D = 64 T = 8k rows need (PERF_NOTES,
+seventeenth session). Run it on a GPU that has just been busy, or with
+--repeat.
 """
 
 from __future__ import annotations
@@ -38,25 +47,6 @@ def _time(fn, *args, n=10, warm=2):
     jax.block_until_ready(fn(*args))
     ts.append(time.perf_counter() - t0)
   return statistics.median(ts)
-
-
-def warm_up(seconds=2.0, size=8192):
-  """Bfloat16 matrix products for about `seconds`; returns how many ran.
-
-  An idle GPU sits at a low clock (an H200 at 360 MHz) and needs a moment
-  of load to reach its full one: run first, the table's first rows (the
-  smallest problems, whose own two warm-up calls take a millisecond) read
-  low for every implementation (this package's PERF_NOTES, sixteenth session:
-  cuDNN's D = 64 T = 1024 forward at half its usual rate).
-  """
-  a = jnp.ones((size, size), jnp.bfloat16)
-  product = jax.jit(lambda x: (x @ x) * jnp.bfloat16(1 / size))
-  jax.block_until_ready(product(a))  # compiled outside the time
-  count, t0 = 0, time.perf_counter()
-  while time.perf_counter() - t0 < seconds:
-    a = jax.block_until_ready(product(a))
-    count += 1
-  return count
 
 
 def _attention(impl):
@@ -183,7 +173,6 @@ def main(argv=None):
     print(f"benchmark_cuda: cannot run: {why}", file=sys.stderr)
     return 2
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-  warm_up()
   impls = ("cuda", "cudnn") + (() if args.no_xla else ("xla",))
   results = []
   header = ("| B | N:K | T | D | causal | extra | cuda fwd | cudnn fwd | xla fwd | "

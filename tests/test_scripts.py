@@ -189,15 +189,6 @@ def test_benchmark_cuda_repeat_rotates_and_takes_medians():
   assert row["xla"] == {"error": "xla went wrong"}
 
 
-def test_benchmark_cuda_warm_up_runs_products_for_its_time():
-  import time
-  from jax_fatrain import benchmark_cuda
-  t0 = time.perf_counter()
-  count = benchmark_cuda.warm_up(seconds=0.2, size=64)
-  assert count >= 1
-  assert time.perf_counter() - t0 >= 0.2
-
-
 def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
   from jax_fatrain import benchmark_cuda
   with pytest.raises(SystemExit):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU test of the CUDA backend, as nine pytest processes at once (5-7
-# minutes on one H200, estimated from runs of the same split; one after the
-# other they take several times that), for the GPU machine after
+# Every GPU test of the CUDA backend, as nine pytest processes at once (6.3
+# minutes on one H200 in the seventeenth session, the longest process; one
+# after the other they take several times that), for the GPU machine after
 # tools/cuda_device_build.sh:
 #   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S]
 # Each process writes OUTDIR/NAME.txt (default /tmp/cuda_gpu_tests) and is

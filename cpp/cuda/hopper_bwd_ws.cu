@@ -68,6 +68,34 @@ constexpr int kConsumers = 2, kBK = 64 * kConsumers, kBQ = kBwdBQ;
 // products serve twice the work (Sᵀ and dPᵀ become 64 x 128, dV and dK reduce
 // over 128 queries).
 constexpr int kBQWide = 2 * kBwdBQ;
+
+// The key blocks ("units") that block (bwd_ws_kernel) or cluster
+// (bwd_ws_cluster_pair_kernel) m does, one after the other: key block m,
+// and when folded (causal; see the launches) also key block nkb - 1 - m, so
+// that every block has about the same work. Walked tile by tile, folded
+// blocks do the short key block first, tiles down, then the long one, tiles
+// up, so that the blocks of a KV head read at most two query tiles at a
+// time (bwd_ws_cluster_pair_kernel says how).
+struct KeyBlockUnits {
+  int m, nkb, count;
+  bool short_first;
+  StepOrder order;
+  __device__ __forceinline__ KeyBlockUnits(const KParams& p, int m_, int folded,
+                                           StepOrder order_)
+      : m(m_), nkb((p.S + kBK - 1) / kBK), order(order_) {
+    count = folded && nkb - 1 - m != m ? 2 : 1;
+    short_first = folded && order != StepOrder::kHeadsOuter;
+  }
+  // Unit `unit`'s first key (returned) and its query steps.
+  template <int BQ>
+  __device__ __forceinline__ int start(int unit, const KParams& p, int b, int kvh, HeadMask& hm,
+                                       QuerySteps<BQ>& steps) const {
+    const bool key_block_m = (unit == 0) != short_first;
+    const int j0 = (key_block_m ? m : nkb - 1 - m) * kBK;
+    steps.init(p, hm, b, kvh, j0, kBK, short_first && unit == 1 ? StepOrder::kTilesUp : order);
+    return j0;
+  }
+};
 constexpr int kNT = 128 * (kConsumers + 1);
 constexpr int kStages = 2;
 
@@ -312,23 +340,13 @@ __global__ void __launch_bounds__(kNT, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const int b = blockIdx.z, kvh = blockIdx.y;
-  // The block's key blocks ("units"), one after the other: key block m, and
-  // when folded (causal) also key block nkb - 1 - m (see launch), as in
-  // bwd_ws_cluster_pair_kernel. A step's number g counts on over the units,
-  // so that every barrier's phases (Q/dO slots, dSᵀ buffers, the staged
-  // score slot) do too; K and V have one buffer, refilled per unit.
-  const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x);
-  const int units = folded && nkb - 1 - m != m ? 2 : 1;
-  // Walked tile by tile, folded blocks do the short key block first, tiles
-  // down, then the long one, tiles up, so that the blocks of a KV head read
-  // at most two query tiles at a time (bwd_ws_cluster_pair_kernel says how).
-  const bool short_first = folded && order != StepOrder::kHeadsOuter;
+  // The block's key blocks (KeyBlockUnits). A step's number g counts on over
+  // the units, so that every barrier's phases (Q/dO slots, dSᵀ buffers, the
+  // staged score slot) do too; K and V have one buffer, refilled per unit.
+  const KeyBlockUnits units(p, static_cast<int>(blockIdx.x), folded, order);
   // Unit `unit`'s first key and query steps, for the producer and consumers.
   auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<BQ>& steps) {
-    const bool key_block_m = (unit == 0) != short_first;
-    const int j0 = (key_block_m ? m : nkb - 1 - m) * kBK;
-    steps.init(p, hm, b, kvh, j0, kBK, short_first && unit == 1 ? StepOrder::kTilesUp : order);
-    return j0;
+    return units.start(unit, p, b, kvh, hm, steps);
   };
 
   if (tid == 0) bar.init();
@@ -344,7 +362,7 @@ __global__ void __launch_bounds__(kNT, 1)
     if (warp != 0) return;
     // Units without steps load nothing (the consumers skip them too).
     int g0 = 0, loads = 0;  // steps and K/V loads of the units before
-    for (int unit = 0; unit < units; ++unit) {
+    for (int unit = 0; unit < units.count; ++unit) {
       HeadMask hm;
       QuerySteps<BQ> steps;
       const int j0 = start_unit(unit, hm, steps);
@@ -367,7 +385,7 @@ __global__ void __launch_bounds__(kNT, 1)
   for (int i = 0; i < BQ / 2; ++i) st[i] = dpt[i] = 0.f;
 
   int g0 = 0, loads = 0;  // steps and K/V loads of the units before
-  for (int unit = 0; unit < units; ++unit) {
+  for (int unit = 0; unit < units.count; ++unit) {
     HeadMask hm;
     QuerySteps<BQ> steps;
     const int j0 = start_unit(unit, hm, steps);
@@ -1036,28 +1054,18 @@ __global__ void __launch_bounds__(kNT, 1)
   const int b = blockIdx.z, kvh = blockIdx.y;
   const int rank = static_cast<int>(cluster_rank());  // also the half of the head dim
   const uint32_t other = rank ^ 1;
-  // The cluster's key blocks ("units"), one after the other: key block m,
-  // and when folded (causal) also key block nkb - 1 - m (see
-  // launch_cluster_pair). Both blocks of the cluster walk the same units and
-  // steps; a step's number g counts on over the units, so that every
-  // barrier's phases do too.
-  const int nkb = (p.S + kBK - 1) / kBK, m = static_cast<int>(blockIdx.x >> 1);
-  const int units = folded && nkb - 1 - m != m ? 2 : 1;
-  // Walked tile by tile, folded clusters do the short key block first,
-  // tiles down, then the long one, tiles up. With T = S, nt query tiles of
-  // kBQ = 64 rows in all and t counting whole tiles (every head of the
-  // group), cluster m is at tile nt - 1 - t in its first unit (key block
-  // nkb - 1 - m: 2m + 2 tiles), then at tile t - 2 in its second (key block
-  // m, from tile 2m on), so the clusters of a KV head read at most two
-  // tiles at a time.
-  const bool short_first = folded && order != StepOrder::kHeadsOuter;
+  // The cluster's key blocks (KeyBlockUnits), cluster m's. Both blocks of
+  // the cluster walk the same units and steps; a step's number g counts on
+  // over the units, so that every barrier's phases do too. Folded and
+  // walked tile by tile, with T = S, nt query tiles of kBQ = 64 rows in all
+  // and t counting whole tiles (every head of the group), cluster m is at
+  // tile nt - 1 - t in its first unit (key block nkb - 1 - m: 2m + 2
+  // tiles), then at tile t - 2 in its second (key block m, from tile 2m
+  // on), so the clusters of a KV head read at most two tiles at a time.
+  const KeyBlockUnits units(p, static_cast<int>(blockIdx.x >> 1), folded, order);
   // Unit `unit`'s first key and query steps, for the producer and consumers.
   auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<>& steps) {
-    const bool key_block_m = (unit == 0) != short_first;
-    const int j0 = (key_block_m ? m : nkb - 1 - m) * kBK;
-    steps.init(p, hm, b, kvh, j0, kBK,
-               short_first && unit == 1 ? StepOrder::kTilesUp : order);
-    return j0;
+    return units.start(unit, p, b, kvh, hm, steps);
   };
   // Step g's score operand is in slot slot(g), filled for the use(g)-th
   // time: rank 0 alternates two slots, rank 1 has one.
@@ -1088,7 +1096,7 @@ __global__ void __launch_bounds__(kNT, 1)
     const CUtensorMap* aux_op = rank == 0 ? &maps.d_o : &maps.q;
     constexpr int kPartBytes = kBQ * 128 * 2;  // two column blocks
     int g0 = 0, loads = 0;  // steps and K/V loads of the units before
-    for (int unit = 0; unit < units; ++unit) {
+    for (int unit = 0; unit < units.count; ++unit) {
       HeadMask hm;
       QuerySteps<> steps;
       const int j0 = start_unit(unit, hm, steps);
@@ -1141,7 +1149,7 @@ __global__ void __launch_bounds__(kNT, 1)
   float dq[32];
 
   int g0 = 0, loads = 0;  // steps and K/V loads of the units before
-  for (int unit = 0; unit < units; ++unit) {
+  for (int unit = 0; unit < units.count; ++unit) {
     HeadMask hm;
     QuerySteps<> steps;
     const int j0 = start_unit(unit, hm, steps);

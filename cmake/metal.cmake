@@ -1,4 +1,4 @@
-# The `metal` implementation on macOS: the Metal host executor (cpp/metal,
+# The `metal` implementation on macOS: the Metal host executor (cpp/metal/host,
 # metal-cpp) and its XLA FFI handlers (cpp/ffi/metal_ffi.cc ->
 # jax_fatrain/_metal_ffi). include()d from CMakeLists.txt only if(APPLE), after
 # Python, nanobind and XLA_FFI_INCLUDE_DIR are set up. Linux never reads this
@@ -51,8 +51,8 @@ message(STATUS "metal-cpp: ${JAX_FATRAIN_METAL_CPP_DIR}")
 
 nanobind_add_module(_metal_ffi NB_STATIC
   "${_fatrain_root}/cpp/ffi/metal_ffi.cc"
-  "${_fatrain_root}/cpp/metal/executor.cc"
-  "${_fatrain_root}/cpp/metal_plan/plan.cc")
+  "${_fatrain_root}/cpp/metal/host/executor.cc"
+  "${_fatrain_root}/cpp/metal/plan/plan.cc")
 target_include_directories(_metal_ffi PRIVATE
   "${XLA_FFI_INCLUDE_DIR}" "${_fatrain_root}/cpp" "${_fatrain_root}/cpp/ffi")
 target_include_directories(_metal_ffi SYSTEM PRIVATE "${JAX_FATRAIN_METAL_CPP_DIR}")

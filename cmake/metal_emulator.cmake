@@ -1,12 +1,13 @@
 # The `metal_emulated` implementation: jax_fatrain/metal/*.metal run by the MSL
-# emulator (tools/msl_emulator) through the Metal dispatch plan (cpp/metal_plan).
+# emulator (cpp/metal/emulator) through the Metal dispatch plan (cpp/metal/plan).
 # include()d from the top-level CMakeLists.txt after Python, nanobind and
-# XLA_FFI_INCLUDE_DIR are set up. A test tool: kernels compile as C++ here.
+# XLA_FFI_INCLUDE_DIR are set up. The kernels compile as C++ here.
 option(JAX_FATRAIN_METAL_EMULATOR "Build the metal_emulated implementation (MSL emulator)" ON)
 
 if(JAX_FATRAIN_METAL_EMULATOR)
   get_filename_component(_fatrain_root "${CMAKE_CURRENT_LIST_DIR}/.." ABSOLUTE)
-  set(_msl_dir "${_fatrain_root}/tools/msl_emulator")
+  set(_msl_dir "${_fatrain_root}/cpp/metal/emulator")
+  set(_emu_tests_dir "${_fatrain_root}/tests/metal_emulator")
   set(_metal_dir "${_fatrain_root}/jax_fatrain/metal")
   set(_gen_dir "${CMAKE_CURRENT_BINARY_DIR}/msl_emulator_gen")
   file(MAKE_DIRECTORY "${_gen_dir}")
@@ -27,8 +28,8 @@ if(JAX_FATRAIN_METAL_EMULATOR)
   add_custom_command(
     OUTPUT "${_gen_dir}/emulator_test_kernels.cc"
     COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
-            "${_msl_dir}/tests/emulator_test_kernels.metal" "${_gen_dir}/emulator_test_kernels.cc"
-    DEPENDS "${_msl_dir}/tests/emulator_test_kernels.metal" "${_msl_dir}/msl_prepass.py"
+            "${_emu_tests_dir}/emulator_test_kernels.metal" "${_gen_dir}/emulator_test_kernels.cc"
+    DEPENDS "${_emu_tests_dir}/emulator_test_kernels.metal" "${_msl_dir}/msl_prepass.py"
     COMMENT "MSL pre-pass: emulator_test_kernels.metal"
     VERBATIM)
 
@@ -36,7 +37,7 @@ if(JAX_FATRAIN_METAL_EMULATOR)
   add_library(fatrain_msl_emulator OBJECT
     "${_msl_dir}/src/runtime.cc"
     "${_msl_dir}/src/plan_executor.cc"
-    "${_fatrain_root}/cpp/metal_plan/plan.cc")
+    "${_fatrain_root}/cpp/metal/plan/plan.cc")
   target_include_directories(fatrain_msl_emulator PUBLIC "${_msl_dir}/include" "${_fatrain_root}/cpp")
   target_compile_options(fatrain_msl_emulator PRIVATE -O2)
 
@@ -44,7 +45,7 @@ if(JAX_FATRAIN_METAL_EMULATOR)
   add_library(fatrain_msl_kernels OBJECT
     ${_msl_generated}
     "${_gen_dir}/emulator_test_kernels.cc"
-    "${_msl_dir}/tests/emulator_selftest.cc")
+    "${_emu_tests_dir}/emulator_selftest.cc")
   target_include_directories(fatrain_msl_kernels PRIVATE "${_msl_dir}/include")
   target_compile_options(fatrain_msl_kernels PRIVATE -O1 -Wno-unused-variable -Wno-unused-parameter)
 

@@ -2,10 +2,10 @@
 
 jax-metal has no FFI (see docs/metal.md), so the handlers are XLA FFI targets
 on the ``cpu`` platform: XLA:CPU gives them host pointers, and the C++ Metal
-executor (cpp/metal/executor.cc) runs the kernels on that memory through
+executor (cpp/metal/host/executor.cc) runs the kernels on that memory through
 unified memory (bound in place when page aligned, else staged through pooled
 shared buffers). Which dispatches to run comes from the portable dispatch
-plan (cpp/metal_plan), the same one ``metal_emulated`` executes off-Mac; the
+plan (cpp/metal/plan), the same one ``metal_emulated`` executes off-Mac; the
 Python-side adaptations are shared with it (``_metal_adapt.py``).
 
 The kernel library is compiled once per process from the packaged ``.metal``

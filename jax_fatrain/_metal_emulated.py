@@ -1,7 +1,7 @@
 """The ``metal_emulated`` implementation: the Metal kernels on the MSL emulator.
 
 ``jax_fatrain/metal/*.metal`` run, unmodified, through the MSL emulator
-(``tools/msl_emulator``) driven by the Metal dispatch plan (``cpp/metal_plan``),
+(``cpp/metal/emulator``) driven by the Metal dispatch plan (``cpp/metal/plan``),
 as XLA FFI calls on the ``cpu`` platform. It exists to test the Metal kernels
 off-Mac and is slow (every GPU thread is a CPU fiber).
 

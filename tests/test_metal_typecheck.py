@@ -1,7 +1,7 @@
 """The macOS Metal host type-checks against the real metal-cpp headers, on Linux.
 
 tests/metal_typecheck/run.sh runs Debian's clang (-std=c++17 -fblocks
--fsyntax-only) over cpp/metal/executor.cc and cpp/ffi/metal_ffi.cc with the
+-fsyntax-only) over cpp/metal/host/executor.cc and cpp/ffi/metal_ffi.cc with the
 metal-cpp headers of the pymetal-cpp 0.1.5 sdist (downloaded to a temporary
 directory) and stubs of the Apple system headers. A wrong metal-cpp call (a
 method that does not exist, wrong arguments) is a clang error and fails here.

@@ -1,6 +1,6 @@
 // XLA FFI handlers of the `metal_emulated` implementation (cpu platform): the
-// Metal backend's dispatch plan (cpp/metal_plan) executed by the MSL emulator
-// (tools/msl_emulator), which runs the unmodified jax_fatrain/metal/*.metal
+// Metal backend's dispatch plan (cpp/metal/plan) executed by the MSL emulator
+// (cpp/metal/emulator), which runs the unmodified jax_fatrain/metal/*.metal
 // kernels on the CPU. A test tool: it checks the Metal kernels off-Mac, slowly.
 //
 // Operand conventions are those of the cpu target (jax_fatrain/_ffi.py); the
@@ -17,7 +17,7 @@
 
 #include "metal_ffi_common.h"
 #include "pool_parallel_for.h"
-#include "metal_plan/plan.h"
+#include "metal/plan/plan.h"
 #include "msl_emulator/plan_executor.h"
 #include "msl_emulator/runtime.h"
 #include "nanobind/nanobind.h"
@@ -25,7 +25,7 @@
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
 
-// tools/msl_emulator/tests/emulator_selftest.cc
+// tests/metal_emulator/emulator_selftest.cc
 int msl_emulator_selftest(std::string* log);
 
 namespace ffi = xla::ffi;

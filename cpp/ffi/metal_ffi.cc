@@ -2,7 +2,7 @@
 //
 // jax-metal has no FFI (../shared/DESIGN.md §2), so these handlers are
 // registered on the `cpu` platform: XLA:CPU hands them host pointers, and the
-// executor (cpp/metal/executor.h) runs the Metal kernels on those through
+// executor (cpp/metal/host/executor.h) runs the Metal kernels on those through
 // unified memory. The mapping of XLA buffers and attributes onto the dispatch
 // plan is shared with `metal_emulated` (metal_ffi_common.h), so the emulator
 // tests that logic off-Mac. The bias gradient is not a Metal kernel: the
@@ -11,9 +11,9 @@
 #include <string>
 #include <type_traits>
 
-#include "metal/executor.h"
+#include "metal/host/executor.h"
 #include "metal_ffi_common.h"
-#include "metal_plan/plan.h"
+#include "metal/plan/plan.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"

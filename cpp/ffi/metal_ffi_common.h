@@ -18,8 +18,8 @@
 #include <utility>
 
 #include "ffi/attention_ffi.h"
-#include "metal_plan/plan.h"
-#include "metal_plan/role_buffers.h"
+#include "metal/plan/plan.h"
+#include "metal/plan/role_buffers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace fatrain::metal_ffi {

@@ -8,7 +8,7 @@
 # metal-cpp call we make, so a wrong one fails here instead of on a Mac.
 # Nothing downloaded is kept (a temporary directory).
 #
-# Usage: run.sh [FILE.cc ...]   (default: cpp/metal/executor.cc cpp/ffi/metal_ffi.cc)
+# Usage: run.sh [FILE.cc ...]   (default: cpp/metal/host/executor.cc cpp/ffi/metal_ffi.cc)
 # Environment: PYTHON (default python), METAL_CPP_DIR (an unpacked metal-cpp
 # to use instead of downloading).
 # Exit status: 0 all files type-check; 1 a clang error; 77 the check could
@@ -58,7 +58,7 @@ nb_inc="$("$python" -m nanobind --include_dir)" || exit 1
 py_inc="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" || exit 1
 
 files=("$@")
-[[ ${#files[@]} -gt 0 ]] || files=("$root/cpp/metal/executor.cc" "$root/cpp/ffi/metal_ffi.cc")
+[[ ${#files[@]} -gt 0 ]] || files=("$root/cpp/metal/host/executor.cc" "$root/cpp/ffi/metal_ffi.cc")
 
 echo "metal typecheck: $("$cxx" --version | head -1); metal-cpp from $metal_cpp" >&2
 status=0

@@ -1,4 +1,4 @@
-// The macOS Metal host: executes a dispatch plan (cpp/metal_plan/plan.h) on
+// The macOS Metal host: executes a dispatch plan (cpp/metal/plan/plan.h) on
 // the Apple GPU. Every decision that is not a Metal API call (kernel names,
 // function constants, bindings, setBytes data, scratch, grid, threadgroup
 // size, validation) is the plan's; this executor only carries it out.
@@ -9,8 +9,8 @@
 
 #include <string>
 
-#include "metal_plan/plan.h"
-#include "metal_plan/role_buffers.h"
+#include "metal/plan/plan.h"
+#include "metal/plan/role_buffers.h"
 
 namespace fatrain::metal {
 

@@ -1,6 +1,6 @@
 // Dispatch plan of the Metal backend; see plan.h.
 
-#include "metal_plan/plan.h"
+#include "metal/plan/plan.h"
 
 #include <cstring>
 

@@ -5,7 +5,7 @@
 // values, buffer bindings by index (device buffers by role, setBytes data as
 // bytes), threadgroup memory length, grid and threadgroup size. It is the
 // single source of these facts: the macOS host executes a plan with Metal,
-// the MSL emulator (tools/msl_emulator) executes the same plan on the CPU.
+// the MSL emulator (cpp/metal/emulator) executes the same plan on the CPU.
 //
 // ABI (kept from the seed, ../shared/seed/flash_attn_train.rs):
 //   forward  flash_attn_train_fwd_{bf16,f16,f32}_d{64,128,256}[_boolmask]

@@ -5,7 +5,7 @@
 
 #include <cstddef>
 
-#include "metal_plan/plan.h"
+#include "metal/plan/plan.h"
 
 namespace fatrain::metal_plan {
 

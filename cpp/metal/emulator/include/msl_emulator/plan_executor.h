@@ -1,10 +1,10 @@
-// Executes a Metal dispatch plan (cpp/metal_plan/plan.h) on the MSL emulator.
+// Executes a Metal dispatch plan (cpp/metal/plan/plan.h) on the MSL emulator.
 #pragma once
 
 #include <cstddef>
 #include <string>
 
-#include "metal_plan/plan.h"
+#include "metal/plan/plan.h"
 #include "msl_emulator/runtime.h"
 
 namespace msl::emu {

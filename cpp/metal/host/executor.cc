@@ -9,7 +9,7 @@
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 
-#include "metal/executor.h"
+#include "metal/host/executor.h"
 
 #include <unistd.h>
 

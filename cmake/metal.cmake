@@ -54,7 +54,8 @@ nanobind_add_module(_metal_ffi NB_STATIC
   "${_fatrain_root}/cpp/metal/host/executor.cc"
   "${_fatrain_root}/cpp/metal/plan/plan.cc")
 target_include_directories(_metal_ffi PRIVATE
-  "${XLA_FFI_INCLUDE_DIR}" "${_fatrain_root}/cpp" "${_fatrain_root}/cpp/ffi")
+  "${XLA_FFI_INCLUDE_DIR}" "${_fatrain_root}/cpp" "${_fatrain_root}/cpp/ffi"
+  "${_fatrain_root}/jax_fatrain/metal")
 target_include_directories(_metal_ffi SYSTEM PRIVATE "${JAX_FATRAIN_METAL_CPP_DIR}")
 target_link_libraries(_metal_ffi PRIVATE
   "-framework Metal" "-framework Foundation" "-framework QuartzCore")
@@ -78,7 +79,7 @@ if(_xcrun_rc EQUAL 0)
     COMMAND sh -c "xcrun -sdk macosx metal -std=metal3.1 -fno-fast-math -c \"$0/flash_attn_train_fwd.metal\" -o \"$1\" && xcrun -sdk macosx metal -std=metal3.1 -fno-fast-math -c \"$0/flash_attn_train_bwd.metal\" -o \"$2\" && xcrun -sdk macosx metallib \"$1\" \"$2\" -o \"$3\" || { echo 'jax_fatrain: building flash_attn.metallib failed; the kernels will be compiled at run time' >&2; touch \"$3\"; }"
             "${_metal_dir}" ${_air} "${_lib}"
     DEPENDS "${_metal_dir}/flash_attn_train_fwd.metal" "${_metal_dir}/flash_attn_train_bwd.metal"
-            "${_metal_dir}/flash_attn_common.h"
+            "${_metal_dir}/flash_attn_common.h" "${_metal_dir}/flash_attn_abi.h"
     COMMENT "Metal: flash_attn.metallib"
     VERBATIM)
   add_custom_target(fatrain_metallib ALL DEPENDS "${_lib}")

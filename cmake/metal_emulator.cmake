@@ -18,9 +18,9 @@ if(JAX_FATRAIN_METAL_EMULATOR)
     add_custom_command(
       OUTPUT "${_gen_dir}/${_src}.cc"
       COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
-              "${_metal_dir}/${_src}.metal" "${_gen_dir}/${_src}.cc"
+              "${_metal_dir}/${_src}.metal" "${_gen_dir}/${_src}.cc" --cxx "${CMAKE_CXX_COMPILER}"
       DEPENDS "${_metal_dir}/${_src}.metal" "${_metal_dir}/flash_attn_common.h"
-              "${_msl_dir}/msl_prepass.py"
+              "${_metal_dir}/flash_attn_abi.h" "${_msl_dir}/msl_prepass.py"
       COMMENT "MSL pre-pass: ${_src}.metal"
       VERBATIM)
     list(APPEND _msl_generated "${_gen_dir}/${_src}.cc")
@@ -29,6 +29,7 @@ if(JAX_FATRAIN_METAL_EMULATOR)
     OUTPUT "${_gen_dir}/emulator_test_kernels.cc"
     COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
             "${_emu_tests_dir}/emulator_test_kernels.metal" "${_gen_dir}/emulator_test_kernels.cc"
+            --cxx "${CMAKE_CXX_COMPILER}"
     DEPENDS "${_emu_tests_dir}/emulator_test_kernels.metal" "${_msl_dir}/msl_prepass.py"
     COMMENT "MSL pre-pass: emulator_test_kernels.metal"
     VERBATIM)
@@ -38,7 +39,8 @@ if(JAX_FATRAIN_METAL_EMULATOR)
     "${_msl_dir}/src/runtime.cc"
     "${_msl_dir}/src/plan_executor.cc"
     "${_fatrain_root}/cpp/metal/plan/plan.cc")
-  target_include_directories(fatrain_msl_emulator PUBLIC "${_msl_dir}/include" "${_fatrain_root}/cpp")
+  target_include_directories(fatrain_msl_emulator PUBLIC "${_msl_dir}/include" "${_fatrain_root}/cpp"
+                             "${_metal_dir}")
   target_compile_options(fatrain_msl_emulator PRIVATE -O2)
 
   # The kernels (and the emulator's own test kernels), compiled as C++.

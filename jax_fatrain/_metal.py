@@ -23,7 +23,6 @@ import threading
 from jax_fatrain import _ffi, _metal_adapt
 
 METAL_DIR = pathlib.Path(__file__).resolve().parent / "metal"
-_COMMON = "flash_attn_common.h"
 _SOURCES = ("flash_attn_train_fwd.metal", "flash_attn_train_bwd.metal")
 METALLIB = "flash_attn.metallib"
 
@@ -51,18 +50,30 @@ _init_lock = threading.Lock()
 _init_error: str | None = None
 
 
+def _inline_local_includes(name: str, seen: set[str]) -> str:
+  """``name``'s text with its ``#include "..."`` of packaged headers inlined, once each."""
+  out = [f'#line 1 "{name}"\n']
+  for number, line in enumerate((METAL_DIR / name).read_text().splitlines(True), start=1):
+    stripped = line.strip()
+    if stripped == "#pragma once":
+      out.append("\n")
+    elif stripped.startswith('#include "') and stripped.endswith('"'):
+      header = stripped[len('#include "'):-1]
+      if header not in seen:
+        seen.add(header)
+        out.append(_inline_local_includes(header, seen))
+        out.append(f'#line {number + 1} "{name}"\n')
+      else:
+        out.append("\n")
+    else:
+      out.append(line)
+  return "".join(out)
+
+
 def kernel_source() -> str:
-  """The packaged .metal sources as one MSL translation unit (header inlined)."""
-  parts = []
-  header = (METAL_DIR / _COMMON).read_text()
-  parts.append(f'#line 1 "{_COMMON}"\n' +
-               "".join(l for l in header.splitlines(True) if l.strip() != "#pragma once"))
-  for name in _SOURCES:
-    text = (METAL_DIR / name).read_text()
-    lines = [("\n" if l.strip() == f'#include "{_COMMON}"' else l)
-             for l in text.splitlines(True)]
-    parts.append(f'#line 1 "{name}"\n' + "".join(lines))
-  return "\n".join(parts)
+  """The packaged .metal sources as one MSL translation unit (headers inlined)."""
+  seen: set[str] = set()
+  return "\n".join(_inline_local_includes(name, seen) for name in _SOURCES)
 
 
 def _metallib_path() -> str:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(sys.platform == "darwin",
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "metal_typecheck" / "run.sh"
-CHECKED = [ROOT / "cpp" / "metal" / "executor.cc", ROOT / "cpp" / "ffi" / "metal_ffi.cc"]
+CHECKED = [ROOT / "cpp" / "metal" / "host" / "executor.cc", ROOT / "cpp" / "ffi" / "metal_ffi.cc"]
 
 PLANTED = """\
 #include <Foundation/Foundation.hpp>

@@ -13,45 +13,16 @@
 #pragma once
 
 #include <metal_stdlib>
+#include "flash_attn_abi.h"
 using namespace metal;
 
-// The seed's 160-byte params struct (MLX steel-attention layout + softcapping).
-struct AttnParams {
-  int b;           // batch
-  int h;           // query heads
-  int d;           // head dim
-  int ql;          // query length
-  int kl;          // key length
-  int gqa_factor;  // query heads per kv head
-  float scale;     // applied to Q K^T (the kernels multiply by log2(e) internally)
-  float softcapping;  // 1.0 = disabled (the only supported value)
-  int nq, nk, nq_aligned, nk_aligned, ql_rem, kl_rem;
-  int ql_off;      // causal offset: query i sees key j <= i + ql_off
-  int _pad;
-  long q_strides[3];  // [batch, head, seq] element strides; head_dim contiguous
-  long k_strides[3];
-  long v_strides[3];
-  long o_strides[3];  // also dO's strides
-};
-static_assert(sizeof(AttnParams) == 160, "AttnParams must be 160 bytes");
-
-struct AttnMaskParams {
-  long m_strides[3];  // [batch, head, query] element strides (0 = broadcast); key stride 1
-};
-static_assert(sizeof(AttnMaskParams) == 24, "AttnMaskParams must be 24 bytes");
-
-struct WindowParams {
-  int window_left;   // query i sees key j only if j >= i - window_left (-1: unbounded)
-  int window_right;  // ... and j <= i + window_right (-1: unbounded)
-};
-
-constant bool align_Q [[function_constant(200)]];
-constant bool align_K [[function_constant(201)]];
-constant bool has_mask [[function_constant(300)]];
-constant bool do_causal [[function_constant(301)]];
-constant bool has_window [[function_constant(302)]];
-constant bool has_q_lengths [[function_constant(303)]];
-constant bool has_kv_lengths [[function_constant(304)]];
+constant bool align_Q [[function_constant(FATRAIN_FC_ALIGN_Q)]];
+constant bool align_K [[function_constant(FATRAIN_FC_ALIGN_K)]];
+constant bool has_mask [[function_constant(FATRAIN_FC_HAS_MASK)]];
+constant bool do_causal [[function_constant(FATRAIN_FC_DO_CAUSAL)]];
+constant bool has_window [[function_constant(FATRAIN_FC_HAS_WINDOW)]];
+constant bool has_q_lengths [[function_constant(FATRAIN_FC_HAS_Q_LENGTHS)]];
+constant bool has_kv_lengths [[function_constant(FATRAIN_FC_HAS_KV_LENGTHS)]];
 
 static constant constexpr const float kLog2e = 1.4426950408889634f;
 static constant constexpr const float kLn2 = 0.6931471805599453f;

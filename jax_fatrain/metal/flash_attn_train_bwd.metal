@@ -27,10 +27,10 @@
 
 template <typename T>
 [[kernel]] void flash_attn_train_bwd_compute_d(
-    const device T* O [[buffer(3)]],
-    constant AttnParams* params [[buffer(4)]],
-    const device T* dO [[buffer(12)]],
-    device float* Delta [[buffer(13)]],
+    const device T* O [[buffer(FATRAIN_BUF_O)]],
+    constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
+    const device T* dO [[buffer(FATRAIN_BUF_DO)]],
+    device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -52,19 +52,19 @@ template <typename T>
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
 [[kernel]] void flash_attn_train_bwd_dq(
-    const device T* Q [[buffer(0)]],
-    const device T* K [[buffer(1)]],
-    const device T* V [[buffer(2)]],
-    constant AttnParams* params [[buffer(4)]],
-    constant AttnMaskParams* mask_params [[buffer(5), function_constant(has_mask)]],
-    const device MaskT* mask [[buffer(6), function_constant(has_mask)]],
-    const device float* L [[buffer(8)]],
-    constant WindowParams* window [[buffer(9), function_constant(has_window)]],
-    const device int* q_lengths [[buffer(10), function_constant(has_q_lengths)]],
-    const device int* kv_lengths [[buffer(11), function_constant(has_kv_lengths)]],
-    const device T* dO [[buffer(12)]],
-    const device float* Delta [[buffer(13)]],
-    device T* dQ [[buffer(14)]],
+    const device T* Q [[buffer(FATRAIN_BUF_Q)]],
+    const device T* K [[buffer(FATRAIN_BUF_K)]],
+    const device T* V [[buffer(FATRAIN_BUF_V)]],
+    constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
+    constant AttnMaskParams* mask_params [[buffer(FATRAIN_BUF_MASK_PARAMS), function_constant(has_mask)]],
+    const device MaskT* mask [[buffer(FATRAIN_BUF_MASK), function_constant(has_mask)]],
+    const device float* L [[buffer(FATRAIN_BUF_L)]],
+    constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
+    const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
+    const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
+    const device T* dO [[buffer(FATRAIN_BUF_DO)]],
+    const device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
+    device T* dQ [[buffer(FATRAIN_BUF_DQ)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -171,20 +171,20 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
 [[kernel]] void flash_attn_train_bwd_dkdv(
-    const device T* Q [[buffer(0)]],
-    const device T* K [[buffer(1)]],
-    const device T* V [[buffer(2)]],
-    constant AttnParams* params [[buffer(4)]],
-    constant AttnMaskParams* mask_params [[buffer(5), function_constant(has_mask)]],
-    const device MaskT* mask [[buffer(6), function_constant(has_mask)]],
-    const device float* L [[buffer(8)]],
-    constant WindowParams* window [[buffer(9), function_constant(has_window)]],
-    const device int* q_lengths [[buffer(10), function_constant(has_q_lengths)]],
-    const device int* kv_lengths [[buffer(11), function_constant(has_kv_lengths)]],
-    const device T* dO [[buffer(12)]],
-    const device float* Delta [[buffer(13)]],
-    device T* dK [[buffer(15)]],
-    device T* dV [[buffer(16)]],
+    const device T* Q [[buffer(FATRAIN_BUF_Q)]],
+    const device T* K [[buffer(FATRAIN_BUF_K)]],
+    const device T* V [[buffer(FATRAIN_BUF_V)]],
+    constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
+    constant AttnMaskParams* mask_params [[buffer(FATRAIN_BUF_MASK_PARAMS), function_constant(has_mask)]],
+    const device MaskT* mask [[buffer(FATRAIN_BUF_MASK), function_constant(has_mask)]],
+    const device float* L [[buffer(FATRAIN_BUF_L)]],
+    constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
+    const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
+    const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
+    const device T* dO [[buffer(FATRAIN_BUF_DO)]],
+    const device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
+    device T* dK [[buffer(FATRAIN_BUF_DK)]],
+    device T* dV [[buffer(FATRAIN_BUF_DV)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -300,42 +300,23 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   }
 }
 
-template [[host_name("flash_attn_train_bwd_compute_d_bf16")]] [[kernel]] decltype(flash_attn_train_bwd_compute_d<bfloat>) flash_attn_train_bwd_compute_d<bfloat>;
-template [[host_name("flash_attn_train_bwd_compute_d_f16")]] [[kernel]] decltype(flash_attn_train_bwd_compute_d<half>) flash_attn_train_bwd_compute_d<half>;
-template [[host_name("flash_attn_train_bwd_compute_d_f32")]] [[kernel]] decltype(flash_attn_train_bwd_compute_d<float>) flash_attn_train_bwd_compute_d<float>;
-template [[host_name("flash_attn_train_bwd_dq_bf16_d64")]] [[kernel]] decltype(flash_attn_train_bwd_dq<bfloat, 64, bfloat, false>) flash_attn_train_bwd_dq<bfloat, 64, bfloat, false>;
-template [[host_name("flash_attn_train_bwd_dq_bf16_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<bfloat, 64, bool, true>) flash_attn_train_bwd_dq<bfloat, 64, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_bf16_d128")]] [[kernel]] decltype(flash_attn_train_bwd_dq<bfloat, 128, bfloat, false>) flash_attn_train_bwd_dq<bfloat, 128, bfloat, false>;
-template [[host_name("flash_attn_train_bwd_dq_bf16_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<bfloat, 128, bool, true>) flash_attn_train_bwd_dq<bfloat, 128, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_bf16_d256")]] [[kernel]] decltype(flash_attn_train_bwd_dq<bfloat, 256, bfloat, false>) flash_attn_train_bwd_dq<bfloat, 256, bfloat, false>;
-template [[host_name("flash_attn_train_bwd_dq_bf16_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<bfloat, 256, bool, true>) flash_attn_train_bwd_dq<bfloat, 256, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_f16_d64")]] [[kernel]] decltype(flash_attn_train_bwd_dq<half, 64, half, false>) flash_attn_train_bwd_dq<half, 64, half, false>;
-template [[host_name("flash_attn_train_bwd_dq_f16_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<half, 64, bool, true>) flash_attn_train_bwd_dq<half, 64, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_f16_d128")]] [[kernel]] decltype(flash_attn_train_bwd_dq<half, 128, half, false>) flash_attn_train_bwd_dq<half, 128, half, false>;
-template [[host_name("flash_attn_train_bwd_dq_f16_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<half, 128, bool, true>) flash_attn_train_bwd_dq<half, 128, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_f16_d256")]] [[kernel]] decltype(flash_attn_train_bwd_dq<half, 256, half, false>) flash_attn_train_bwd_dq<half, 256, half, false>;
-template [[host_name("flash_attn_train_bwd_dq_f16_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<half, 256, bool, true>) flash_attn_train_bwd_dq<half, 256, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_f32_d64")]] [[kernel]] decltype(flash_attn_train_bwd_dq<float, 64, float, false>) flash_attn_train_bwd_dq<float, 64, float, false>;
-template [[host_name("flash_attn_train_bwd_dq_f32_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<float, 64, bool, true>) flash_attn_train_bwd_dq<float, 64, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_f32_d128")]] [[kernel]] decltype(flash_attn_train_bwd_dq<float, 128, float, false>) flash_attn_train_bwd_dq<float, 128, float, false>;
-template [[host_name("flash_attn_train_bwd_dq_f32_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<float, 128, bool, true>) flash_attn_train_bwd_dq<float, 128, bool, true>;
-template [[host_name("flash_attn_train_bwd_dq_f32_d256")]] [[kernel]] decltype(flash_attn_train_bwd_dq<float, 256, float, false>) flash_attn_train_bwd_dq<float, 256, float, false>;
-template [[host_name("flash_attn_train_bwd_dq_f32_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dq<float, 256, bool, true>) flash_attn_train_bwd_dq<float, 256, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_bf16_d64")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<bfloat, 64, bfloat, false>) flash_attn_train_bwd_dkdv<bfloat, 64, bfloat, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_bf16_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<bfloat, 64, bool, true>) flash_attn_train_bwd_dkdv<bfloat, 64, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_bf16_d128")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<bfloat, 128, bfloat, false>) flash_attn_train_bwd_dkdv<bfloat, 128, bfloat, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_bf16_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<bfloat, 128, bool, true>) flash_attn_train_bwd_dkdv<bfloat, 128, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_bf16_d256")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<bfloat, 256, bfloat, false>) flash_attn_train_bwd_dkdv<bfloat, 256, bfloat, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_bf16_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<bfloat, 256, bool, true>) flash_attn_train_bwd_dkdv<bfloat, 256, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_f16_d64")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<half, 64, half, false>) flash_attn_train_bwd_dkdv<half, 64, half, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_f16_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<half, 64, bool, true>) flash_attn_train_bwd_dkdv<half, 64, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_f16_d128")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<half, 128, half, false>) flash_attn_train_bwd_dkdv<half, 128, half, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_f16_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<half, 128, bool, true>) flash_attn_train_bwd_dkdv<half, 128, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_f16_d256")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<half, 256, half, false>) flash_attn_train_bwd_dkdv<half, 256, half, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_f16_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<half, 256, bool, true>) flash_attn_train_bwd_dkdv<half, 256, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_f32_d64")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<float, 64, float, false>) flash_attn_train_bwd_dkdv<float, 64, float, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_f32_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<float, 64, bool, true>) flash_attn_train_bwd_dkdv<float, 64, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_f32_d128")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<float, 128, float, false>) flash_attn_train_bwd_dkdv<float, 128, float, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_f32_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<float, 128, bool, true>) flash_attn_train_bwd_dkdv<float, 128, bool, true>;
-template [[host_name("flash_attn_train_bwd_dkdv_f32_d256")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<float, 256, float, false>) flash_attn_train_bwd_dkdv<float, 256, float, false>;
-template [[host_name("flash_attn_train_bwd_dkdv_f32_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_bwd_dkdv<float, 256, bool, true>) flash_attn_train_bwd_dkdv<float, 256, bool, true>;
+// One instantiation per (dtype[, head dim, mask kind]), named as
+// flash_attn_abi.h lists them.
+#define FATRAIN_INSTANTIATE_COMPUTE_D(name, T)                                            \
+  template [[host_name("flash_attn_train_bwd_compute_d_" #name)]] [[kernel]]            \
+  decltype(flash_attn_train_bwd_compute_d<T>) flash_attn_train_bwd_compute_d<T>;
+#define FATRAIN_INSTANTIATE_BWD(name, T, D)                                                   \
+  template [[host_name("flash_attn_train_bwd_dq_" #name "_d" #D)]] [[kernel]]                 \
+  decltype(flash_attn_train_bwd_dq<T, D, T, false>) flash_attn_train_bwd_dq<T, D, T, false>;  \
+  template [[host_name("flash_attn_train_bwd_dq_" #name "_d" #D "_boolmask")]] [[kernel]]     \
+  decltype(flash_attn_train_bwd_dq<T, D, bool, true>) flash_attn_train_bwd_dq<T, D, bool, true>; \
+  template [[host_name("flash_attn_train_bwd_dkdv_" #name "_d" #D)]] [[kernel]]               \
+  decltype(flash_attn_train_bwd_dkdv<T, D, T, false>)                                         \
+      flash_attn_train_bwd_dkdv<T, D, T, false>;                                              \
+  template [[host_name("flash_attn_train_bwd_dkdv_" #name "_d" #D "_boolmask")]] [[kernel]]   \
+  decltype(flash_attn_train_bwd_dkdv<T, D, bool, true>)                                       \
+      flash_attn_train_bwd_dkdv<T, D, bool, true>;
+#define FATRAIN_INSTANTIATE_BWD_ALL_D(name, T) \
+  FATRAIN_INSTANTIATE_COMPUTE_D(name, T)       \
+  FATRAIN_METAL_FOR_EACH_HEAD_DIM(FATRAIN_INSTANTIATE_BWD, name, T)
+FATRAIN_METAL_FOR_EACH_DTYPE(FATRAIN_INSTANTIATE_BWD_ALL_D)

@@ -17,17 +17,17 @@
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
 [[kernel]] void flash_attn_train_fwd(
-    const device T* Q [[buffer(0)]],
-    const device T* K [[buffer(1)]],
-    const device T* V [[buffer(2)]],
-    device T* O [[buffer(3)]],
-    constant AttnParams* params [[buffer(4)]],
-    constant AttnMaskParams* mask_params [[buffer(5), function_constant(has_mask)]],
-    const device MaskT* mask [[buffer(6), function_constant(has_mask)]],
-    device float* L [[buffer(8)]],
-    constant WindowParams* window [[buffer(9), function_constant(has_window)]],
-    const device int* q_lengths [[buffer(10), function_constant(has_q_lengths)]],
-    const device int* kv_lengths [[buffer(11), function_constant(has_kv_lengths)]],
+    const device T* Q [[buffer(FATRAIN_BUF_Q)]],
+    const device T* K [[buffer(FATRAIN_BUF_K)]],
+    const device T* V [[buffer(FATRAIN_BUF_V)]],
+    device T* O [[buffer(FATRAIN_BUF_O)]],
+    constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
+    constant AttnMaskParams* mask_params [[buffer(FATRAIN_BUF_MASK_PARAMS), function_constant(has_mask)]],
+    const device MaskT* mask [[buffer(FATRAIN_BUF_MASK), function_constant(has_mask)]],
+    device float* L [[buffer(FATRAIN_BUF_L)]],
+    constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
+    const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
+    const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -154,24 +154,14 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   }
 }
 
-// Seed names for bf16 (additive bf16 mask or bool mask); f16 and f32 and
-// D = 128 follow the same scheme. The unmasked problem uses the additive
-// variant with has_mask = false.
-template [[host_name("flash_attn_train_fwd_bf16_d64")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 64, bfloat, false>) flash_attn_train_fwd<bfloat, 64, bfloat, false>;
-template [[host_name("flash_attn_train_fwd_bf16_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 64, bool, true>) flash_attn_train_fwd<bfloat, 64, bool, true>;
-template [[host_name("flash_attn_train_fwd_bf16_d128")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 128, bfloat, false>) flash_attn_train_fwd<bfloat, 128, bfloat, false>;
-template [[host_name("flash_attn_train_fwd_bf16_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 128, bool, true>) flash_attn_train_fwd<bfloat, 128, bool, true>;
-template [[host_name("flash_attn_train_fwd_bf16_d256")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 256, bfloat, false>) flash_attn_train_fwd<bfloat, 256, bfloat, false>;
-template [[host_name("flash_attn_train_fwd_bf16_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 256, bool, true>) flash_attn_train_fwd<bfloat, 256, bool, true>;
-template [[host_name("flash_attn_train_fwd_f16_d64")]] [[kernel]] decltype(flash_attn_train_fwd<half, 64, half, false>) flash_attn_train_fwd<half, 64, half, false>;
-template [[host_name("flash_attn_train_fwd_f16_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<half, 64, bool, true>) flash_attn_train_fwd<half, 64, bool, true>;
-template [[host_name("flash_attn_train_fwd_f16_d128")]] [[kernel]] decltype(flash_attn_train_fwd<half, 128, half, false>) flash_attn_train_fwd<half, 128, half, false>;
-template [[host_name("flash_attn_train_fwd_f16_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<half, 128, bool, true>) flash_attn_train_fwd<half, 128, bool, true>;
-template [[host_name("flash_attn_train_fwd_f16_d256")]] [[kernel]] decltype(flash_attn_train_fwd<half, 256, half, false>) flash_attn_train_fwd<half, 256, half, false>;
-template [[host_name("flash_attn_train_fwd_f16_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<half, 256, bool, true>) flash_attn_train_fwd<half, 256, bool, true>;
-template [[host_name("flash_attn_train_fwd_f32_d64")]] [[kernel]] decltype(flash_attn_train_fwd<float, 64, float, false>) flash_attn_train_fwd<float, 64, float, false>;
-template [[host_name("flash_attn_train_fwd_f32_d64_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<float, 64, bool, true>) flash_attn_train_fwd<float, 64, bool, true>;
-template [[host_name("flash_attn_train_fwd_f32_d128")]] [[kernel]] decltype(flash_attn_train_fwd<float, 128, float, false>) flash_attn_train_fwd<float, 128, float, false>;
-template [[host_name("flash_attn_train_fwd_f32_d128_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<float, 128, bool, true>) flash_attn_train_fwd<float, 128, bool, true>;
-template [[host_name("flash_attn_train_fwd_f32_d256")]] [[kernel]] decltype(flash_attn_train_fwd<float, 256, float, false>) flash_attn_train_fwd<float, 256, float, false>;
-template [[host_name("flash_attn_train_fwd_f32_d256_boolmask")]] [[kernel]] decltype(flash_attn_train_fwd<float, 256, bool, true>) flash_attn_train_fwd<float, 256, bool, true>;
+// One instantiation per (dtype, head dim, mask kind), named as
+// flash_attn_abi.h lists them. The unmasked problem uses the additive variant
+// with has_mask = false.
+#define FATRAIN_INSTANTIATE_FWD(name, T, D)                                                   \
+  template [[host_name("flash_attn_train_fwd_" #name "_d" #D)]] [[kernel]]                    \
+  decltype(flash_attn_train_fwd<T, D, T, false>) flash_attn_train_fwd<T, D, T, false>;        \
+  template [[host_name("flash_attn_train_fwd_" #name "_d" #D "_boolmask")]] [[kernel]]        \
+  decltype(flash_attn_train_fwd<T, D, bool, true>) flash_attn_train_fwd<T, D, bool, true>;
+#define FATRAIN_INSTANTIATE_FWD_ALL_D(name, T) \
+  FATRAIN_METAL_FOR_EACH_HEAD_DIM(FATRAIN_INSTANTIATE_FWD, name, T)
+FATRAIN_METAL_FOR_EACH_DTYPE(FATRAIN_INSTANTIATE_FWD_ALL_D)

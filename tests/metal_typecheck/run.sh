@@ -67,7 +67,7 @@ for f in "${files[@]}"; do
       -include "$here/stubs/apple_prelude.h" \
       -isystem "$here/stubs" -isystem "$metal_cpp" \
       -isystem "$xla_inc" -isystem "$nb_inc" -isystem "$py_inc" \
-      -I "$root/cpp" -I "$root/cpp/ffi" "$f"; then
+      -I "$root/cpp" -I "$root/cpp/ffi" -I "$root/jax_fatrain/metal" "$f"; then
     echo "metal typecheck: OK $f" >&2
   else
     echo "metal typecheck: FAILED $f" >&2

@@ -5,25 +5,29 @@ The C++ compiler cannot read MSL attributes (``[[buffer(0)]]``,
 ``[[threadgroup_position_in_grid]]``, ...) and MSL's address spaces mean
 something C++ has no word for. This pre-pass
 
+* runs the C preprocessor over the source first (local includes, macros such
+  as instantiation lists; the Metal standard headers are left to the shim),
 * records every ``[[kernel]]`` function's parameters and their attributes,
 * records every ``[[host_name("...")]]`` instantiation and every
   ``[[function_constant(N)]]`` declaration,
 * rewrites ``device``/``constant`` pointers into bounds-checked ``msl::rt::dptr``,
   ``threadgroup`` array declarations into per-threadgroup arena variables and
   function constants into thread-local variables set per dispatch,
-* removes the attributes (keeping every line where it was, so compiler errors
-  point at the right line of the .metal file), and
+* removes the attributes (the preprocessor's line markers keep compiler errors
+  pointing at the right line of the .metal file), and
 * appends glue that binds buffers/builtins to parameters and registers each
   instantiated kernel under its host name with the emulator runtime.
 
-Usage: msl_prepass.py INPUT.metal OUTPUT.cc
+Usage: msl_prepass.py INPUT.metal OUTPUT.cc [--cxx COMPILER] [-I DIR ...]
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 BUILTINS = {
@@ -150,24 +154,35 @@ def parse_param(text: str, kernel: str) -> tuple[Param, str]:
   return Param(decl, name, kind, index, guard), stripped
 
 
-def inline_includes(src: str, path: str, seen: set) -> str:
-  """Inlines #include "local.h" (relative to the including file), once each."""
-  def sub(m):
-    inc = os.path.normpath(os.path.join(os.path.dirname(path), m.group(1)))
-    line = src.count("\n", 0, m.start()) + 1
-    if inc in seen:
-      return ""
-    seen.add(inc)
-    with open(inc) as f:
-      text = f.read()
-    text = re.sub(r"^[ \t]*#[ \t]*pragma[ \t]+once.*$", "", text, flags=re.M)
-    return (f'#line 1 "{inc}"\n' + inline_includes(text, inc, seen) +
-            f'\n#line {line + 1} "{path}"')
-  return re.sub(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', sub, src, flags=re.M)
+# Metal standard headers: the shim (include/metal_stdlib) provides all of them
+# when the generated C++ is compiled, so the preprocessing pass sees them empty.
+METAL_HEADERS = ("metal_stdlib", "metal_simdgroup", "metal_simdgroup_matrix", "metal_math",
+                 "metal_compute", "metal_atomic", "metal_integer", "metal_common",
+                 "metal_geometric", "metal_relational", "metal_types", "metal_numeric",
+                 "metal_pack", "metal_texture", "metal_matrix")
+
+
+def preprocess(path: str, cxx: str, include_dirs: list[str]) -> str:
+  """The source after the C preprocessor (macros expanded, local includes inlined)."""
+  with tempfile.TemporaryDirectory() as stubs:
+    for name in METAL_HEADERS:
+      with open(os.path.join(stubs, name), "w") as f:
+        f.write("#pragma once\n")
+    # -undef: no compiler- or platform-specific macros (e.g. `linux`); the
+    # kernels see __METAL_VERSION__ as under Apple's compiler (Metal 3.1).
+    cmd = [cxx, "-E", "-x", "c++", "-std=c++17", "-undef", "-nostdinc",
+           "-D__METAL_VERSION__=310", "-isystem", stubs]
+    for d in [os.path.dirname(os.path.abspath(path))] + include_dirs:
+      cmd += ["-I", d]
+    cmd.append(path)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode != 0:
+    raise PrepassError(f"preprocessing {path} failed:\n{proc.stderr}")
+  return proc.stdout
 
 
 def transform(src: str, path: str):
-  src = inline_includes(src, path, set())
+  """``src`` is the preprocessed source of ``path``."""
   code = blank_comments(src)
   constants: dict[str, tuple[str, int]] = {}   # name -> (type, index)
   instantiations: list[tuple[str, str, str]] = []
@@ -186,11 +201,12 @@ def transform(src: str, path: str):
 
   # Instantiations.
   inst_re = re.compile(
-      r"template\s*\[\[\s*host_name\(\s*\"(\w+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*"
+      r"template\s*\[\[\s*host_name\(\s*((?:\"\w*\"\s*)+)\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*"
       r"decltype\(\s*(\w+)\s*<([^;]*?)>\s*\)\s*\w+\s*<[^;]*?>\s*;", re.S)
 
   def inst_sub(m):
-    instantiations.append((m.group(1), m.group(2), " ".join(m.group(3).split())))
+    host = "".join(re.findall(r'"(\w*)"', m.group(1)))  # adjacent literals concatenate
+    instantiations.append((host, m.group(2), " ".join(m.group(3).split())))
     return same_lines(m.group(0), "")
   code = inst_re.sub(inst_sub, code)
 
@@ -295,19 +311,22 @@ def glue(path: str, constants, instantiations, kernels) -> str:
 
 
 def main(argv):
-  if len(argv) != 3:
-    print(__doc__, file=sys.stderr)
-    return 2
-  src_path, out_path = argv[1], argv[2]
-  with open(src_path) as f:
-    src = f.read()
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("input")
+  parser.add_argument("output")
+  parser.add_argument("--cxx", default=os.environ.get("CXX", "c++"),
+                      help="C++ compiler whose preprocessor runs first")
+  parser.add_argument("-I", dest="include_dirs", action="append", default=[])
+  args = parser.parse_args(argv[1:])
+  src_path, out_path = args.input, args.output
   try:
+    src = preprocess(src_path, args.cxx, args.include_dirs)
     code, constants, insts, kernels = transform(src, src_path)
     if not insts:
       raise PrepassError(f"{src_path}: no [[host_name]] kernel instantiations found")
     text = ("// Generated from " + src_path + " by msl_prepass.py. Do not edit.\n"
-            "#include <metal_stdlib>\n"
-            f"#line 1 \"{src_path}\"\n" + code + glue(src_path, constants, insts, kernels))
+            "#include <metal_stdlib>\n" + code + glue(src_path, constants, insts, kernels))
   except PrepassError as e:
     print(f"msl_prepass: error: {e}", file=sys.stderr)
     return 1

@@ -8,6 +8,8 @@ namespace fatrain::metal_plan {
 
 namespace {
 
+namespace abi = fatrain::metal_abi;
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 size_t dtype_size(DType t) {
@@ -47,14 +49,15 @@ AttnParams make_params(const Problem& p) {
   a.gqa_factor = int32_t(p.q_heads / p.kv_heads);
   a.scale = p.scale;
   a.softcapping = 1.0f;  // disabled (the seed always passes 1.0)
-  a.nq = int32_t(ceil_div(p.q_len, kBQ));
-  a.nk = int32_t(ceil_div(p.kv_len, kBK));
-  a.nq_aligned = int32_t(p.q_len / kBQ);
-  a.nk_aligned = int32_t(p.kv_len / kBK);
-  a.ql_rem = int32_t(p.q_len % kBQ);
-  a.kl_rem = int32_t(p.kv_len % kBK);
+  const int bq = abi::fwd_block_q(int(p.head_dim)), bk = abi::fwd_block_k(int(p.head_dim));
+  a.nq = int32_t(ceil_div(p.q_len, bq));
+  a.nk = int32_t(ceil_div(p.kv_len, bk));
+  a.nq_aligned = int32_t(p.q_len / bq);
+  a.nk_aligned = int32_t(p.kv_len / bk);
+  a.ql_rem = int32_t(p.q_len % bq);
+  a.kl_rem = int32_t(p.kv_len % bk);
   a.ql_off = 0;  // top-left causal alignment
-  a.pad = 0;
+  a.pad_ = 0;
   const Strides* s[4] = {&p.q, &p.k, &p.v, &p.o};
   int64_t* out[4] = {a.q_strides, a.k_strides, a.v_strides, a.o_strides};
   for (int i = 0; i < 4; ++i) {
@@ -69,26 +72,29 @@ AttnParams make_params(const Problem& p) {
 void add_common(const Problem& p, bool align_q, bool align_k, Dispatch* d) {
   const bool has_mask = p.mask != MaskKind::kNone;
   const bool has_window = p.window_left >= 0 || p.window_right >= 0;
-  d->constants = {{200, align_q},       {201, align_k},
-                  {300, has_mask},      {301, p.causal},
-                  {302, has_window},    {303, p.has_q_lengths},
-                  {304, p.has_kv_lengths}};
-  d->bindings.push_back(bytes_binding(4, make_params(p)));
+  d->constants = {{FATRAIN_FC_ALIGN_Q, align_q},
+                  {FATRAIN_FC_ALIGN_K, align_k},
+                  {FATRAIN_FC_HAS_MASK, has_mask},
+                  {FATRAIN_FC_DO_CAUSAL, p.causal},
+                  {FATRAIN_FC_HAS_WINDOW, has_window},
+                  {FATRAIN_FC_HAS_Q_LENGTHS, p.has_q_lengths},
+                  {FATRAIN_FC_HAS_KV_LENGTHS, p.has_kv_lengths}};
+  d->bindings.push_back(bytes_binding(FATRAIN_BUF_PARAMS, make_params(p)));
   if (has_mask) {
     AttnMaskParams m{};
     m.m_strides[0] = p.mask_strides[0];
     m.m_strides[1] = p.mask_strides[1];
     m.m_strides[2] = p.mask_strides[2];
-    d->bindings.push_back(bytes_binding(5, m));
-    d->bindings.push_back(buffer(6, Role::kMask));
+    d->bindings.push_back(bytes_binding(FATRAIN_BUF_MASK_PARAMS, m));
+    d->bindings.push_back(buffer(FATRAIN_BUF_MASK, Role::kMask));
   }
   if (has_window) {
     WindowParams w{int32_t(p.window_left < 0 ? -1 : p.window_left),
                    int32_t(p.window_right < 0 ? -1 : p.window_right)};
-    d->bindings.push_back(bytes_binding(9, w));
+    d->bindings.push_back(bytes_binding(FATRAIN_BUF_WINDOW, w));
   }
-  if (p.has_q_lengths) d->bindings.push_back(buffer(10, Role::kQLengths));
-  if (p.has_kv_lengths) d->bindings.push_back(buffer(11, Role::kKVLengths));
+  if (p.has_q_lengths) d->bindings.push_back(buffer(FATRAIN_BUF_Q_LENGTHS, Role::kQLengths));
+  if (p.has_kv_lengths) d->bindings.push_back(buffer(FATRAIN_BUF_KV_LENGTHS, Role::kKVLengths));
 }
 
 std::string variant(const char* op, const Problem& p) {
@@ -136,14 +142,21 @@ const char* dtype_name(DType t) {
 }
 
 std::vector<std::string> all_kernel_names() {
+  // The lists the kernels instantiate from (flash_attn_abi.h).
+  std::vector<std::string> dtypes, dims;
+#define FATRAIN_ADD_DTYPE(name, msl_type) dtypes.push_back(#name);
+#define FATRAIN_ADD_DIM(a, b, D) dims.push_back(#D);
+  FATRAIN_METAL_FOR_EACH_DTYPE(FATRAIN_ADD_DTYPE)
+  FATRAIN_METAL_FOR_EACH_HEAD_DIM(FATRAIN_ADD_DIM, _, _)
+#undef FATRAIN_ADD_DTYPE
+#undef FATRAIN_ADD_DIM
   std::vector<std::string> names;
-  for (const char* dt : {"bf16", "f16", "f32"}) {
-    names.push_back(std::string("flash_attn_train_bwd_compute_d_") + dt);
-    for (int d : {64, 128, 256}) {
+  for (const std::string& dt : dtypes) {
+    names.push_back("flash_attn_train_bwd_compute_d_" + dt);
+    for (const std::string& d : dims) {
       for (const char* op : {"fwd", "bwd_dq", "bwd_dkdv"}) {
         for (const char* suffix : {"", "_boolmask"}) {
-          names.push_back(std::string("flash_attn_train_") + op + "_" + dt + "_d" +
-                          std::to_string(d) + suffix);
+          names.push_back(std::string("flash_attn_train_") + op + "_" + dt + "_d" + d + suffix);
         }
       }
     }
@@ -224,13 +237,15 @@ std::string plan_forward(const Problem& p, Plan* plan) {
   plan->dispatches.clear();
   Dispatch d;
   d.kernel = variant("fwd", p);
-  add_common(p, p.q_len % kBQ == 0, p.kv_len % kBK == 0, &d);
-  for (auto [i, r] : {std::pair{0, Role::kQ}, {1, Role::kK}, {2, Role::kV}, {3, Role::kO},
-                      {8, Role::kL}}) {
+  const int bq = abi::fwd_block_q(int(p.head_dim)), bk = abi::fwd_block_k(int(p.head_dim));
+  add_common(p, p.q_len % bq == 0, p.kv_len % bk == 0, &d);
+  for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
+                      {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_O, Role::kO},
+                      {FATRAIN_BUF_L, Role::kL}}) {
     d.bindings.push_back(buffer(i, r));
   }
-  set_size(d.grid, ceil_div(p.q_len, kBQ), p.q_heads, p.batch);
-  set_size(d.threadgroup, 32, kWM, kWN);
+  set_size(d.grid, ceil_div(p.q_len, bq), p.q_heads, p.batch);
+  set_size(d.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(d));
   return "";
 }
@@ -243,35 +258,41 @@ std::string plan_backward(const Problem& p, Plan* plan) {
 
   Dispatch cd;
   cd.kernel = std::string("flash_attn_train_bwd_compute_d_") + dtype_name(p.dtype);
-  cd.bindings.push_back(bytes_binding(4, make_params(p)));
-  cd.bindings.push_back(buffer(3, Role::kO));
-  cd.bindings.push_back(buffer(12, Role::kDO));
-  cd.bindings.push_back(buffer(13, Role::kDelta));
-  set_size(cd.grid, ceil_div(p.q_len, kBwdBQ), p.q_heads, p.batch);
-  set_size(cd.threadgroup, 32, 4, 1);
+  cd.bindings.push_back(bytes_binding(FATRAIN_BUF_PARAMS, make_params(p)));
+  cd.bindings.push_back(buffer(FATRAIN_BUF_O, Role::kO));
+  cd.bindings.push_back(buffer(FATRAIN_BUF_DO, Role::kDO));
+  cd.bindings.push_back(buffer(FATRAIN_BUF_DELTA, Role::kDelta));
+  // 8 rows per simdgroup.
+  set_size(cd.grid, ceil_div(p.q_len, 8 * abi::kSimdgroups), p.q_heads, p.batch);
+  set_size(cd.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(cd));
 
-  const bool align_q = p.q_len % kBwdBQ == 0, align_k = p.kv_len % kBwdBK == 0;
+  const int bq = abi::bwd_block_q(int(p.head_dim)), bkv = abi::bwd_block_kv(int(p.head_dim));
+  const bool align_q = p.q_len % bq == 0, align_k = p.kv_len % bkv == 0;
   Dispatch dq;
   dq.kernel = variant("bwd_dq", p);
   add_common(p, align_q, align_k, &dq);
-  for (auto [i, r] : {std::pair{0, Role::kQ}, {1, Role::kK}, {2, Role::kV}, {8, Role::kL},
-                      {12, Role::kDO}, {13, Role::kDelta}, {14, Role::kDQ}}) {
+  for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
+                      {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
+                      {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
+                      {FATRAIN_BUF_DQ, Role::kDQ}}) {
     dq.bindings.push_back(buffer(i, r));
   }
-  set_size(dq.grid, ceil_div(p.q_len, kBwdBQ), p.q_heads, p.batch);
-  set_size(dq.threadgroup, 32, 4, 1);
+  set_size(dq.grid, ceil_div(p.q_len, bq), p.q_heads, p.batch);
+  set_size(dq.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(dq));
 
   Dispatch dkdv;
   dkdv.kernel = variant("bwd_dkdv", p);
   add_common(p, align_q, align_k, &dkdv);
-  for (auto [i, r] : {std::pair{0, Role::kQ}, {1, Role::kK}, {2, Role::kV}, {8, Role::kL},
-                      {12, Role::kDO}, {13, Role::kDelta}, {15, Role::kDK}, {16, Role::kDV}}) {
+  for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
+                      {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
+                      {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
+                      {FATRAIN_BUF_DK, Role::kDK}, {FATRAIN_BUF_DV, Role::kDV}}) {
     dkdv.bindings.push_back(buffer(i, r));
   }
-  set_size(dkdv.grid, ceil_div(p.kv_len, kBwdBK), p.kv_heads, p.batch);
-  set_size(dkdv.threadgroup, 32, 4, 1);
+  set_size(dkdv.grid, ceil_div(p.kv_len, bkv), p.kv_heads, p.batch);
+  set_size(dkdv.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(dkdv));
   return "";
 }

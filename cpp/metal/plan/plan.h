@@ -7,25 +7,23 @@
 // single source of these facts: the macOS host executes a plan with Metal,
 // the MSL emulator (cpp/metal/emulator) executes the same plan on the CPU.
 //
-// ABI (kept from the seed, ../shared/seed/flash_attn_train.rs):
-//   forward  flash_attn_train_fwd_{bf16,f16,f32}_d{64,128,256}[_boolmask]
-//     buffers  Q0 K1 V2 O3 params4 mask_params5 mask6 L8
-//              (extensions: window9 q_lengths10 kv_lengths11)
-//     function constants 200 align_Q, 201 align_K, 300 has_mask, 301 do_causal
-//              (extensions: 302 has_window, 303 has_q_lengths, 304 has_kv_lengths)
-//     grid (ceil(qL/32), H_q, B), threadgroup (32, 4, 1)   [BQ=32 BK=16 WM=4 WN=1]
-//   backward (deterministic, no atomics, no f32 scratch of K/V size):
+// The ABI (kernel names, buffer indices, function constants, params structs,
+// tile sizes) is jax_fatrain/metal/flash_attn_abi.h, included by the kernels
+// too. Dispatches:
+//   forward   flash_attn_train_fwd_{dt}_d{D}[_boolmask], grid (ceil(qL/BQ), H_q, B)
+//   backward  (deterministic, no atomics, no f32 scratch of K/V size)
 //     flash_attn_train_bwd_compute_d_{dt}: Delta = rowsum(dO * O), grid (ceil(qL/32), H_q, B)
-//     flash_attn_train_bwd_dq_{dt}_d{D}[_boolmask]: Q tiles outer, grid (ceil(qL/32), H_q, B)
-//     flash_attn_train_bwd_dkdv_{dt}_d{D}[_boolmask]: KV tiles outer, grid (ceil(kL/32), H_kv, B),
+//     flash_attn_train_bwd_dq_{dt}_d{D}[_boolmask]: Q tiles outer, grid (ceil(qL/BQ), H_q, B)
+//     flash_attn_train_bwd_dkdv_{dt}_d{D}[_boolmask]: KV tiles outer, grid (ceil(kL/BKV), H_kv, B),
 //       looping over the query heads of its GQA group and all query tiles
-//     buffers Q0 K1 V2 O3 params4 mask_params5 mask6 L8 window9 q_lengths10
-//             kv_lengths11 dO12 Delta13 dQ14 dK15 dV16
+//   threadgroup (32, kSimdgroups, 1) everywhere.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "flash_attn_abi.h"  // jax_fatrain/metal: shared with the kernels
 
 namespace fatrain::metal_plan {
 
@@ -87,25 +85,10 @@ struct Plan {
   std::vector<Dispatch> dispatches;  // in order; each depends on the previous ones
 };
 
-constexpr int kBQ = 32, kBK = 16, kWM = 4, kWN = 1;
-constexpr int kBwdBQ = 32, kBwdBK = 32;
-
-// The 160-byte params struct of the seed (MLX steel-attention layout plus
-// softcapping after scale); identical to AttnParams in the .metal sources.
-struct AttnParams {
-  int32_t b, h, d, ql, kl, gqa_factor;
-  float scale, softcapping;
-  int32_t nq, nk, nq_aligned, nk_aligned, ql_rem, kl_rem, ql_off, pad;
-  int64_t q_strides[3], k_strides[3], v_strides[3], o_strides[3];
-};
-static_assert(sizeof(AttnParams) == 160, "AttnParams must be 160 bytes");
-struct AttnMaskParams {
-  int64_t m_strides[3];  // batch, head, query-row strides (key stride is 1)
-};
-static_assert(sizeof(AttnMaskParams) == 24, "AttnMaskParams must be 24 bytes");
-struct WindowParams {
-  int32_t window_left, window_right;  // -1: unbounded
-};
+// Params structs, indices and tile sizes: the header the kernels include too.
+using metal_abi::AttnMaskParams;
+using metal_abi::AttnParams;
+using metal_abi::WindowParams;
 
 // Returns "" when the problem can run on the Metal kernels, else why not.
 std::string validate(const Problem& p);

@@ -1,0 +1,114 @@
+// The binary interface between jax_fatrain's Metal kernels and every host that
+// dispatches them: the params structs, the function-constant and buffer indices,
+// the tile sizes, and the list of compiled variants. It is valid MSL and valid
+// C++17: the kernels (jax_fatrain/metal/*.metal) and the dispatch plan
+// (cpp/metal/plan) include this one file, so the two cannot disagree.
+//
+// Kernel names, buffer indices 0-8, function constants 200/201/300/301, the
+// 160-byte AttnParams and the 24-byte AttnMaskParams are those of mlx_native's
+// `flash_attn_train.rs`; everything else extends that ABI.
+#pragma once
+
+#if defined(__METAL_VERSION__)
+#include <metal_stdlib>
+typedef long fatrain_abi_i64;
+#define FATRAIN_ABI_BEGIN
+#define FATRAIN_ABI_END
+#define FATRAIN_ABI_CONST constant constexpr
+#else
+#include <cstdint>
+typedef int64_t fatrain_abi_i64;
+#define FATRAIN_ABI_BEGIN namespace fatrain::metal_abi {
+#define FATRAIN_ABI_END }
+#define FATRAIN_ABI_CONST inline constexpr
+#endif
+
+// ---------------------------------------------------------------------------
+// Function constants. Attribute arguments must be integer literals after
+// preprocessing, hence macros.
+// ---------------------------------------------------------------------------
+#define FATRAIN_FC_ALIGN_Q 200       // every query tile is full (no row guards)
+#define FATRAIN_FC_ALIGN_K 201       // every key tile is full (no key guards)
+#define FATRAIN_FC_HAS_MASK 300      // buffers 5 and 6 are bound
+#define FATRAIN_FC_DO_CAUSAL 301     // top-left causal: query i sees keys j <= i
+#define FATRAIN_FC_HAS_WINDOW 302    // buffer 9 is bound
+#define FATRAIN_FC_HAS_Q_LENGTHS 303   // buffer 10 is bound
+#define FATRAIN_FC_HAS_KV_LENGTHS 304  // buffer 11 is bound
+
+// ---------------------------------------------------------------------------
+// Buffer indices (forward and backward share one numbering).
+// ---------------------------------------------------------------------------
+#define FATRAIN_BUF_Q 0
+#define FATRAIN_BUF_K 1
+#define FATRAIN_BUF_V 2
+#define FATRAIN_BUF_O 3
+#define FATRAIN_BUF_PARAMS 4       // AttnParams (setBytes)
+#define FATRAIN_BUF_MASK_PARAMS 5  // AttnMaskParams (setBytes)
+#define FATRAIN_BUF_MASK 6         // additive (Q's dtype) or bool mask
+#define FATRAIN_BUF_L 8            // float32 [B, H_q, qL], natural log
+#define FATRAIN_BUF_WINDOW 9       // WindowParams (setBytes)
+#define FATRAIN_BUF_Q_LENGTHS 10   // int32 [B]
+#define FATRAIN_BUF_KV_LENGTHS 11  // int32 [B]
+#define FATRAIN_BUF_DO 12          // O's strides
+#define FATRAIN_BUF_DELTA 13       // float32 [B, H_q, qL] = rowsum(dO * O)
+#define FATRAIN_BUF_DQ 14          // Q's strides
+#define FATRAIN_BUF_DK 15          // K's strides
+#define FATRAIN_BUF_DV 16          // V's strides
+
+// ---------------------------------------------------------------------------
+// The compiled variants: kernel names are
+//   flash_attn_train_fwd_{dtype}_d{D}[_boolmask]
+//   flash_attn_train_bwd_compute_d_{dtype}
+//   flash_attn_train_bwd_dq_{dtype}_d{D}[_boolmask]
+//   flash_attn_train_bwd_dkdv_{dtype}_d{D}[_boolmask]
+// X(name, msl_type) and X(a, b, D): the kernels instantiate from these lists,
+// the plan enumerates names from them.
+// ---------------------------------------------------------------------------
+#define FATRAIN_METAL_FOR_EACH_DTYPE(X) X(bf16, bfloat) X(f16, half) X(f32, float)
+#define FATRAIN_METAL_FOR_EACH_HEAD_DIM(X, a, b) X(a, b, 64) X(a, b, 128) X(a, b, 256)
+
+FATRAIN_ABI_BEGIN
+
+// Threads per threadgroup are (32, kSimdgroups, 1) in every attention kernel.
+FATRAIN_ABI_CONST int kSimdgroups = 4;
+
+// Tile sizes per head dim. The forward and dQ kernels own block_q query rows
+// per threadgroup and sweep keys block_k at a time; the dK/dV kernel owns
+// block_kv keys per threadgroup and sweeps query rows block_q at a time.
+FATRAIN_ABI_CONST int fwd_block_q(int /*head_dim*/) { return 32; }
+FATRAIN_ABI_CONST int fwd_block_k(int /*head_dim*/) { return 16; }
+FATRAIN_ABI_CONST int bwd_block_q(int /*head_dim*/) { return 32; }
+FATRAIN_ABI_CONST int bwd_block_kv(int /*head_dim*/) { return 32; }
+
+// The 160-byte params struct (MLX steel-attention layout plus softcapping).
+struct AttnParams {
+  int b;              // batch
+  int h;              // query heads
+  int d;              // head dim
+  int ql;             // query length
+  int kl;             // key length
+  int gqa_factor;     // query heads per kv head
+  float scale;        // applied to Q K^T in float32 (kernels fold in log2(e))
+  float softcapping;  // 1.0 = disabled (the only supported value)
+  int nq, nk, nq_aligned, nk_aligned, ql_rem, kl_rem;  // forward tile counts
+  int ql_off;         // causal offset: query i sees key j <= i + ql_off
+  int pad_;
+  fatrain_abi_i64 q_strides[3];  // [batch, head, seq] element strides; head dim contiguous
+  fatrain_abi_i64 k_strides[3];
+  fatrain_abi_i64 v_strides[3];
+  fatrain_abi_i64 o_strides[3];  // also dO's strides
+};
+static_assert(sizeof(AttnParams) == 160, "AttnParams must be 160 bytes");
+
+struct AttnMaskParams {
+  fatrain_abi_i64 m_strides[3];  // [batch, head, query] element strides (0 = broadcast); key stride 1
+};
+static_assert(sizeof(AttnMaskParams) == 24, "AttnMaskParams must be 24 bytes");
+
+struct WindowParams {
+  int window_left;   // query i sees key j only if j >= i - window_left (-1: unbounded)
+  int window_right;  // ... and j <= i + window_right (-1: unbounded)
+};
+static_assert(sizeof(WindowParams) == 8, "WindowParams must be 8 bytes");
+
+FATRAIN_ABI_END

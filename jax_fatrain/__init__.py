@@ -12,13 +12,13 @@ from jax_fatrain._api import (
     flash_attn_train_fwd,
 )
 from jax_fatrain._flax import flax_attention_fn
-from jax_fatrain._op import available_implementations
+from jax_fatrain._registry import available_implementations
 
 
 def cpu_isa() -> str:
   """The instruction set ("avx512", "avx2", "baseline") the CPU kernels use here."""
-  from jax_fatrain import _cpu
-  return _cpu.selected_isa()
+  from jax_fatrain._backends import cpu
+  return cpu.selected_isa()
 
 
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fatrain import _op
+from jax_fatrain import _op, _registry
 from jax_fatrain._config import AttentionConfig
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -89,7 +89,7 @@ def _prepare(q, k, v, bias, mask, q_lengths, kv_lengths, *, layout: str,
              bias_name="bias", mask_name="mask"):
   """Checks operands in `layout` (rank 4) and returns them canonicalised."""
   q, k, v = (_as_array(n, x) for n, x in ((q_name, q), (k_name, k), (v_name, v)))
-  impl = _op.resolve_implementation(implementation, q.dtype, q.shape[-1])
+  impl = _registry.resolve_implementation(implementation, q.dtype, q.shape[-1])
   dims = "[B, T, N, H]" if layout == "BTNH" else "[B, N, T, H]"
   kv_dims = "[B, S, K, H]" if layout == "BTNH" else "[B, K, S, H]"
   for name, x, want in ((q_name, q, dims), (k_name, k, kv_dims), (v_name, v, kv_dims)):

@@ -1,9 +1,8 @@
 """The differentiable op: one ``jax.custom_vjp`` over any implementation.
 
-An implementation is three plain functions (forward, backward, bias_grad) with
-the signatures described in ``_config.py``. This module
+An implementation (``_registry.py``) is three plain functions (forward,
+backward, bias_grad) with the signatures described in ``_config.py``. This module
 
-* keeps the registry of implementations and says why one is unavailable,
 * wraps each stage in the sharding rules of ``_sharding.py`` and in a batching
   rule that folds ``vmap``-ed axes into the batch dimension (one kernel launch,
   not a loop; FFI calls have no batching rule of their own), and
@@ -15,7 +14,6 @@ the signatures described in ``_config.py``. This module
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -23,106 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_fatrain import _cpu, _cuda, _metal, _metal_emulated, _sharding, _xla
+from jax_fatrain import _sharding
 from jax_fatrain._config import AttentionConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-  name: str
-  forward: Callable
-  backward: Callable
-  bias_grad: Callable
-  # Largest supported head dimension (None: any).
-  max_head_dim: int | None
-  # JAX platforms the implementation runs on (None: any).
-  platforms: tuple[str, ...] | None
-  # Fills in the config's process-wide defaults (e.g. the CUDA dQ mode) when
-  # a call is traced; None: nothing to fill in.
-  resolve_config: Callable[[AttentionConfig], AttentionConfig] | None = None
-
-
-def _unavailable_reasons() -> dict[str, str]:
-  reasons = {}
-  if _metal.IMPORT_ERROR is not None:
-    reasons["metal"] = _metal.IMPORT_ERROR
-  if _cuda.IMPORT_ERROR is not None:
-    reasons["cuda"] = _cuda.IMPORT_ERROR
-  if _metal_emulated.IMPORT_ERROR is not None:
-    reasons["metal_emulated"] = ("the MSL emulator extension is not built "
-                                 f"({_metal_emulated.IMPORT_ERROR})")
-  if _cpu.IMPORT_ERROR is not None:
-    reasons["cpu"] = f"the CPU extension failed to import: {_cpu.IMPORT_ERROR}"
-  return reasons
-
-
-_IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation("xla", _xla.forward, _xla.backward, _xla.bias_grad,
-                          max_head_dim=None, platforms=None),
-}
-if _cpu.IMPORT_ERROR is None:
-  _IMPLEMENTATIONS["cpu"] = Implementation(
-      "cpu", _cpu.forward, _cpu.backward, _cpu.bias_grad,
-      max_head_dim=_cpu.MAX_HEAD_DIM, platforms=("cpu",))
-if _metal.IMPORT_ERROR is None:
-  # Our Metal kernels on the Apple GPU, behind FFI handlers on the cpu platform.
-  _IMPLEMENTATIONS["metal"] = Implementation(
-      "metal", _metal.forward, _metal.backward, _metal.bias_grad,
-      max_head_dim=_metal.MAX_HEAD_DIM, platforms=("cpu",))
-if _metal_emulated.IMPORT_ERROR is None:
-  # The Metal kernels on the MSL emulator (a test tool; never chosen by default).
-  _IMPLEMENTATIONS["metal_emulated"] = Implementation(
-      "metal_emulated", _metal_emulated.forward, _metal_emulated.backward,
-      _metal_emulated.bias_grad, max_head_dim=_metal_emulated.MAX_HEAD_DIM,
-      platforms=("cpu",))
-
-
-if _cuda.IMPORT_ERROR is None:
-  # Our CUDA kernels behind FFI handlers on the CUDA platform.
-  _IMPLEMENTATIONS["cuda"] = Implementation(
-      "cuda", _cuda.forward, _cuda.backward, _cuda.bias_grad,
-      max_head_dim=_cuda.MAX_HEAD_DIM, platforms=("cuda",),
-      resolve_config=_cuda.resolve_config)
-
-
-def available_implementations() -> tuple[str, ...]:
-  """Names accepted by ``implementation=`` on this installation."""
-  return tuple(sorted(_IMPLEMENTATIONS))
-
-
-def resolve_implementation(name: str | None, dtype=None, head_dim: int | None = None
-                           ) -> Implementation:
-  """Maps ``implementation=`` to an Implementation, or raises ValueError.
-
-  For None, the query's dtype and head dim (when given) choose too.
-  """
-  if name is None:
-    backend = jax.default_backend()
-    # On an NVIDIA GPU our CUDA kernels where they are built (JAX calls the
-    # backend "gpu", the platform "cuda"; ROCm GPUs are "gpu" too, hence
-    # the device check), for the problems they run on tensor cores; the
-    # others (float32, other head dims) would take their float32 SIMT
-    # kernels, so those go to the XLA path, whose matrix products XLA runs
-    # on tensor cores (not measured against each other).
-    if backend == "gpu" and "cuda" in _IMPLEMENTATIONS and _cuda.gpu_present():
-      if dtype is None or _cuda.has_tensor_core_kernels(dtype, head_dim):
-        return _IMPLEMENTATIONS["cuda"]
-      return _IMPLEMENTATIONS["xla"]
-    # On a Mac with a Metal device, "metal" (its handlers live on XLA's cpu
-    # platform too); elsewhere the CPU kernels.
-    for candidate in ("metal", "cpu"):
-      impl = _IMPLEMENTATIONS.get(candidate)
-      if impl is not None and backend in impl.platforms:
-        return impl
-    return _IMPLEMENTATIONS["xla"]
-  if name in _IMPLEMENTATIONS:
-    return _IMPLEMENTATIONS[name]
-  known = sorted(set(_IMPLEMENTATIONS) | set(_unavailable_reasons()))
-  why = _unavailable_reasons().get(name)
-  detail = (f"implementation {name!r} is not available: {why}" if why else
-            f"unknown implementation {name!r} (known: {', '.join(known)})")
-  raise ValueError(f"{detail}. Available here: "
-                   f"{', '.join(available_implementations())} (or None for the best one).")
+from jax_fatrain._registry import Implementation
 
 
 # ---------------------------------------------------------------------------

@@ -140,9 +140,9 @@ def measure_row(cfg, impls, repeat=1, run=None):
 
 def cuda_unavailable_reason() -> str | None:
   """Why this process cannot benchmark our ``cuda`` kernels, or None."""
-  from jax_fatrain import _op
+  from jax_fatrain import _registry
   try:
-    _op.resolve_implementation("cuda")
+    _registry.resolve_implementation("cuda")
   except ValueError as e:
     return str(e)
   if jax.default_backend() != "gpu":

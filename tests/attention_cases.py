@@ -20,7 +20,7 @@ import numpy as np
 # a GPU. metal_emulated runs the same cases from tests/test_metal_emulator.py,
 # which also covers every compiled kernel variant.
 def _implementations():
-  from jax_fatrain import _cuda
+  from jax_fatrain._backends import cuda as _cuda
   if not _cuda.gpu_present():
     return ("cpu", "xla")
   # On a GPU, XLA computes float32 matmuls in TF32 by default (~5e-4 relative
@@ -36,7 +36,7 @@ def _implementations():
 def _with_metal(impls):
   import os
   import jax_fatrain
-  from jax_fatrain import _metal
+  from jax_fatrain._backends import metal as _metal
   if "metal" in jax_fatrain.available_implementations():
     return impls + ("metal",)
   if os.environ.get("JAX_FATRAIN_REQUIRE_METAL") == "1":

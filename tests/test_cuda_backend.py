@@ -13,7 +13,7 @@ import pytest
 import jax_fatrain
 from attention_cases import (IMPLEMENTATIONS, TOLERANCE, Case, make_inputs, reference,
                              relative_error)
-from jax_fatrain import _cuda
+from jax_fatrain._backends import cuda as _cuda
 
 pytestmark = pytest.mark.skipif("cuda" not in IMPLEMENTATIONS,
                                 reason="needs the CUDA extension and a GPU")

@@ -89,7 +89,7 @@ def test_cuda_dq_mode_is_fixed_when_a_call_is_traced():
   GPU suite's deterministic rows ran the atomic kernels after atomic rows of
   the same shapes."""
   import dataclasses
-  from jax_fatrain import _cuda
+  from jax_fatrain._backends import cuda as _cuda
   from jax_fatrain._config import AttentionConfig
   config = AttentionConfig(scale=0.5)
   before = _cuda._deterministic_default
@@ -109,9 +109,9 @@ def test_op_fills_in_config_defaults_each_time_it_traces():
   is traced with) sees a changed default on the next trace of the same
   shapes, not the value of the first trace."""
   import dataclasses
-  from jax_fatrain import _op
+  from jax_fatrain import _op, _registry
   from jax_fatrain._config import AttentionConfig
-  cpu = _op.resolve_implementation("cpu")
+  cpu = _registry.resolve_implementation("cpu")
   default = {"mode": False}
   seen = []
 
@@ -141,11 +141,12 @@ def test_op_fills_in_config_defaults_each_time_it_traces():
 
 
 def test_none_picks_the_best_implementation_for_the_default_backend():
-  from jax_fatrain import _cuda, _op
+  from jax_fatrain import _registry
+  from jax_fatrain._backends import cuda as _cuda
   available = jax_fatrain.available_implementations()
   for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float16, 64), (jnp.float32, 128),
                           (jnp.bfloat16, 96)):
-    chosen = _op.resolve_implementation(None, dtype, head_dim).name
+    chosen = _registry.resolve_implementation(None, dtype, head_dim).name
     if jax.default_backend() == "gpu" and "cuda" in available and _cuda.gpu_present():
       tensor_cores = jnp.dtype(dtype) != jnp.float32 and head_dim in (64, 128, 256)
       assert chosen == ("cuda" if tensor_cores else "xla"), (dtype, head_dim)
@@ -157,7 +158,7 @@ def test_none_picks_the_best_implementation_for_the_default_backend():
 
 def test_ffi_handler_rechecks_its_inputs():
   """Bypassing the Python checks gives an FFI error, not a crash."""
-  from jax_fatrain import _cpu
+  from jax_fatrain._backends import cpu as _cpu
   from jax_fatrain._config import AttentionConfig
   config = AttentionConfig(scale=0.25)
   bad_kv = jnp.ones((2, 10, 3, 16), jnp.float32)  # 4 query heads, 3 kv heads

@@ -21,7 +21,7 @@ import pytest
 import jax_fatrain
 from attention_cases import Case, make_inputs, relative_error
 
-_metal_emulated = pytest.importorskip("jax_fatrain._metal_emulated")
+_metal_emulated = pytest.importorskip("jax_fatrain._backends.metal_emulated")
 if _metal_emulated.IMPORT_ERROR is not None:
   pytest.fail(f"metal_emulated extension not built: {_metal_emulated.IMPORT_ERROR}",
               pytrace=False)

@@ -1,4 +1,4 @@
-"""Unit tests of the pure-JAX ("xla") backend, ``jax_fatrain/_xla.py``.
+"""Unit tests of the pure-JAX ("xla") backend, ``jax_fatrain/_backends/xla.py``.
 
 Reference: ``jax.nn.dot_product_attention(implementation='xla')`` on float32
 (upcast) inputs, gradients via ``jax.vjp`` with a random cotangent. The block
@@ -22,7 +22,7 @@ if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
 try:
-  from jax_fatrain import _xla  # noqa: E402
+  from jax_fatrain._backends import xla as _xla  # noqa: E402
   from jax_fatrain._config import AttentionConfig  # noqa: E402
 except Exception:  # package __init__ may be missing or mid-edit
   import types

@@ -9,17 +9,18 @@
 #include <string>
 
 #include "attention_problem.h"
+#include "ffi/handler_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace fatrain::ffi_glue {
 
 namespace ffi = xla::ffi;
 
-// Layout codes; must match LAYOUT_CODES in jax_fatrain/_ffi.py.
+// Layout codes; must match LAYOUT_CODES in jax_fatrain/_backends/_ffi.py.
 constexpr int32_t kLayoutBTNH = 0;
 constexpr int32_t kLayoutBNTH = 1;
 
-// The attribute dictionary every handler receives (jax_fatrain/_ffi.py).
+// The attribute dictionary every handler receives (jax_fatrain/_backends/_ffi.py).
 struct Attributes {
   float scale;
   bool is_causal;
@@ -262,17 +263,6 @@ inline std::string ExpectBiasGradient(const ffi::AnyBuffer& dbias,
            ShapeString(dbias);
   }
   return "";
-}
-
-// Test hook: with JAX_FATRAIN_POISON_OUTPUTS=1 every output is filled with NaN
-// (0xFF bytes) before a kernel runs, so an element a kernel forgets to write
-// cannot pass a test by inheriting a plausible value.
-inline bool PoisonOutputsRequested() {
-  static const bool poison = [] {
-    const char* value = std::getenv("JAX_FATRAIN_POISON_OUTPUTS");
-    return value != nullptr && value[0] == '1';
-  }();
-  return poison;
 }
 
 }  // namespace fatrain::ffi_glue

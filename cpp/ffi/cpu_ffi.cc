@@ -20,13 +20,13 @@
 namespace ffi = xla::ffi;
 namespace nb = nanobind;
 using fatrain::ffi_glue::Attributes;
+using fatrain::ffi_glue::EncapsulateFfiHandler;
 
 namespace {
 
 ffi::Error Status(const std::string& message,
                   ffi::ErrorCode code = ffi::ErrorCode::kInvalidArgument) {
-  if (message.empty()) return ffi::Error::Success();
-  return ffi::Error(code, "jax_fatrain cpu: " + message);
+  return fatrain::ffi_glue::Status("jax_fatrain cpu", message, code);
 }
 
 ffi::Error KernelStatus(const char* error) {
@@ -151,13 +151,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FatrainCpuBiasGrad, BiasGradImpl,
                                   .Arg<ffi::AnyBuffer>()  // d_out
                                   .Ret<ffi::AnyBuffer>()  // dbias
                                   .Attrs<Attributes>());
-
-template <typename T>
-static nb::capsule EncapsulateFfiHandler(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
-                "Encapsulated function must be an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
 
 NB_MODULE(_cpu_ffi, m) {
   m.doc() = "XLA FFI handlers of jax_fatrain's CPU backend.";

@@ -6,6 +6,7 @@
 // `deterministic`.
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -32,9 +33,7 @@ struct CudaAttributes {
 
 ffi::Error Status(const std::string& message,
                   ffi::ErrorCode code = ffi::ErrorCode::kInvalidArgument) {
-  if (message.empty()) return ffi::Error::Success();
-  if (message.rfind("jax_fatrain cuda:", 0) == 0) return ffi::Error(code, message);
-  return ffi::Error(code, "jax_fatrain cuda: " + message);
+  return glue::Status("jax_fatrain cuda", message, code);
 }
 
 ffi::Error KernelStatus(const char* error) {
@@ -171,20 +170,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FatrainCudaBiasGrad, BiasGradImpl,
                                   .Ret<ffi::AnyBuffer>()  // workspace (uint8)
                                   .Attrs<CudaAttributes>());
 
-template <typename T>
-static nb::capsule EncapsulateFfiHandler(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
-                "Encapsulated function must be an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 NB_MODULE(_cuda_ffi, m) {
   m.doc() = "XLA FFI handlers of jax_fatrain's CUDA backend.";
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_fatrain_cuda_forward"] = EncapsulateFfiHandler(FatrainCudaForward);
-    targets["jax_fatrain_cuda_backward"] = EncapsulateFfiHandler(FatrainCudaBackward);
-    targets["jax_fatrain_cuda_bias_grad"] = EncapsulateFfiHandler(FatrainCudaBiasGrad);
+    targets["jax_fatrain_cuda_forward"] = glue::EncapsulateFfiHandler(FatrainCudaForward);
+    targets["jax_fatrain_cuda_backward"] = glue::EncapsulateFfiHandler(FatrainCudaBackward);
+    targets["jax_fatrain_cuda_bias_grad"] = glue::EncapsulateFfiHandler(FatrainCudaBiasGrad);
     return targets;
   });
   m.def("device_count", []() {
@@ -202,6 +194,20 @@ NB_MODULE(_cuda_ffi, m) {
   }, nb::arg("dtype"), nb::arg("head_dim"),
         "The path (\"tensor_core\" or \"simt\") of problems with this dtype name and "
         "head dim.");
+  m.def("scratch_bytes", [](const std::string& stage, int64_t batch, int64_t q_heads,
+                            int64_t q_len, int64_t head_dim, bool deterministic) -> size_t {
+    fatrain::AttentionProblem problem;
+    problem.batch = batch;
+    problem.q_heads = q_heads;
+    problem.q_len = q_len;
+    problem.head_dim = head_dim;
+    if (stage == "forward") return fatrain::cuda::forward_scratch_bytes(problem);
+    if (stage == "backward") return fatrain::cuda::backward_scratch_bytes(problem, deterministic);
+    if (stage == "bias_grad") return fatrain::cuda::bias_grad_scratch_bytes(problem);
+    throw std::invalid_argument("stage must be forward, backward or bias_grad, got " + stage);
+  }, nb::arg("stage"), nb::arg("batch"), nb::arg("q_heads"), nb::arg("q_len"),
+        nb::arg("head_dim"), nb::arg("deterministic"),
+        "Device scratch bytes a stage's handler needs (its workspace result).");
   m.def("set_launch_recording", &fatrain::cuda::set_launch_recording, nb::arg("on"),
         "Starts or stops recording the kernels the handlers launch (a test tool).");
   m.def("take_launch_record", &fatrain::cuda::take_launch_record,

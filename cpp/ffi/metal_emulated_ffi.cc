@@ -3,7 +3,7 @@
 // (cpp/metal/emulator), which runs the unmodified jax_fatrain/metal/*.metal
 // kernels on the CPU. A test tool: it checks the Metal kernels off-Mac, slowly.
 //
-// Operand conventions are those of the cpu target (jax_fatrain/_ffi.py); the
+// Operand conventions are those of the cpu target (jax_fatrain/_backends/_ffi.py); the
 // mapping of XLA buffers onto the plan is shared with the macOS host
 // (cpp/ffi/metal_ffi_common.h).
 

@@ -6,7 +6,7 @@
 // unified memory. The mapping of XLA buffers and attributes onto the dispatch
 // plan is shared with `metal_emulated` (metal_ffi_common.h), so the emulator
 // tests that logic off-Mac. The bias gradient is not a Metal kernel: the
-// Python side uses the CPU backend's (jax_fatrain/_metal.py).
+// Python side uses the CPU backend's (jax_fatrain/_backends/metal.py).
 
 #include <string>
 #include <type_traits>
@@ -22,6 +22,7 @@
 namespace ffi = xla::ffi;
 namespace nb = nanobind;
 namespace mp = fatrain::metal_plan;
+using fatrain::ffi_glue::EncapsulateFfiHandler;
 
 namespace {
 
@@ -84,18 +85,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FatrainMetalBackward, BackwardImpl,
                                   .Ret<ffi::AnyBuffer>()   // dv
                                   .Attrs<Attributes>());
 
-template <typename T>
-static nb::capsule Capsule(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>);
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 NB_MODULE(_metal_ffi, m) {
   m.doc() = "jax_fatrain's Metal kernels on the Apple GPU (FFI handlers on the cpu platform).";
   m.def("registrations", []() {
     nb::dict t;
-    t["jax_fatrain_metal_forward"] = Capsule(FatrainMetalForward);
-    t["jax_fatrain_metal_backward"] = Capsule(FatrainMetalBackward);
+    t["jax_fatrain_metal_forward"] = EncapsulateFfiHandler(FatrainMetalForward);
+    t["jax_fatrain_metal_backward"] = EncapsulateFfiHandler(FatrainMetalBackward);
     return t;
   });
   m.def("device_name", []() { return fatrain::metal::device_name(); },

@@ -1,11 +1,11 @@
 // What the two FFI front ends of the Metal kernels share: `metal` (the macOS
 // host, cpp/ffi/metal_ffi.cc) and `metal_emulated` (the MSL emulator,
 // cpp/ffi/metal_emulated_ffi.cc). Both map XLA buffers and the attribute
-// dictionary of the cpu target (jax_fatrain/_ffi.py) onto a
+// dictionary of the cpu target (jax_fatrain/_backends/_ffi.py) onto a
 // metal_plan::Problem and onto host memory per plan role; they differ only in
 // who executes the plan.
 //
-// The Python side (jax_fatrain/_metal_adapt.py) has already padded the head
+// The Python side (jax_fatrain/_backends/_metal_common.py) has already padded the head
 // dimension to a compiled variant, folded bias and mask into one score operand
 // and expanded a mask broadcast over keys, so what arrives here maps 1:1 onto
 // the plan.
@@ -37,9 +37,9 @@ inline ffi::Error InvalidArgument(const char* who, const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(who) + ": " + message);
 }
 
+// A failure of the plan or of its execution.
 inline ffi::Error Status(const char* who, const std::string& err) {
-  if (err.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string(who) + ": " + err);
+  return fatrain::ffi_glue::Status(who, err, ffi::ErrorCode::kInternal);
 }
 
 inline bool ToDType(ffi::DataType t, mp::DType* out) {
@@ -179,16 +179,9 @@ inline ffi::Error PrepareBackward(const char* who, const Attributes& attrs, ffi:
   return ffi::Error::Success();
 }
 
-// JAX_FATRAIN_POISON_OUTPUTS=1 (set by the tests): outputs are filled with
-// 0xFF before the kernels run, so an element no kernel writes fails a test.
-inline bool PoisonOutputs() {
-  static const bool poison = [] {
-    const char* v = std::getenv("JAX_FATRAIN_POISON_OUTPUTS");
-    return v != nullptr && v[0] == '1';
-  }();
-  return poison;
-}
+inline bool PoisonOutputs() { return fatrain::ffi_glue::PoisonOutputsRequested(); }
 
+// Fills every output role with 0xFF (see PoisonOutputsRequested).
 inline void PoisonHostOutputs(const mp::RoleBuffers& m) {
   if (!PoisonOutputs()) return;
   for (int r = 0; r < mp::RoleBuffers::kRoles; ++r) {

@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain import _cpu, _ffi
+from jax_fatrain._backends import _ffi
+from jax_fatrain._backends import cpu as _cpu
 
 MAX_HEAD_DIM = 256
 HEAD_DIMS = (64, 128, 256)

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._config import AttentionConfig
+from jax_fatrain._config import AttentionConfig
+from jax_fatrain._registry import Implementation
 
-__all__ = ["forward", "backward", "bias_grad"]
 
 # Key/value block length. Problems with S <= BLOCK_K run as a single block (no
 # padding). Tests may lower it to exercise the multi-block paths; it is read at
@@ -412,3 +412,8 @@ def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
     return None
   return _backward_impl(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
                         config, want_dqkv=False, want_dbias=True)["dbias"]
+
+
+IMPORT_ERROR = None
+IMPLEMENTATION = Implementation("xla", forward, backward, bias_grad, max_head_dim=None,
+                                platforms=None)

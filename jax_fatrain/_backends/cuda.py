@@ -1,6 +1,6 @@
 """The ``cuda`` implementation: XLA FFI calls into the CUDA kernels of cpp/cuda/.
 
-Mirrors ``_cpu.py``: the same operands, placeholders and attribute dictionary,
+Mirrors ``cpu.py``: the same operands, placeholders and attribute dictionary,
 plus ``deterministic``. The extension ``_cuda_ffi`` is optional: it is built only
 with ``-C cmake.define.JAX_FATRAIN_CUDA=ON`` where nvcc exists, and without it
 ``IMPORT_ERROR`` says why ``implementation="cuda"`` is unavailable.
@@ -24,8 +24,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain import _ffi
+from jax_fatrain._backends import _ffi
 from jax_fatrain._config import AttentionConfig
+from jax_fatrain._registry import Implementation
 
 _BUILD_HINT = ("build with -C cmake.define.JAX_FATRAIN_CUDA=ON on a machine with "
                "nvcc; it runs on NVIDIA GPUs sm_80 and newer")
@@ -137,18 +138,11 @@ def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths):
                          deterministic=_deterministic(config))
 
 
-def _align256(n: int) -> int:
-  return (n + 255) // 256 * 256
-
-
 def _workspace(q, config: AttentionConfig, stage: str):
-  """Scratch bytes (must match *_scratch_bytes in cpp/cuda/attention_cuda.cu)."""
+  """The uint8 scratch result a stage's handler needs (sized by the extension)."""
   b, t, n, d = (q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis],
                 q.shape[3])
-  rows = b * n * t
-  size = _align256(rows * 4)
-  if stage == "backward" and not _deterministic(config):
-    size += _align256(rows * d * 4)
+  size = _cuda_ffi.scratch_bytes(stage, b, n, t, d, _deterministic(config))
   return _ffi.result((size,), jnp.uint8, q)
 
 
@@ -182,3 +176,9 @@ def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
   dbias, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths), o, lse, d_o,
                   **_attributes(config, bias, mask, q_lengths, kv_lengths))
   return dbias
+
+
+# Our CUDA kernels behind FFI handlers on the CUDA platform.
+IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(
+    "cuda", forward, backward, bias_grad, max_head_dim=MAX_HEAD_DIM, platforms=("cuda",),
+    resolve_config=resolve_config)

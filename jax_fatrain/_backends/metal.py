@@ -6,7 +6,7 @@ executor (cpp/metal/host/executor.cc) runs the kernels on that memory through
 unified memory (bound in place when page aligned, else staged through pooled
 shared buffers). Which dispatches to run comes from the portable dispatch
 plan (cpp/metal/plan), the same one ``metal_emulated`` executes off-Mac; the
-Python-side adaptations are shared with it (``_metal_adapt.py``).
+Python-side adaptations are shared with it (``_metal_common.py``).
 
 The kernel library is compiled once per process from the packaged ``.metal``
 sources (or loaded from ``metal/flash_attn.metallib`` when the build made
@@ -20,9 +20,10 @@ import pathlib
 import sys
 import threading
 
-from jax_fatrain import _ffi, _metal_adapt
+from jax_fatrain._backends import _ffi, _metal_common
+from jax_fatrain._registry import Implementation
 
-METAL_DIR = pathlib.Path(__file__).resolve().parent / "metal"
+METAL_DIR = pathlib.Path(__file__).resolve().parents[1] / "metal"
 _SOURCES = ("flash_attn_train_fwd.metal", "flash_attn_train_bwd.metal")
 METALLIB = "flash_attn.metallib"
 
@@ -40,7 +41,7 @@ else:
   DEVICE_NAME = _metal_ffi.device_name()
   IMPORT_ERROR = _metal_ffi.unsupported_reason() or None
 
-MAX_HEAD_DIM = _metal_adapt.MAX_HEAD_DIM
+MAX_HEAD_DIM = _metal_common.MAX_HEAD_DIM
 
 _FORWARD = "jax_fatrain_metal_forward"
 _BACKWARD = "jax_fatrain_metal_backward"
@@ -112,14 +113,19 @@ def _register_targets() -> None:
 
 def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
   _register_targets()
-  return _metal_adapt.forward(_FORWARD, "metal", q, k, v, bias, mask, q_lengths, kv_lengths,
+  return _metal_common.forward(_FORWARD, "metal", q, k, v, bias, mask, q_lengths, kv_lengths,
                               config)
 
 
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
   _register_targets()
-  return _metal_adapt.backward(_BACKWARD, "metal", q, k, v, bias, mask, q_lengths, kv_lengths,
+  return _metal_common.backward(_BACKWARD, "metal", q, k, v, bias, mask, q_lengths, kv_lengths,
                                o, lse, d_o, config)
 
 
-bias_grad = _metal_adapt.bias_grad
+bias_grad = _metal_common.bias_grad
+
+
+# Our Metal kernels on the Apple GPU, behind FFI handlers on the cpu platform.
+IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(
+    "metal", forward, backward, bias_grad, max_head_dim=MAX_HEAD_DIM, platforms=("cpu",))

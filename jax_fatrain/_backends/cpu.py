@@ -9,13 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain import _ffi
+from jax_fatrain._backends import _ffi
+from jax_fatrain._registry import Implementation
 
 try:
   from jax_fatrain import _cpu_ffi
 except ImportError as e:  # pragma: no cover - only on a broken install
   _cpu_ffi = None
-  IMPORT_ERROR = str(e)
+  IMPORT_ERROR = f"the CPU extension failed to import: {e}"
 else:
   IMPORT_ERROR = None
 
@@ -30,7 +31,7 @@ _registered: set = set()
 
 def _extension():
   if _cpu_ffi is None:
-    raise RuntimeError(f"jax_fatrain's CPU extension failed to import: {IMPORT_ERROR}")
+    raise RuntimeError(f"implementation 'cpu' is not available: {IMPORT_ERROR}")
   return _cpu_ffi
 
 
@@ -66,3 +67,7 @@ def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
   call = jax.ffi.ffi_call(_BIAS_GRAD, _ffi.result(bias.shape, jnp.float32, bias))
   return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
               o, lse, d_o, **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
+
+
+IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(
+    "cpu", forward, backward, bias_grad, max_head_dim=MAX_HEAD_DIM, platforms=("cpu",))

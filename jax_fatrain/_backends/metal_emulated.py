@@ -7,22 +7,23 @@ off-Mac and is slow (every GPU thread is a CPU fiber).
 
 The Python-side adaptations (head-dim padding, bias/mask folding, key-axis
 expansion) and the bias gradient (the CPU backend's) are shared with the
-macOS ``metal`` implementation: ``_metal_adapt.py``.
+macOS ``metal`` implementation: ``_metal_common.py``.
 """
 
 from __future__ import annotations
 
-from jax_fatrain import _ffi, _metal_adapt
+from jax_fatrain._backends import _ffi, _metal_common
+from jax_fatrain._registry import Implementation
 
 try:
   from jax_fatrain import _metal_emulated_ffi
 except ImportError as e:  # not built (FATRAIN_METAL_EMULATOR=OFF) or broken
   _metal_emulated_ffi = None
-  IMPORT_ERROR = str(e)
+  IMPORT_ERROR = f"the MSL emulator extension is not built ({e})"
 else:
   IMPORT_ERROR = None
 
-MAX_HEAD_DIM = _metal_adapt.MAX_HEAD_DIM
+MAX_HEAD_DIM = _metal_common.MAX_HEAD_DIM
 
 _FORWARD = "jax_fatrain_metal_emulated_forward"
 _BACKWARD = "jax_fatrain_metal_emulated_backward"
@@ -32,7 +33,7 @@ _registered: set = set()
 
 def _extension():
   if _metal_emulated_ffi is None:
-    raise RuntimeError(f"jax_fatrain's metal_emulated extension failed to import: {IMPORT_ERROR}")
+    raise RuntimeError(f"implementation 'metal_emulated' is not available: {IMPORT_ERROR}")
   return _metal_emulated_ffi
 
 
@@ -57,14 +58,20 @@ def planned_kernel_names() -> list[str]:
 
 def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
   _register_targets()
-  return _metal_adapt.forward(_FORWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
+  return _metal_common.forward(_FORWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
                               kv_lengths, config)
 
 
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
   _register_targets()
-  return _metal_adapt.backward(_BACKWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
+  return _metal_common.backward(_BACKWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
                                kv_lengths, o, lse, d_o, config)
 
 
-bias_grad = _metal_adapt.bias_grad
+bias_grad = _metal_common.bias_grad
+
+
+# The Metal kernels on the MSL emulator (a test tool; never chosen by default).
+IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(
+    "metal_emulated", forward, backward, bias_grad, max_head_dim=MAX_HEAD_DIM,
+    platforms=("cpu",))

@@ -20,7 +20,8 @@ SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
 import jax_fatrain
-from attention_cases import Case, make_inputs, reference, relative_error, TOLERANCE
+from attention_cases import Case, make_inputs
+from checks import assert_matches_reference, reference_results, results
 
 want_isa = sys.argv[1]
 assert jax_fatrain.cpu_isa() == want_isa, (jax_fatrain.cpu_isa(), want_isa)
@@ -32,21 +33,7 @@ cases = [
 ]
 for case in cases:
     x = make_inputs(case, seed=0)
-    def loss(q, k, v, bias, attention, up):
-        out = attention(up(q), up(k), up(v), **{**x.kwargs(case), "bias": up(bias)})
-        return jnp.sum(out.astype(jnp.float32) * x.cotangent.astype(jnp.float32)), out
-    same = lambda a: a
-    f32 = lambda a: None if a is None else a.astype(jnp.float32)
-    argnums = (0, 1, 2, 3) if x.bias is not None else (0, 1, 2)
-    ours = jax.value_and_grad(loss, argnums, has_aux=True)(
-        x.q, x.k, x.v, x.bias,
-        lambda *a, **k: jax_fatrain.dot_product_attention(*a, implementation="cpu", **k), same)
-    ref = jax.value_and_grad(loss, argnums, has_aux=True)(
-        x.q, x.k, x.v, x.bias, jax.nn.dot_product_attention, f32)
-    tol = TOLERANCE[case.dtype]
-    assert relative_error(ours[0][1], ref[0][1], x.live_rows) < tol, case.id
-    for g, r in zip(ours[1], ref[1]):
-        assert relative_error(g, r) < 2 * tol, case.id
+    assert_matches_reference(case, x, results(case, x, "cpu"), reference_results(case, x))
 print("ok", want_isa)
 """
 

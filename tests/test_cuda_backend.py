@@ -42,9 +42,8 @@ def _reference_results(case):
   """jax.nn's output, logsumexp and gradients for `case` on its seed-7 inputs.
 
   Computed once per case and shared by all of its kernel rows (up to ten),
-  since it does not depend on which of our kernels run: the GPU suite's time
-  is the scarce thing (PERF_NOTES.md), and the reference was a large share
-  of each row's.
+  since it does not depend on which of our kernels run: the reference was a
+  large share of each row's time.
   """
   x = make_inputs(case, seed=7)
   out, lse = reference(case, x)

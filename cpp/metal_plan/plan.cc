@@ -46,7 +46,7 @@ AttnParams make_params(const Problem& p) {
   a.kl = int32_t(p.kv_len);
   a.gqa_factor = int32_t(p.q_heads / p.kv_heads);
   a.scale = p.scale;
-  a.softcapping = 1.0f;  // disabled (the seed always passes 1.0)
+  a.softcapping = 1.0f;  // disabled (flash_attn_train.rs always passes 1.0)
   a.nq = int32_t(ceil_div(p.q_len, kBQ));
   a.nk = int32_t(ceil_div(p.kv_len, kBK));
   a.nq_aligned = int32_t(p.q_len / kBQ);

@@ -7,7 +7,7 @@
 // single source of these facts: the macOS host executes a plan with Metal,
 // the MSL emulator (tools/msl_emulator) executes the same plan on the CPU.
 //
-// ABI (kept from the seed, ../shared/seed/flash_attn_train.rs):
+// ABI (kept from mlx_native's flash_attn_train.rs):
 //   forward  flash_attn_train_fwd_{bf16,f16,f32}_d{64,128,256}[_boolmask]
 //     buffers  Q0 K1 V2 O3 params4 mask_params5 mask6 L8
 //              (extensions: window9 q_lengths10 kv_lengths11)
@@ -90,7 +90,7 @@ struct Plan {
 constexpr int kBQ = 32, kBK = 16, kWM = 4, kWN = 1;
 constexpr int kBwdBQ = 32, kBwdBK = 32;
 
-// The 160-byte params struct of the seed (MLX steel-attention layout plus
+// The 160-byte params struct of flash_attn_train.rs (MLX steel-attention layout plus
 // softcapping after scale); identical to AttnParams in the .metal sources.
 struct AttnParams {
   int32_t b, h, d, ql, kl, gqa_factor;

@@ -15,7 +15,7 @@
 #include <metal_stdlib>
 using namespace metal;
 
-// The seed's 160-byte params struct (MLX steel-attention layout + softcapping).
+// flash_attn_train.rs's 160-byte params struct (MLX steel-attention layout + softcapping).
 struct AttnParams {
   int b;           // batch
   int h;           // query heads

@@ -154,7 +154,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   }
 }
 
-// Seed names for bf16 (additive bf16 mask or bool mask); f16 and f32 and
+// flash_attn_train.rs's names for bf16 (additive bf16 mask or bool mask); f16 and f32 and
 // D = 128 follow the same scheme. The unmasked problem uses the additive
 // variant with has_mask = false.
 template [[host_name("flash_attn_train_fwd_bf16_d64")]] [[kernel]] decltype(flash_attn_train_fwd<bfloat, 64, bfloat, false>) flash_attn_train_fwd<bfloat, 64, bfloat, false>;

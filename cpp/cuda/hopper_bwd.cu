@@ -291,7 +291,8 @@ template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   // With an elementwise mask or bias loaded one score at a time the mma.sync
   // kernel measured faster (docs/cuda.md): each score then waits on a global
-  // load, which its 16 resident warps per SM hide better than these 8. Staged through shared memory with the step's Q and dO (D = 64 and 128;
+  // load, which its 16 resident warps per SM hide better than these 8.
+  // Staged through shared memory with the step's Q and dO (D = 64 and 128;
   // at D = 256 the slots do not fit), the loads overlap the previous step.
   if (p.mask != nullptr || p.bias != nullptr) {
     return launch_staged_bwd(p, [&](auto d, auto eb) {

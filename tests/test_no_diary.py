@@ -145,7 +145,8 @@ def test_the_check_leaves_ordinary_text_alone(line):
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # A repository path in backquotes, e.g. `cpp/cuda/launch.h` or `tools/` (not
-# patterns such as `flash_attn_train_fwd_{bf16,f16}` or `tests/*.py`).
+# patterns such as `flash_attn_train_fwd_{bf16,f16}` or `tests/*.py`), from the
+# repository root or from the Markdown file's folder.
 _REPO_PATH = re.compile(r"`((?:cpp|jax_fatrain|tools|tests|docs|cmake|\.ci|\.github)/[^`\s]*)`")
 # A docs page named anywhere, in any tracked file (comments and docstrings too).
 _DOCS_PAGE = re.compile(r"(?<![\w/.])docs/[\w-]+\.md\b")
@@ -167,7 +168,9 @@ def test_markdown_links_and_paths_point_at_existing_files():
       for path in _REPO_PATH.findall(line):
         if re.search(r"[{}*<>\[\]|]|\.\.\.", path):
           continue
-        if not (ROOT / path.split(":", 1)[0]).exists():
+        path = path.split(":", 1)[0]
+        # From the repository root, or from the Markdown file's own folder.
+        if not ((ROOT / path).exists() or (ROOT / name).parent.joinpath(path).exists()):
           broken.append(f"{name}:{number}: path {path}")
   assert not broken, "pointers to files that do not exist:\n" + "\n".join(broken)
 

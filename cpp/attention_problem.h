@@ -2,7 +2,7 @@
 // framework-free kernel library of jax_fatrain (cpp/cpu, cpp/cuda). Plain
 // structs: no XLA, JAX or Python; the FFI layers (cpp/ffi) fill them in.
 //
-// Conventions (shared by every backend of jax_fatrain, see DESIGN.md §4):
+// Conventions (shared by every backend of jax_fatrain, see docs/design.md):
 //  * S = scale * Q Kᵀ computed in float32; additive bias added after scaling;
 //    boolean mask / causal / window / lengths remove scores.
 //  * L (logsumexp) is stored in natural log, float32, layout [B, Nq, T].

@@ -195,13 +195,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2))
 
 
-def _seed_config(q, scale, causal) -> AttentionConfig:
+def _bhld_config(q, scale, causal) -> AttentionConfig:
   return AttentionConfig(scale=_scale(scale, q.shape[-1]), is_causal=bool(causal),
                          layout="BNTH")
 
 
-def _split_seed_mask(mask):
-  """The seed's `mask` is additive when floating point, boolean otherwise."""
+def _split_bhld_mask(mask):
+  """The ``[B, H, L, D]`` pair's `mask` is additive when floating point, boolean otherwise."""
   if mask is None:
     return None, None
   mask = _as_array("mask", mask)
@@ -211,26 +211,27 @@ def _split_seed_mask(mask):
 
 
 def flash_attn_train_fwd(q, k, v, mask=None, *, scale, causal, implementation=None):
-  """The seed's forward in its ``[B, H, L, D]`` layout: returns ``(o, lse)``.
+  """The forward in the ``[B, H, L, D]`` layout of mlx_native's ``flash_attn_train.rs``:
+  returns ``(o, lse)``.
 
   ``mask`` is additive (floating point) or boolean (True = attend), shaped
   ``[B, H_q, qL, kL]`` or broadcastable to it; ``lse`` is float32
   ``[B, H_q, qL]`` in natural log. Not differentiable itself: pair it with
   :func:`flash_attn_train_bwd` (or use :func:`dot_product_attention`).
   """
-  bias, bool_mask = _split_seed_mask(mask)
+  bias, bool_mask = _split_bhld_mask(mask)
   q, k, v, bias, bool_mask, _, _, impl = _prepare(
       q, k, v, bias, bool_mask, None, None, layout="BNTH",
       implementation=implementation, q_name="q", k_name="k", v_name="v",
       bias_name="mask", mask_name="mask")
-  config = _seed_config(q, scale, causal)
+  config = _bhld_config(q, scale, causal)
   return _op.stage(impl, "forward", config)(q, k, v, bias, bool_mask, None, None)
 
 
 def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
                          implementation=None):
-  """The seed's backward in ``[B, H, L, D]``: returns ``(dq, dk, dv)``."""
-  bias, bool_mask = _split_seed_mask(mask)
+  """The backward in the ``[B, H, L, D]`` layout: returns ``(dq, dk, dv)``."""
+  bias, bool_mask = _split_bhld_mask(mask)
   q, k, v, bias, bool_mask, _, _, impl = _prepare(
       q, k, v, bias, bool_mask, None, None, layout="BNTH",
       implementation=implementation, q_name="q", k_name="k", v_name="v",
@@ -245,6 +246,6 @@ def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
   if lse.shape != want or lse.dtype != jnp.float32:
     raise ValueError(f"lse must be float32 {list(want)} ([B, H_q, qL]), got "
                      f"{lse.dtype} {list(lse.shape)}")
-  config = _seed_config(q, scale, causal)
+  config = _bhld_config(q, scale, causal)
   return _op.stage(impl, "backward", config)(
       q, k, v, bias, bool_mask, None, None, o, lse, do)

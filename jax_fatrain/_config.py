@@ -1,6 +1,6 @@
 """The static description of one attention call, shared by every implementation.
 
-Every implementation (``cpu``, ``xla``, later ``metal`` and ``cuda``) receives the
+Every implementation (``cpu``, ``xla``, ``metal``, ``metal_emulated``, ``cuda``) receives the
 operands in one canonical form and this frozen, hashable config:
 
 * ``query``  ``[B, T, N, H]`` (layout ``"BTNH"``) or ``[B, N, T, H]`` (``"BNTH"``)

@@ -4,9 +4,9 @@
     python -m jax_fatrain.benchmark_cuda [--quick] [--masked-only] [--no-xla] [--repeat N]
                                          [--json FILE]
 
-Configurations follow ../shared/anchors/bench_jax_attention.py: bf16, 16k tokens
-per batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal
-off/on, plus the GQA 16:2 D=256 rows (T 2k / 8k), plus a boolean-mask row and an
+Configurations (docs/cuda.md has a measured table): bf16, 16k tokens per
+batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal off/on,
+plus the GQA 16:2 D=256 rows (T 2k / 8k), plus a boolean-mask row and an
 additive-bias row (full [B, N, T, S] tensors, which cuDNN must read too).
 
 FLOP convention (FlashAttention papers): forward 4·B·N·T·S·D, halved when
@@ -21,9 +21,8 @@ for every implementation (an H200 at 360 MHz: cuDNN's D = 64 T = 1k forward at
 half its usual rate). There is no warm-up load on purpose: JAX's allocator
 grows its pool in steps that depend on what was allocated first, and after
 2 s of matrix products, or of the first row's own problem, the XLA reference
-could no longer get the 40 GiB that its D = 64 T = 8k rows need (PERF_NOTES,
-seventeenth session). Run it on a GPU that has just been busy, or with
---repeat.
+could no longer get the 40 GiB that its D = 64 T = 8k rows need. Run it on a
+GPU that has just been busy, or with --repeat.
 """
 
 from __future__ import annotations
@@ -158,7 +157,7 @@ def main(argv=None):
   ap.add_argument("--no-xla", action="store_true", help="skip the slow XLA reference")
   ap.add_argument("--part", default="1/1",
                   help="K/N: run only the K-th of N equal slices of the rows (to split a "
-                       "run across time-limited sessions)")
+                       "run across several time-limited processes)")
   ap.add_argument("--repeat", type=int, default=1,
                   help="measure each row in N rounds, the implementations' order rotated, "
                        "and report the medians (steadier tables; N x the time)")

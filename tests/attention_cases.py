@@ -2,7 +2,7 @@
 
 Every implementation runs the same cases (tests/test_attention.py). The
 reference is ``jax.nn.dot_product_attention(implementation="xla")`` on inputs
-upcast to float32 (DESIGN.md §6). Rows that see no key are compared against
+upcast to float32 (docs/testing.md). Rows that see no key are compared against
 our own convention (zero output, -inf logsumexp, zero gradients) because
 jax.nn returns the mean of ``value`` there.
 """
@@ -25,7 +25,7 @@ def _implementations():
     return ("cpu", "xla")
   # On a GPU, XLA computes float32 matmuls in TF32 by default (~5e-4 relative
   # error), which would make the float32 reference itself miss the float32
-  # tolerance; the reference must be true float32 (DESIGN.md §6).
+  # tolerance; the reference must be true float32 (docs/testing.md).
   jax.config.update("jax_default_matmul_precision", "highest")
   return ("cpu", "xla", "cuda")
 

@@ -1,4 +1,4 @@
-"""Values and gradients of every implementation against jax.nn (DESIGN.md §6)."""
+"""Values and gradients of every implementation against jax.nn (docs/testing.md)."""
 
 import functools
 

@@ -69,7 +69,7 @@ def test_traced_scale_is_rejected():
     (dict(o=jnp.zeros((2, 4, 8, 8))), r"o must have q's shape"),
     (dict(do=jnp.zeros((2, 4, 8, 16), jnp.bfloat16)), r"do must have q's shape"),
 ])
-def test_seed_backward_checks_its_residuals(changes, message):
+def test_bhld_backward_checks_its_residuals(changes, message):
   q = jnp.ones((2, 4, 8, 16))
   kv = jnp.ones((2, 2, 8, 16))
   args = dict(q=q, k=kv, v=kv, o=q, lse=jnp.zeros((2, 4, 8)), do=q)

@@ -46,7 +46,7 @@ def test_every_planned_kernel_is_compiled():
   compiled = set(_metal_emulated.kernel_names())
   assert len(planned) == 3 * (1 + 3 * 3 * 2)
   assert planned <= compiled, sorted(planned - compiled)
-  # The seed's names are among them.
+  # The kernel names of mlx_native's flash_attn_train.rs are among them.
   for name in ("flash_attn_train_fwd_bf16_d64", "flash_attn_train_fwd_bf16_d64_boolmask",
                "flash_attn_train_fwd_bf16_d256", "flash_attn_train_fwd_bf16_d256_boolmask"):
     assert name in planned
@@ -86,8 +86,8 @@ def test_aligned_lengths_use_unguarded_paths():
   _check(Case(q_len=32, kv_len=32, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
 
 
-def test_seed_api_bnth_layout():
-  """The seed's [B, H, L, D] pair (BNTH strides through the same kernels)."""
+def test_bhld_pair_bnth_layout():
+  """The [B, H, L, D] pair (BNTH strides through the same kernels)."""
   rng = np.random.default_rng(11)
   shape_q, shape_kv = (2, 4, 21, 128), (2, 2, 35, 128)
   q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)

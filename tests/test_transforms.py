@@ -1,4 +1,4 @@
-"""vmap, checkpoint, dead-code elimination of dbias, determinism, the seed pair."""
+"""vmap, checkpoint, dead-code elimination of dbias, determinism, the [B, H, L, D] pair."""
 
 import functools
 
@@ -125,19 +125,19 @@ def test_cpu_backward_is_bitwise_deterministic():
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("mask_kind", [None, "additive", "bool"])
-def test_seed_pair_matches_the_op(implementation, mask_kind):
+def test_bhld_pair_matches_the_op(implementation, mask_kind):
   """flash_attn_train_fwd/bwd in [B, H, L, D] give what the custom_vjp gives."""
   case = Case(q_len=40, kv_len=40, q_heads=4, kv_heads=2, dtype=jnp.bfloat16,
               bias_shape=(B, N, T, S) if mask_kind == "additive" else None,
               mask_shape=(B, N, T, S) if mask_kind == "bool" else None)
   x = make_inputs(case, seed=4)
-  seed_mask = x.bias if mask_kind == "additive" else x.mask
+  bhld_mask = x.bias if mask_kind == "additive" else x.mask
   to_bhld = lambda a: jnp.swapaxes(a, 1, 2)
   q, k, v, do = map(to_bhld, (x.q, x.k, x.v, x.cotangent))
   scale = 1 / 8
-  o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, seed_mask, scale=scale,
+  o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, bhld_mask, scale=scale,
                                             causal=True, implementation=implementation)
-  dq, dk, dv = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, seed_mask,
+  dq, dk, dv = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, bhld_mask,
                                                 scale=scale, causal=True,
                                                 implementation=implementation)
   assert lse.shape == (2, 4, 40) and lse.dtype == jnp.float32

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the CUDA (and CPU) FFI modules in place on a GPU machine whose Python
-# already has jax, nanobind and scikit-build-core (the lent H100/H200 image):
+# already has jax, nanobind and scikit-build-core (e.g. an H100/H200 image):
 #   bash tools/cuda_device_build.sh [extra cmake -D flags]
 # Hopper only by default (sm_90a), to keep the build short.
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU test of the CUDA backend, as nine pytest processes at once (6.3
-# minutes on one H200 in the seventeenth session, the longest process; one
+# Every GPU test of the CUDA backend, as nine pytest processes at once (the
+# longest process sets the time, docs/testing.md has it for an H200; one
 # after the other they take several times that), for the GPU machine after
 # tools/cuda_device_build.sh:
 #   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S]

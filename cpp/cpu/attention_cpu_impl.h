@@ -9,7 +9,7 @@
 // vector instructions can be merged (COMDAT) into another ISA's code. Only the
 // three entry points at the bottom have external linkage.
 //
-// Structure (see DESIGN.md §4/§7):
+// Structure (see docs/design.md and docs/cpu.md):
 //  * Pre-pass: operands are packed per head into float32 scratch (row-major
 //    copies [len_pad, Dp] and transposed copies blocked by tile
 //    [ntiles][D][tile]), converting bf16/f16 once. Padding is zero.

@@ -6,7 +6,7 @@
 // every pointer in them is a device pointer (lengths included) and every entry
 // point only enqueues work on the given stream.
 //
-// Conventions (DESIGN.md §4): S = scale * Q Kᵀ in float32, bias added after
+// Conventions (docs/design.md): S = scale * Q Kᵀ in float32, bias added after
 // scaling, boolean mask / causal (top-left) / window / lengths remove scores,
 // L in natural log float32 [B, Nq, T], a row with no visible key has O = 0,
 // L = -inf and zero gradients.

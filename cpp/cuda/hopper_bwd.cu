@@ -290,10 +290,9 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   // With an elementwise mask or bias loaded one score at a time the mma.sync
-  // kernel measured faster (forward+backward 102 vs 87 TFLOP/s with a boolean
-  // mask, 95 vs 81 with a bias, D = 128 on an H200): each score then waits on
-  // a global load, which its 16 resident warps per SM hide better than these
-  // 8. Staged through shared memory with the step's Q and dO (D = 64 and 128;
+  // kernel measured faster (docs/cuda.md): each score then waits on a global
+  // load, which its 16 resident warps per SM hide better than these 8.
+  // Staged through shared memory with the step's Q and dO (D = 64 and 128;
   // at D = 256 the slots do not fit), the loads overlap the previous step.
   if (p.mask != nullptr || p.bias != nullptr) {
     return launch_staged_bwd(p, [&](auto d, auto eb) {

@@ -9,7 +9,7 @@
 // threads and meets at two block-wide barriers per step (before the step, and
 // before dQ += dS K, which needs both warpgroups' dS), so both warpgroups run
 // the same phase at the same time and the tensor cores idle through every
-// softmax and dS phase (PERF_NOTES.md, "The backward, attributed").
+// softmax and dS phase (docs/cuda.md, "Profiles").
 //
 // Grid (ceil(S / 128), K, B), one block per key block of 128 keys; with
 // causality (unless JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD=off) half that, rounded
@@ -505,12 +505,12 @@ __global__ void __launch_bounds__(kNT, 1)
 // warpgroup (the dQ warp) then adds the step's eight boxes with one tensor
 // reduction each and gives the slot back to the producer once they have read
 // it. (Issued by the consumers, 32 reductions of 16-row boxes per step, each
-// behind a per-lane loop the compiler builds for its operands, held 17% of
-// the consumers' stall samples on an H200; since, they wait instead for the
-// slot's refill behind those reductions, 23% on the GQA problem: PERF_NOTES,
-// tenth session.) So the refill has the rest of the next step instead of a
-// whole one. JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics selects the float2
-// atomics used before (5-6% slower forward+backward on an H200; launch.h).
+// sits behind a per-lane loop the compiler builds for its operands; the
+// dQ warp takes those loops off the consumers, which then wait for the
+// slot's refill behind the reductions instead.) So the refill has the rest
+// of the next step instead of a whole one.
+// JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics selects float2 atomics instead
+// (slower; docs/cuda.md).
 constexpr int kBK256 = 64;
 
 struct BwdWsLayout256 {
@@ -667,8 +667,8 @@ __global__ void __launch_bounds__(kNT, 1)
 
 // head_dim 256, split head (the default in the deterministic mode, and
 // where bwd_ws_cluster_pair_kernel's pair of blocks does not fit; launch.h
-// says how to select it or bwd_ws_d256_kernel instead). cuDNN's
-// decomposition (PERF_NOTES, tenth session): a block owns 128 keys, as
+// says how to select it or bwd_ws_d256_kernel instead). The decomposition
+// cuDNN's D = 256 kernel uses (docs/cuda.md): a block owns 128 keys, as
 // bwd_ws_kernel does at D = 128, but only one 128-column half of their dK,
 // dV and of dQ; the grid has two blocks per key block, one per half, that
 // both compute the full Sᵀ and dPᵀ (contracted over all 256 columns).
@@ -689,10 +689,9 @@ __global__ void __launch_bounds__(kNT, 1)
 // other half's columns after Sᵀ and dPᵀ, dO's own after dV += Pᵀ dO, Q's own
 // after dK += dSᵀ Q. The consumers issue Sᵀ, dPᵀ over the parts in the order
 // they land. dQ goes to the float32 scratch with float4 atomics
-// (add_dq_tile_v4; 2% faster than float2 on an H200): no room is left for
-// staging tensor reductions. On an H200 this kernel took the GQA 16:2
-// T = 8192 backward from 17.2-17.6 ms (bwd_ws_d256_kernel) to 14.3 ms, and
-// cuDNN's takes 14.6 (PERF_NOTES, eleventh session).
+// (add_dq_tile_v4; a little faster than float2): no room is left for
+// staging tensor reductions. It is faster than bwd_ws_d256_kernel
+// (docs/cuda.md has the figures).
 struct SplitHeadBarriers {
   // The four parts of a step's Q and dO, in the order their readers finish
   // and the producer refills them.
@@ -906,10 +905,8 @@ __global__ void __launch_bounds__(kNT, 1)
 
 // head_dim 256 by a pair of blocks that share the score products (the
 // default in the atomic mode; JAX_FATRAIN_CUDA_HOPPER_BWD_D256=split_head
-// runs bwd_ws_split_head_kernel instead; launch.h says why it was opt-in for
-// a while: a missing kAux wait in rank 1's step). On an H200 it took the GQA
-// 16:2 T = 8192 backward from 15.5 ms (twelfth session) to 14.75, against
-// cuDNN's 15.93 in the same call (PERF_NOTES, thirteenth session).
+// runs bwd_ws_split_head_kernel instead). It is the fastest D = 256
+// backward here (docs/cuda.md has the figures).
 // bwd_ws_split_head_kernel's two blocks of a key block each compute all of
 // Sᵀ and dPᵀ (a reduction over the whole head dim) and use them for their
 // half of dK, dV and dQ: per step 7 products of 128 keys x 64 queries x 128
@@ -1006,11 +1003,8 @@ struct PairLayout {
 
 // Rank 0 sends Pᵀ as float16 whatever E is. P lies in [0, 1],
 // where float16 keeps 3 more mantissa bits than bfloat16, and rank 1's
-// dSᵀ = Pᵀ (dPᵀ - D) is then nearly as exact as from float32 Pᵀ. On an
-// H200 (tools/cuda_tile_sweep.py --head-dim 256, the largest relative
-// difference from cuDNN's output and gradients), 8:8 and GQA 16:2:
-// bfloat16 Pᵀ 3.6e-3 and 4.0e-3, float16 Pᵀ 1.8e-3 and 2.9e-3,
-// bwd_ws_split_head_kernel (float32 Pᵀ) 1.0e-3 and 2.6e-3.
+// dSᵀ = Pᵀ (dPᵀ - D) is then nearly as exact as from float32 Pᵀ
+// (docs/cuda.md compares the errors).
 // Where lane `lane` of consumer warp w (0 .. 7 over both consumers) of rank
 // 0 puts 16 bytes v (0 .. 3) of its packed Pᵀ in a Pᵀ buffer, and rank 1's
 // same lane reads them: each warp's 2 KB contiguous, for one bulk copy.
@@ -1278,11 +1272,10 @@ __global__ void __launch_bounds__(kNT, 1)
         send_warp_rows(cdS + key_w0 * 128, bar.ds_ready(u), other, lane);  // 128 bytes a key
 
         issue_dv_packed<E, DH, kBQ>(dv, pt, score_tile);
-        // Q's own half (kAux) has landed. Without this wait (fb7a737 to
-        // 06928b8) dK could read the tile before its copy completed, and the
-        // producer could arm the barrier for the next step while this
-        // step's copy was still pending: the likely cause of the two
-        // CUDA errors in PERF_NOTES (thirteenth and fourteenth sessions).
+        // Q's own half (kAux) has landed. Without this wait dK could read
+        // the tile before its copy completed, and the producer could arm the
+        // barrier for the next step while this step's copy was still
+        // pending (an intermittent CUDA error).
         mbar_wait(bar.full(Bars::kAux), g & 1);
         issue_dk<E, DH>(dk, sc, sAux);
         mbar_wait(bar.ds_ready(u), use_parity);  // both consumers' keys, for dQ

@@ -12,7 +12,7 @@
 //   then O is rescaled once its wgmma is done and P_t kept as 16-bit pairs.
 // One warpgroup-wide wgmma replaces 4 warps' ldmatrix + mma.sync: the B tile
 // is read from shared memory once per warpgroup instead of once per warp,
-// which was the mma.sync kernels' limit (PERF_NOTES.md).
+// which was the mma.sync kernels' limit (docs/cuda.md).
 #include "cuda/launch.h"
 #include "cuda/hopper_fwd_common.cuh"
 #include "cuda/wgmma.cuh"
@@ -155,17 +155,10 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
                           stream, p);
 }
 
-// Tile shapes measured on an H200 (tools/cuda_tile_sweep.py, bf16, T = 4096,
-// forward TFLOP/s non-causal / causal; the mma.sync kernel in brackets):
-//   D =  64: BK  64, 2 blocks per SM 133-140 / 116-126; BK 128, 1 block
-//            90 / 57; BK 128, 2 blocks (spills) 128 / 99
-//            [mma.sync 129-135 / 114-121: a tie, so Hopper keeps one
-//            forward kernel family at every head dim]
-//   D = 128: BK  64, 2 blocks (316-byte spill) 186-189 / 149-162; BK 64,
-//            1 block 145 / 122; BK 128, 1 block 150 / 132  [165-175 / 133-141]
-//   D = 256: BK  64, 1 block 226 (GQA 16:2, T = 8192: 248)  [145-165]
-// Two blocks per SM win where they fit: their warpgroups do not wait on each
-// other's barriers, so one block's softmax overlaps the other's wgmma.
+// Tile shapes: 64-key tiles, two blocks per SM at D = 64 and 128, one at
+// D = 256, the fastest measured (docs/cuda.md). Two blocks per SM win where
+// they fit: their warpgroups do not wait on each other's barriers, so one
+// block's softmax overlaps the other's wgmma.
 // JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=1 or 2 selects the other shapes for
 // re-measuring on another GPU.
 template <class E>

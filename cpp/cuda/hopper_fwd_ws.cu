@@ -254,14 +254,10 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 }
 
 // Whether the three-consumer blocks (192 rows) beat the two-consumer ones at
-// D = 64. Measured on an H200 (tools/cuda_tile_sweep.py --head-dim 64
-// [--seq-len 1024], forward TFLOP/s, two vs three consumers, one process per
-// run): without causality 192-203 vs 216-226 at T = 4096, 138-153 vs
-// 155-156 at T = 1024; with it no clear winner (161-168 vs 155-176 at
-// T = 4096, 93-94 vs 86-97 at T = 1024), where a 192-row block's diagonal
-// tiles mask more of their work and fewer, longer blocks balance worse, so
-// causal problems keep two. A window is treated like causality (not
-// measured).
+// D = 64 (measured: docs/cuda.md). Without causality they are faster; with
+// it there is no clear winner, since a 192-row block's diagonal tiles mask
+// more of their work and fewer, longer blocks balance worse, so causal
+// problems keep two. A window is treated like causality (not measured).
 inline bool three_consumers_pay(const KParams& p) {
   return !p.causal && p.wl < 0 && p.wr < 0;
 }

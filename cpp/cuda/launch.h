@@ -99,14 +99,10 @@ cudaError_t launch_fwd_wgmma(const KParams& p, DType dtype, cudaStream_t stream)
 // The warp-specialised variant (hopper_fwd_ws.cu: a TMA producer warpgroup and
 // two consumer warpgroups taking turns on the tensor cores).
 cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream);
-// Which Hopper forward runs: the warp-specialised kernel, unless
+// Which Hopper forward runs: the warp-specialised kernel, which measured
+// faster at every head dim, masked or not (docs/cuda.md), unless
 // JAX_FATRAIN_CUDA_HOPPER_FWD=cp_async asks for the other one for every
-// problem (read on every launch so that tests can switch it). On an H200
-// (tools/cuda_tile_sweep.py, bf16, T = 4096, forward TFLOP/s, cp.async ->
-// warp-specialised, two runs each in one session): D = 64 173-189 -> 200-203,
-// causal 153-161 -> 153-163; D = 128 234 -> 314-318, causal 187-191 ->
-// 223-285. At D = 256 an earlier session measured 214-227 -> 313-329 (GQA
-// 16:2, T = 8192: 247-248 -> 397-402). PERF_NOTES.md has the masked rows.
+// problem (read on every launch so that tests can switch it).
 inline bool hopper_fwd_use_ws() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async"); }
 // Consumer warpgroups of the warp-specialised forward at head dim 64 without
 // a mask or bias: JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 or 3 forces two or
@@ -131,11 +127,8 @@ inline bool hopper_bwd_use_ws() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD", 
 // Query rows per step of the warp-specialised backward at head dim 64
 // without a mask or bias: 128, unless JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 asks
 // for the 64-row steps every other problem takes (read on every launch so
-// that tests can switch it). On an H200 (tools/cuda_tile_sweep.py, T = 4096,
-// forward+backward TFLOP/s, dQ still added by per-row bulk reductions): 200
-// vs 190, causal 170 vs 173, with the 128-row kernel's wgmmas serialised by
-// ptxas; without that (PERF_NOTES.md, seventh session) it reached 253 and
-// 203. The 64-row steps have not been timed with the tensor-reduction dQ.
+// that tests can switch it). A 64-row step's products and waits are too
+// small to keep the tensor cores busy at D = 64 (docs/cuda.md).
 inline int hopper_bwd_query_rows() {
   return env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64") ? 64 : 128;
 }
@@ -144,15 +137,9 @@ inline int hopper_bwd_query_rows() {
 // query steps (hopper_bwd_common.cuh, StepOrder): tile by tile from the last
 // tile down, every head of the GQA group at each tile, unless
 // JAX_FATRAIN_CUDA_HOPPER_BWD_ORDER=heads_outer asks for head by head, tiles
-// up, the order before (read on every launch so that tests can switch it).
-// On an H200 (python -m jax_fatrain.benchmark_cuda --part K/12 --no-xla,
-// both orders in one call, forward+backward TFLOP/s, tiles vs heads): 12 of
-// 16 rows faster, none by more than 6% (GQA 16:2 D = 256 causal T = 8192 392
-// vs 382, T = 2048 291 vs 275; 8:8 causal 369 vs 361 and 310 vs 305), three
-// slower by at most 2% (D = 128 causal T = 8192 400 vs 408), all within
-// what single runs move. Nsight Compute, GQA causal cluster pair: L2 hit
-// rate 53% -> 84% at T = 2048 (2.00 -> 1.85 ms), 64% -> 95% at T = 8192
-// (7.10 -> 6.91 ms); PERF_NOTES.md, fifteenth session.
+// up (read on every launch so that tests can switch it). Why tiles first:
+// the blocks of one KV head then read the same Q and dO tiles at the same
+// time, which raises the L2 hit rate (docs/cuda.md).
 inline bool hopper_bwd_tiles_outer() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_ORDER", "heads_outer");
 }
@@ -165,19 +152,7 @@ inline bool hopper_bwd_tiles_outer() {
 // (each block one half of the head dim of 128 keys), unless it is
 // shared_keys: bwd_ws_d256_kernel (both consumers share 64 keys). Read on
 // every launch so that tests can switch it.
-// The cluster pair was opt-in for one session: two runs of it had stopped
-// with a CUDA error, and rank 1 was then found reading Q's own half without
-// waiting for its copy (fixed in 41fa286). Since the fix, on an H200
-// (PERF_NOTES.md, fifteenth session): every test_cuda_backend.py row, 150
-// causal and non-causal runs compared with the split head in one process,
-// and compute-sanitizer synccheck and memcheck on a causal GQA case, all
-// without an error.
-// On an H200 (tools/cuda_tile_sweep.py --head-dim 256, forward+backward
-// TFLOP/s, same call, two rounds): cluster pair vs split head, 8:8
-// T = 4096 379-391 vs 362-369, GQA 16:2 T = 8192 435-439 vs 391-398, causal
-// GQA 403 vs 367-373. Split head vs shared keys (the first split-head
-// version, float2 dQ atomics): 8:8 328 vs 315, GQA 362-366 vs 346, causal
-// 273 vs 273 and 345 vs 327.
+// Fastest first: cluster pair, split head, shared keys (docs/cuda.md).
 inline bool hopper_bwd_d256_cluster_pair() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head") &&
          !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
@@ -185,11 +160,9 @@ inline bool hopper_bwd_d256_cluster_pair() {
 // Whether bwd_ws_cluster_pair_kernel folds a causal problem's key blocks
 // (each cluster does key blocks m and nkb - 1 - m, launch_cluster_pair),
 // unless JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD=off (read on every launch so
-// that tests can switch it). On an H200 (python -m jax_fatrain.benchmark_cuda
-// --part K/12 --no-xla, folded and not in one call, forward+backward
-// TFLOP/s, cuDNN beside each): GQA 16:2 T = 2048 causal 293 vs 262 (cuDNN
-// 296, 302), i.e. 0.99x against 0.87x; the T = 4096 and 8192 causal rows,
-// where the unfolded tail was 1-2%, within the run-to-run spread.
+// that tests can switch it). Why: a causal key block's work falls with its
+// index, so one cluster per key block leaves SMs idle at the end; folding
+// pays most where key blocks are few (docs/cuda.md).
 inline bool hopper_bwd_d256_fold_causal() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off");
 }
@@ -198,13 +171,7 @@ inline bool hopper_bwd_d256_fold_causal() {
 // hopper_bwd_ws.cu's launch), unless JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD=off
 // (read on every launch so that tests can switch it). Why: key block j's
 // work falls linearly with j, so one block per key block leaves the last
-// wave with idle SMs (a model puts the tail at 4-7% at these head dims). On
-// an H200 (python -m jax_fatrain.benchmark_cuda --no-xla --part K/12, K = 1
-// .. 6, folded and not in one call, forward+backward TFLOP/s): causal
-// T = 1024 165 vs 146 (D = 64) and 210 vs 185 (D = 128), T = 4096 307 vs
-// 305 and 355 vs 357, T = 8192 362 vs 359 and 431 vs 420; the non-causal
-// rows (same kernel either way) moved by 0-4% (PERF_NOTES.md, sixteenth
-// session).
+// wave with idle SMs; folding pays most at short sequences (docs/cuda.md).
 inline bool hopper_bwd_fold_causal() { return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD", "off"); }
 inline bool hopper_bwd_d256_split_head() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys");
@@ -213,12 +180,10 @@ inline bool hopper_bwd_d256_split_head() {
 // How bwd_ws_d256_kernel (JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys) adds
 // dQ in the atomic mode: by tensor reductions staged in the step's Q/dO slot
 // (hopper_bwd_ws.cu, REDUCE_DQ), unless
-// JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics asks for the float2 atomics it
-// used before (read on every launch so that tests can switch it). On an
-// H200 (tools/cuda_tile_sweep.py --head-dim 256, two runs, forward+backward
-// TFLOP/s): 8:8 T = 4096 299-301 vs 280-289, GQA 16:2
-// T = 8192 329-331 vs 314; Nsight Compute put the atomics' REDG at the top of
-// the stall samples.
+// JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics asks for float2 atomics (read
+// on every launch so that tests can switch it). The atomics' REDG
+// instructions are that kernel's top stall; the tensor reductions are faster
+// (docs/cuda.md).
 inline bool hopper_bwd_d256_dq_by_tensor_reduce() {
   return !env_is("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics");
 }

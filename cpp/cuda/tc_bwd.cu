@@ -227,10 +227,9 @@ __global__ void __launch_bounds__(kNT, MIN_BLOCKS) bwd_tc_kernel(const KParams p
 // dQ = scale * dq_acc, rounded to E: dq_acc is float32 [B, N, T, D], dQ
 // has Q's strides. Block (x, n, b) walks rows i of head n of batch b, four
 // columns per thread: a float4 load and one 8-byte store. The row's
-// coordinates come from 32-bit divisions within one head (T * D fits); the
-// kernel this replaced split a flat 64-bit index per element and took
-// 0.33 ms at B 2, T 8192, N 16, D 256 on an H200, where cuDNN's conversion
-// takes 0.10 (Nsight Compute, fifteenth session).
+// coordinates come from 32-bit divisions within one head (T * D fits), not
+// from a flat 64-bit index split per element, which made this conversion
+// several times slower (docs/cuda.md).
 template <class E>
 __global__ void dq_convert_kernel(const KParams p) {
   const int per_row = p.D / 4, n = blockIdx.y, b = blockIdx.z;

@@ -1,6 +1,6 @@
 // XLA FFI handlers of the `metal` implementation (macOS, Apple GPU).
 //
-// jax-metal has no FFI (../shared/DESIGN.md §2), so these handlers are
+// jax-metal has no FFI (docs/metal.md), so these handlers are
 // registered on the `cpu` platform: XLA:CPU hands them host pointers, and the
 // executor (cpp/metal/host/executor.h) runs the Metal kernels on those through
 // unified memory. The mapping of XLA buffers and attributes onto the dispatch

@@ -22,7 +22,7 @@ Internally every tensor is brought to a grouped head-major form:
 
 K/V are never repeated per query head.
 
-Numerics (DESIGN.md §4): scores ``s = scale * q.k^T`` computed in float32
+Numerics (docs/design.md): scores ``s = scale * q.k^T`` computed in float32
 (``preferred_element_type``), plus ``bias`` in float32, invisible positions set to
 ``-inf``. Rows without any visible key give ``o = 0``, ``lse = -inf`` and zero
 gradients; every ``-inf - -inf`` case is guarded so no NaN appears.

@@ -48,7 +48,7 @@ AttnParams make_params(const Problem& p) {
   a.kl = int32_t(p.kv_len);
   a.gqa_factor = int32_t(p.q_heads / p.kv_heads);
   a.scale = p.scale;
-  a.softcapping = 1.0f;  // disabled (the seed always passes 1.0)
+  a.softcapping = 1.0f;  // disabled (flash_attn_train.rs always passes 1.0)
   const int bq = abi::fwd_block_q(int(p.head_dim)), bk = abi::fwd_block_k(int(p.head_dim));
   a.nq = int32_t(ceil_div(p.q_len, bq));
   a.nk = int32_t(ceil_div(p.kv_len, bk));

@@ -55,7 +55,7 @@ class Tolerance:
   grad: float   # dq, dk, dv, dbias
 
 
-# Per operand dtype; the reference is float32 (DESIGN.md §6).
+# Per operand dtype; the reference is float32 (docs/testing.md).
 TOLERANCE = {
     jnp.float32: Tolerance(out=1e-4, lse=1e-5, grad=2e-4),
     jnp.float16: Tolerance(out=5e-3, lse=1e-3, grad=1e-2),

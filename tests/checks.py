@@ -1,4 +1,4 @@
-"""The one comparison every backend's tests use: ours against jax.nn (DESIGN.md §6).
+"""The one comparison every backend's tests use: ours against jax.nn (docs/testing.md).
 
 ``results(case, x, attention)`` runs an attention function on a case's inputs
 and returns its output, logsumexp and gradients of a loss with a random

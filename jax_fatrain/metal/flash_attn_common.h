@@ -1,6 +1,6 @@
 // Shared declarations of jax_fatrain's Metal kernels (MSL, Metal 3.1, Apple7+).
 //
-// Conventions (DESIGN.md §4): scores S = scale * Q K^T in float32, additive
+// Conventions (docs/design.md, "Numerical conventions"): scores S = scale * Q K^T in float32, additive
 // mask added after scaling, boolean mask / causal / window / lengths remove
 // scores; kernels work in base 2 (scores times log2(e)) and store L in
 // natural log; a row that sees no key has O = 0, L = -inf and zero gradients.

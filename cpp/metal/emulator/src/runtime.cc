@@ -565,11 +565,20 @@ std::string validate_and_prepare(const DispatchSpec& spec, Dispatch* d) {
   return "";
 }
 
+// Index of the representative of stratum i when [0, n) is cut into k equal
+// strata: its centre, or for an even-sized stratum alternately the element
+// below and above the centre, so that a linear trend (causal work along the
+// query tiles) averages out.
+uint64_t stratum_pick(uint64_t i, uint64_t k, uint64_t n) {
+  const uint64_t a = i * n / k, size = (i + 1) * n / k - a;
+  return a + (size - 1) / 2 + (size % 2 == 0 && i % 2 == 1 ? 1 : 0);
+}
+
 // The linear indices (x + gx * (y + gy * z)) of a sample's threadgroups:
 // round(fraction * total) of them (at most max_threadgroups if set, at least
-// one), at evenly spaced x (midpoints of equal strata) and, for each x,
-// evenly spaced (y, z) pairs rotated by the stratum so that different x see
-// different heads and batches. Empty: run all.
+// one), one per stratum of x and, for each x, one per stratum of the (y, z)
+// pairs, rotated by the x stratum so that different x see different heads
+// and batches. Empty: run all.
 std::vector<uint64_t> sample_threadgroups(const Size3& grid, const Sampling& sample) {
   const uint64_t gx = grid.x, rest = uint64_t(grid.y) * grid.z, total = gx * rest;
   uint64_t n = static_cast<uint64_t>(std::llround(std::min(1.0, sample.fraction) * double(total)));
@@ -580,11 +589,10 @@ std::vector<uint64_t> sample_threadgroups(const Size3& grid, const Sampling& sam
   order.reserve(n);
   const uint64_t sx = std::min(gx, n);
   for (uint64_t i = 0; i < sx; ++i) {
-    const uint64_t x = (2 * i + 1) * gx / (2 * sx);
+    const uint64_t x = stratum_pick(i, sx, gx);
     const uint64_t m = n / sx + (i < n % sx ? 1 : 0);
     for (uint64_t j = 0; j < m; ++j) {
-      const uint64_t r = ((2 * j + 1) * rest / (2 * m) + i) % rest;
-      order.push_back(x + gx * r);
+      order.push_back(x + gx * ((stratum_pick(j, m, rest) + i) % rest));
     }
   }
   return order;

@@ -58,6 +58,21 @@ def test_address_space_overloads_helper_attributes_and_simd(features_lib):
   np.testing.assert_array_equal(out[:, 4], lane)                     # member overloads
 
 
+def test_element_addresses_of_device_buffers_stay_checked_and_counted(features_lib):
+  out = np.full(97, np.nan, np.float32)
+  record = features_lib.dispatch("lang_element_address", buffers={0: out}, constants={},
+                                 grid=(1, 1, 1), threadgroup=(32, 1, 1), count=True)
+  lane = np.arange(32, dtype=np.float32)
+  np.testing.assert_array_equal(out[:64:2], lane)
+  np.testing.assert_array_equal(out[1:64:2], -lane)
+  np.testing.assert_array_equal(out[64:96], 0.5)  # lanes overlap: each writes two floats
+  assert record["device_bytes_written"] == 32 * 4 * 4
+  # One float short: the last lane's second store is out of bounds.
+  with pytest.raises(_msl_standalone.EmulatorError, match="out-of-bounds"):
+    features_lib.dispatch("lang_element_address", buffers={0: out[:96].copy()}, constants={},
+                          grid=(1, 1, 1), threadgroup=(32, 1, 1))
+
+
 def test_macro_generated_instantiations(features_lib):
   assert {"lang_scale_float32_x3", "lang_scale_bfloat16_x2"} <= set(features_lib.kernel_names)
   x = np.arange(8, dtype=np.float32)
@@ -161,6 +176,31 @@ def test_mlx_forward_matches_jax_nn(mlx_kernels, dtype, D, Hq, Hkv, T, S, causal
   mx = s.max(-1)
   ref_lse = mx + np.log(np.exp(s - mx[..., None]).sum(-1))
   np.testing.assert_allclose(lse, ref_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_mlx_forward_counters(mlx_kernels, D):
+  """Counted exactly: MMAs (4 T S D / 1024 FLOP-equivalents), Q read once, K and
+  V once per 32-row query tile, O written once; no threadgroup-memory race."""
+  B, H, T, S = 1, 2, 64, 64
+  rng = np.random.default_rng(D)
+  q, k, v = (rng.standard_normal((B, H, n, D)).astype(np.float16) for n in (T, S, S))
+  record = {}
+  o = mlx_ref.mlx_attention_forward(q, k, v, scale=D ** -0.5, counters=record)
+  assert np.isfinite(o.astype(np.float32)).all()
+  nq = T // 32
+  assert record["kernel"] == mlx_ref.mlx_kernel_name(np.float16, D)
+  assert record["races"] == 0 and record["race_reports"] == []
+  assert record["simdgroup_mma"] == B * H * T * S * D // 256
+  assert record["device_bytes_read"] == 2 * B * H * D * (T + 2 * nq * S)
+  assert record["device_bytes_written"] == 2 * B * H * T * D
+  assert record["threadgroups_total"] == record["threadgroups_executed"] == nq * H * B
+  assert record["sampled_fraction"] == 1.0
+  # A sample of one threadgroup in four, scaled to the grid.
+  sampled = {}
+  mlx_ref.mlx_attention_forward(q, k, v, scale=D ** -0.5, counters=sampled, sample=1)
+  assert sampled["threadgroups_executed"] == 1 and sampled["sampled_fraction"] == 0.25
+  assert sampled["simdgroup_mma"] == record["simdgroup_mma"]
 
 
 def test_mlx_kernel_names_follow_mlx():

@@ -402,6 +402,7 @@ def transform(src: str, path: str):
   code = LITERAL_RE.sub(
       lambda m: f"static_cast<{'half' if m.group(2) in 'hH' else 'bfloat'}>({m.group(1)})", code)
   code = remove_address_space_duplicates(code)
+  code = rewrite_element_addresses(code)
 
   # A non-template kernel is its own host name.
   for name, k in kernels.items():
@@ -411,6 +412,51 @@ def transform(src: str, path: str):
     if func not in kernels:
       raise PrepassError(f"{path}: host_name {host!r} instantiates unknown kernel {func!r}")
   return code, constants, instantiations, kernels
+
+
+ELEMENT_ADDRESS_RE = re.compile(r"&\s*(\(\s*)?([A-Za-z_]\w*(?:\s*(?:\.|->)\s*[A-Za-z_]\w*)*)\s*\[")
+
+
+def rewrite_element_addresses(code: str) -> str:
+  """``&p[i]`` / ``&(p[i])`` -> ``::msl::rt::element_address(p, i)``.
+
+  Taking the address of an element of a device buffer would turn the checked
+  pointer into a raw one: what is written or read through it afterwards would
+  be neither bounds-checked nor counted (library code passes ``&dst[offset]``
+  to helpers that store through it). element_address keeps a checked pointer
+  (``p + i``) for device buffers and is ``&p[i]`` for anything else. Only a
+  unary ``&`` applied to one subscript is rewritten (``&a[i][j]`` is left as
+  is).
+  """
+  out, pos = [], 0
+  for m in ELEMENT_ADDRESS_RE.finditer(code):
+    if m.start() < pos:
+      continue
+    before = code[:m.start()].rstrip()
+    prev = before[-1:] if before else ""
+    # A binary `&` (or `&&`) follows an operand; a unary one does not.
+    if (prev.isalnum() or prev in "_)]&" or code[m.start() + 1:m.start() + 2] == "&" or
+        re.search(r"\b(operator|template)\s*$", before)):
+      continue
+    try:
+      close = match_close(code, m.end() - 1, "[", "]")
+    except PrepassError:
+      continue
+    end = close + 1
+    if m.group(1):  # &( p[i] )
+      rest = re.match(r"\s*\)", code[end:])
+      if not rest:
+        continue
+      end += rest.end()
+    elif re.match(r"\s*(\[|\.|->|\()", code[end:]):
+      continue  # &p[i][j], &p[i].x, ...: not one element of p
+    index = code[m.end():close]
+    out.append(code[pos:m.start()])
+    text = f"::msl::rt::element_address({m.group(2)}, ({index}))"
+    out.append(text + "\n" * (code[m.start():end].count("\n") - text.count("\n")))
+    pos = end
+  out.append(code[pos:])
+  return "".join(out)
 
 
 TYPE_RE = r"[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?"

@@ -29,6 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (registers the bfloat16 numpy dtype)
 import numpy as np
 
 from jax_fatrain import _msl_standalone
@@ -188,7 +189,7 @@ def _element_strides(a: np.ndarray) -> tuple[int, ...]:
 
 def mlx_attention_forward(q, k, v, *, scale: float, causal: bool = False, mask=None,
                           return_lse: bool = False, worker_threads: int = 0,
-                          counters: dict | None = None):
+                          counters: dict | None = None, sample: float | int | None = None):
   """O = softmax(scale * Q K^T + mask) V by MLX's steel attention kernel.
 
   Layout [B, H, L, D] (MLX's), numpy arrays (or anything np.asarray takes)
@@ -197,8 +198,13 @@ def mlx_attention_forward(q, k, v, *, scale: float, causal: bool = False, mask=N
   (query i sees keys j <= i + S - T), the same as top-left when T == S.
   ``mask`` broadcasts to [B, H_q, T, S]: bool (True keeps a score) or
   additive. With ``return_lse`` also returns MLX's logsumexp [B, H_q, T]
-  (natural log, float32). ``counters``, if given, receives the dispatch's
-  emulator counters.
+  (natural log, float32).
+
+  ``counters``, if given, receives the dispatch's record in the format of
+  :mod:`jax_fatrain.metal_profile` (counters, ``race_reports``,
+  ``sampled_fraction``, ...). ``sample`` (a fraction of the threadgroups, or
+  at most that many) runs only part of the grid, spread over query tiles: for
+  counting only, O is then incomplete.
   """
   q, k, v = (np.asarray(x) for x in (q, k, v))
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -249,8 +255,9 @@ def mlx_attention_forward(q, k, v, *, scale: float, causal: bool = False, mask=N
     buffers[_BUF_LSE] = lse
   constants = {_FC_ALIGN_Q: T % bq == 0, _FC_ALIGN_K: S % bk == 0, _FC_HAS_MASK: m is not None,
                _FC_DO_CAUSAL: bool(causal), _FC_HAS_SINKS: False, _FC_SAVE_LSE: return_lse}
-  stats = lib.dispatch(kernel, buffers=buffers, constants=constants, grid=(nq, H, B),
-                       threadgroup=(32, wm, wn), worker_threads=worker_threads)
+  record = lib.dispatch(kernel, buffers=buffers, constants=constants, grid=(nq, H, B),
+                        threadgroup=(32, wm, wn), worker_threads=worker_threads,
+                        count=counters is not None, sample=sample)
   if counters is not None:
-    counters.update(stats)
+    counters.update(record)
   return (o, lse) if return_lse else o

@@ -34,7 +34,7 @@ __all__ = ["BuildError", "EmulatorError", "EmulatorLibrary", "build_library", "c
 _ROOT = Path(__file__).resolve().parent.parent
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-narrowing",
           "-Wno-unknown-pragmas", "-Wno-attributes", "-w")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 
 class BuildError(RuntimeError):
@@ -108,7 +108,8 @@ class _Dispatch(ctypes.Structure):
               ("buffers", ctypes.POINTER(_Buffer)), ("num_buffers", ctypes.c_int32),
               ("threadgroup_memory_length", ctypes.c_uint64),
               ("grid", ctypes.c_uint32 * 3), ("threadgroup", ctypes.c_uint32 * 3),
-              ("worker_threads", ctypes.c_int32)]
+              ("worker_threads", ctypes.c_int32),
+              ("sample_fraction", ctypes.c_double), ("sample_max_threadgroups", ctypes.c_uint64)]
 
 
 def _read_list(fn) -> list[str]:
@@ -131,7 +132,8 @@ class EmulatorLibrary:
                        f"expected {_ABI_VERSION}")
     lib.msl_emu_dispatch.restype = ctypes.c_int
     lib.msl_emu_dispatch.argtypes = [ctypes.POINTER(_Dispatch), ctypes.POINTER(ctypes.c_uint64),
-                                     ctypes.c_int32, ctypes.c_char_p, ctypes.c_uint64]
+                                     ctypes.c_int32, ctypes.c_char_p, ctypes.c_uint64,
+                                     ctypes.c_char_p, ctypes.c_uint64]
     for name in ("msl_emu_kernel_names", "msl_emu_counter_names"):
       getattr(lib, name).restype = ctypes.c_uint64
       getattr(lib, name).argtypes = [ctypes.c_char_p, ctypes.c_uint64]
@@ -141,18 +143,29 @@ class EmulatorLibrary:
   def dispatch(self, kernel: str, *, buffers: Mapping[int, np.ndarray | bytes],
                constants: Mapping[int, bool | int | float], grid: Sequence[int],
                threadgroup: Sequence[int], threadgroup_memory_length: int = 0,
-               worker_threads: int = 0) -> dict[str, int]:
-    """Runs one dispatch; returns its counters by name (none if not counted).
+               worker_threads: int = 0, count: bool = False,
+               sample: float | int | None = None) -> dict | None:
+    """Runs one dispatch.
 
     ``buffers`` maps a buffer index to a C-contiguous numpy array (device
     memory: the kernel reads and writes it in place) or to ``bytes`` (setBytes
     data, constant). ``grid`` counts threadgroups. Raises EmulatorError with
     the emulator's message when the kernel faults (out-of-bounds access,
-    barrier not reached by all threads, ...).
+    barrier not reached by all threads, threadgroup-memory race, ...).
+
+    With ``count`` (or ``sample``) returns the dispatch's record in the format
+    of :mod:`jax_fatrain.metal_profile` (``kernel``, ``grid``, ``threadgroup``,
+    ``threadgroup_memory_length``, the counters, ``race_reports``,
+    ``sampled_fraction``); races are then counted, not raised. ``sample``: a
+    fraction in (0, 1] of the threadgroups, or an int, at most that many (the
+    outputs are then incomplete). Without either returns None.
     """
     if kernel not in self.kernel_names:
       raise EmulatorError(f"{self.path.name} has no kernel {kernel!r} "
                           f"(it has {', '.join(self.kernel_names)})")
+    from jax_fatrain import metal_profile  # pylint: disable=import-outside-toplevel
+    fraction, max_threadgroups = metal_profile._sample_args(sample)  # pylint: disable=protected-access
+    count = count or sample is not None
     keep = []
     bufs = (_Buffer * max(1, len(buffers)))()
     for i, (index, value) in enumerate(sorted(buffers.items())):
@@ -171,15 +184,25 @@ class EmulatorLibrary:
       consts[i] = _Constant(index, float(value))
     d = _Dispatch(kernel.encode(), consts, len(constants), bufs, len(buffers),
                   threadgroup_memory_length, (ctypes.c_uint32 * 3)(*grid),
-                  (ctypes.c_uint32 * 3)(*threadgroup), worker_threads)
-    counters = (ctypes.c_uint64 * max(1, len(self.counter_names)))()
-    err = ctypes.create_string_buffer(4096)
-    rc = self._lib.msl_emu_dispatch(ctypes.byref(d), counters, len(self.counter_names), err,
-                                    len(err))
+                  (ctypes.c_uint32 * 3)(*threadgroup), worker_threads, fraction,
+                  max_threadgroups)
+    counters = (ctypes.c_uint64 * len(self.counter_names))() if count else None
+    reports = ctypes.create_string_buffer(1 << 14)
+    err = ctypes.create_string_buffer(1 << 12)
+    rc = self._lib.msl_emu_dispatch(ctypes.byref(d), counters, len(self.counter_names), reports,
+                                    len(reports), err, len(err))
     del keep
     if rc != 0:
       raise EmulatorError(err.value.decode(errors="replace"))
-    return {name: int(counters[i]) for i, name in enumerate(self.counter_names)}
+    if not count:
+      return None
+    record = {"kernel": kernel, "grid": tuple(grid), "threadgroup": tuple(threadgroup),
+              "threadgroup_memory_length": threadgroup_memory_length}
+    record.update((name, int(counters[i])) for i, name in enumerate(self.counter_names))
+    record["race_reports"] = [r for r in reports.value.decode(errors="replace").split("\n") if r]
+    total = record.get("threadgroups_total", 0)
+    record["sampled_fraction"] = record["threadgroups_executed"] / total if total else 1.0
+    return record
 
 
 _loaded: dict[str, EmulatorLibrary] = {}    # by content hash

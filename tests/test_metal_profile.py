@@ -1,9 +1,11 @@
 """The MSL emulator as a measuring instrument (jax_fatrain.metal_profile).
 
-* planted threadgroup-memory races (a missing threadgroup_barrier, a
-  simdgroup exchange without simdgroup_barrier) and a threadgroup tile overrun
-  are reported with kernel, variable, offset and the two threads; the exact
-  counters of the self-test kernels (emulator_selftest.cc);
+* planted threadgroup-memory races (a missing threadgroup_barrier between a
+  write and a read, a simdgroup exchange without simdgroup_barrier, a tile
+  overwritten while others read it) and a threadgroup tile overrun are
+  reported with kernel, variable, offset and the two threads; the exact
+  counters of the self-test kernels, incl. a staged GEMM that runs race-free
+  (emulator_selftest.cc);
 * counters of our kernels through the metal_emulated FFI path: MMA counts that
   every FlashAttention-2 kernel pair must have on aligned problems, exact
   output bytes, plausible input bytes, no races;
@@ -38,6 +40,11 @@ def test_planted_races_and_overruns_are_reported():
           ) in log
   assert ("thread 96 (simdgroup 3, lane 0): out-of-bounds threadgroup memory write of 4 bytes: "
           "byte offset 512 of `tile` (512 bytes)") in log
+  # A staged GEMM that overwrites a tile other simdgroups still read.
+  assert ("kernel emu_staged_gemm, threadgroup (0, 0, 0), thread 0 (simdgroup 0, lane 0): race "
+          "on threadgroup memory `As` bytes [0, 2) of 2048: read by thread 32 (simdgroup 1, "
+          "lane 0) and write by thread 0 (simdgroup 0, lane 0) with no "
+          "threadgroup_barrier(mem_flags::mem_threadgroup) between them") in log
 
 
 def test_counter_names_match_the_extension():

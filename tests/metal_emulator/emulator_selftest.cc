@@ -330,6 +330,59 @@ static void test_tg_staging() {
         "staging launch counters");
 }
 
+static void test_staged_gemm() {
+  const uint32_t K = 64;
+  std::vector<_Float16> a(64 * K), b(K * 64);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = _Float16(float(int(i % 7) - 3));
+    b[i] = _Float16(float(int(i % 5) - 2));
+  }
+  std::vector<float> c(64 * 64, -1.0f);
+  uint32_t k = K, omit_barrier = 0;
+  auto bufs = [&] {
+    return std::vector<BufferBinding>{buf(0, a.data(), a.size() * 2), buf(1, b.data(), b.size() * 2),
+                                      buf(2, c.data(), c.size() * 4), bytes_of(3, &k),
+                                      bytes_of(4, &omit_barrier)};
+  };
+  msl::rt::DispatchStats st;
+  std::string err = run_with("emu_staged_gemm", 128, 1, bufs(), &st);
+  CHECK(err.empty(), "staged gemm: %s", err.c_str());
+  int wrong = 0;
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j) {
+      float want = 0.0f;
+      for (uint32_t q = 0; q < K; ++q) want += float(a[i * K + q]) * float(b[q * 64 + j]);
+      wrong += c[i * 64 + j] != want;
+    }
+  }
+  CHECK(wrong == 0, "staged gemm: %d wrong elements", wrong);
+  // 4 simdgroups x 16 accumulators x K/8 steps; each K tile: 2 x 2048 bytes
+  // staged, each simdgroup loads 16 fragments (2 elements a lane).
+  CHECK(st.races == 0 && st.simdgroup_mma == 4 * 16 * (K / 8), "gemm races %llu mma %llu",
+        (unsigned long long)st.races, (unsigned long long)st.simdgroup_mma);
+  CHECK(st.tg_bytes_written == (K / 16) * 4096 && st.tg_bytes_read == (K / 16) * 4 * 16 * 32 * 4 &&
+            st.barriers == 2 * (K / 16) && st.peak_tg_bytes == 4096,
+        "gemm tg w %llu r %llu barriers %llu peak %llu", (unsigned long long)st.tg_bytes_written,
+        (unsigned long long)st.tg_bytes_read, (unsigned long long)st.barriers,
+        (unsigned long long)st.peak_tg_bytes);
+  CHECK(st.device_bytes_read == 2 * 64 * K * 2 && st.device_bytes_written == 64 * 64 * 4,
+        "gemm device r %llu w %llu", (unsigned long long)st.device_bytes_read,
+        (unsigned long long)st.device_bytes_written);
+  // One simdgroup_store per accumulator: one instruction each.
+  CHECK(st.device_store_instrs == 4 * 16, "gemm store instrs %llu",
+        (unsigned long long)st.device_store_instrs);
+  // Planted: the next tile overwrites As while other simdgroups read it.
+  omit_barrier = 1;
+  err = run_with("emu_staged_gemm", 128, 1, bufs(), nullptr);
+  emu_log("tile overwritten without a barrier -> %s\n", err.c_str());
+  CHECK(err.find("race on threadgroup memory `As`") != std::string::npos &&
+            err.find(": read by thread") != std::string::npos &&
+            err.find("and write by thread") != std::string::npos &&
+            err.find("with no threadgroup_barrier(mem_flags::mem_threadgroup) between them") !=
+                std::string::npos,
+        "write-after-read race not reported: %s", err.c_str());
+}
+
 static void test_counters_and_sampling() {
   const uint32_t groups = 4;
   for (uint32_t stride : {1u, 32u}) {
@@ -400,6 +453,7 @@ int msl_emulator_selftest(std::string* log) {
   test_planted_bugs();
   test_race_detector();
   test_tg_staging();
+  test_staged_gemm();
   test_counters_and_sampling();
   if (failures) {
     emu_log("%d check(s) failed\n", failures);

@@ -204,6 +204,55 @@ inline void scale_rows(threadgroup T* rows, int n, float s) {
   out[base + lane] = c.thread_elements()[0];
 }
 
+// C[64 x 64] = A[64 x K] * B[K x 64] (half in, float out) the way a staged
+// kernel works: 4 simdgroups (2 x 2, 32 x 32 each), K in tiles of 16 staged
+// in threadgroup memory by all 128 threads, a barrier before overwriting a
+// tile and one before reading it, fragments loaded with simdgroup_load.
+// omit_barrier = 1 plants a race: no barrier before overwriting a tile that
+// other simdgroups may still be reading.
+template <typename T>
+inline void emu_load_tile(threadgroup T* dst, const device T* src, int ld_src, int rows,
+                          int cols, uint tid) {
+  for (int i = int(tid) * 4; i < rows * cols; i += 128 * 4) {
+    const int r = i / cols, c = i % cols;
+    for (int j = 0; j < 4; ++j) dst[r * cols + c + j] = src[r * ld_src + c + j];
+  }
+}
+
+[[kernel]] void emu_staged_gemm(
+    const device half* A [[buffer(0)]],
+    const device half* B [[buffer(1)]],
+    device float* C [[buffer(2)]],
+    constant uint& K [[buffer(3)]],
+    constant uint& omit_barrier [[buffer(4)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup half As[64 * 16];
+  threadgroup half Bs[16 * 64];
+  const int sm = int(sg / 2) * 32, sn = int(sg % 2) * 32;
+  simdgroup_matrix<float, 8, 8> acc[4][4];
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (int k0 = 0; k0 < int(K); k0 += 16) {
+    if (omit_barrier == 0) threadgroup_barrier(mem_flags::mem_threadgroup);
+    emu_load_tile(As, A + k0, int(K), 64, 16, tid);
+    emu_load_tile(Bs, B + k0 * 64, 64, 16, 64, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int kk = 0; kk < 16; kk += 8) {
+      simdgroup_matrix<float, 8, 8> a[4], b[4];
+      for (int i = 0; i < 4; ++i) simdgroup_load(a[i], &As[(sm + i * 8) * 16 + kk], 16);
+      for (int j = 0; j < 4; ++j) simdgroup_load(b[j], &Bs[kk * 64 + sn + j * 8], 64);
+      for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) simdgroup_store(acc[i][j], C + (sm + i * 8) * 64 + sn + j * 8, 64);
+  }
+}
+
 template [[host_name("emu_mma_f32")]] [[kernel]] decltype(emu_mma<float>) emu_mma<float>;
 template [[host_name("emu_mma_bf16")]] [[kernel]] decltype(emu_mma<bfloat>) emu_mma<bfloat>;
 template [[host_name("emu_mma_f16")]] [[kernel]] decltype(emu_mma<half>) emu_mma<half>;

@@ -15,10 +15,10 @@
 
 import pytest
 
-_metal_emulated = pytest.importorskip("jax_fatrain._metal_emulated")
-if _metal_emulated.IMPORT_ERROR is not None:
-  pytest.fail(f"metal_emulated extension not built: {_metal_emulated.IMPORT_ERROR}",
-              pytrace=False)
+try:
+  from jax_fatrain import _metal_emulated_ffi
+except ImportError as e:
+  pytest.fail(f"metal_emulated extension not built: {e}", pytrace=False)
 
 from jax_fatrain import metal_profile  # noqa: E402
 
@@ -27,7 +27,7 @@ RECORD_KEYS = {"kernel", "grid", "threadgroup", "threadgroup_memory_length", "ra
 
 
 def test_planted_races_and_overruns_are_reported():
-  failures, log = _metal_emulated.selftest()
+  failures, log = _metal_emulated_ffi.selftest()
   assert failures == 0, log
   assert ("kernel emu_race_missing_barrier, threadgroup (0, 0, 0), thread 32 (simdgroup 1, "
           "lane 0): race on threadgroup memory `partial` bytes [128, 132) of 256: read by "
@@ -48,7 +48,7 @@ def test_planted_races_and_overruns_are_reported():
 
 
 def test_counter_names_match_the_extension():
-  assert tuple(_metal_emulated._extension().counter_names()) == metal_profile.COUNTERS
+  assert tuple(_metal_emulated_ffi.counter_names()) == metal_profile.COUNTERS
 
 
 def _by_kernel(launches):

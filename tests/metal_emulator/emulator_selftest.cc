@@ -289,11 +289,12 @@ static void test_race_detector() {
 }
 
 static void test_tg_staging() {
-  std::vector<float> x(512), out(513, -1.0f);
-  float sum = 0.0f;
+  std::vector<float> x(512), out(514, -1.0f);
+  float sum = 0.0f, rows0and8 = 1.0f;
   for (int i = 0; i < 512; ++i) {
     x[i] = float((i * 13) % 29) - 14.0f;  // exact in half
     sum += 2.0f * x[i];
+    if (i / 32 == 0 || i / 32 == 8) rows0and8 += 2.0f * x[i];
   }
   msl::rt::DispatchStats st;
   std::string err = run_with("emu_tg_staging", 64, 1,
@@ -312,18 +313,24 @@ static void test_tg_staging() {
     }
   }
   CHECK(out[512] == sum, "staging sum %g vs %g", out[512], sum);
+  CHECK(out[513] == rows0and8, "staging rows %g vs %g", out[513], rows0and8);
   // Counters, from the kernel's source (see emulator_test_kernels.metal).
+  // Threadgroup bytes written: the half4 stores (64 x 16), scale_rows
+  // (16 x 32 x 2), simdgroup_store (2 x 4 x 64 x 4), total (4 + 512 x 4),
+  // red (2 x 8) = 6164. Read: scale_rows (1024), simdgroup_load (2 x 4 x 64
+  // x 2), the scratch copy (2 x 256 x 4), the sum loop (512 x 2 + 512 x 4),
+  // total (4), sum_row (2 x 32 x 2), red (3 x 4) = 7312.
   CHECK(st.races == 0, "staging races: %llu", (unsigned long long)st.races);
-  CHECK(st.tg_bytes_written == 6148 && st.tg_bytes_read == 7172, "tg bytes: w %llu r %llu",
+  CHECK(st.tg_bytes_written == 6164 && st.tg_bytes_read == 7312, "tg bytes: w %llu r %llu",
         (unsigned long long)st.tg_bytes_written, (unsigned long long)st.tg_bytes_read);
-  CHECK(st.peak_tg_bytes == 3076, "peak tg: %llu", (unsigned long long)st.peak_tg_bytes);
-  CHECK(st.barriers == 3 && st.simd_barriers == 2, "barriers %llu simd %llu",
+  CHECK(st.peak_tg_bytes == 3104, "peak tg: %llu", (unsigned long long)st.peak_tg_bytes);
+  CHECK(st.barriers == 4 && st.simd_barriers == 2, "barriers %llu simd %llu",
         (unsigned long long)st.barriers, (unsigned long long)st.simd_barriers);
-  CHECK(st.device_bytes_read == 2048 && st.device_bytes_written == 2052, "device bytes r %llu w %llu",
+  CHECK(st.device_bytes_read == 2048 && st.device_bytes_written == 2056, "device bytes r %llu w %llu",
         (unsigned long long)st.device_bytes_read, (unsigned long long)st.device_bytes_written);
-  CHECK(st.device_load_instrs == 16 && st.device_store_instrs == 17, "instrs ld %llu st %llu",
+  CHECK(st.device_load_instrs == 16 && st.device_store_instrs == 18, "instrs ld %llu st %llu",
         (unsigned long long)st.device_load_instrs, (unsigned long long)st.device_store_instrs);
-  CHECK(st.device_lines64 == 256 + 33 && st.device_lines128 == 128 + 17, "lines %llu %llu",
+  CHECK(st.device_lines64 == 256 + 34 && st.device_lines128 == 128 + 18, "lines %llu %llu",
         (unsigned long long)st.device_lines64, (unsigned long long)st.device_lines128);
   CHECK(st.simdgroup_mma == 0 && st.threadgroups_executed == 1 && st.threadgroups_total == 1 &&
             st.threads_per_threadgroup == 64 && st.sampled_fraction == 1.0,

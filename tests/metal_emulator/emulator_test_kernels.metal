@@ -144,12 +144,24 @@ template <typename T>
 // Stages a 16x32 row-major tile through threadgroup memory the way the
 // attention kernels do: vectorised stores through a cast threadgroup
 // pointer, a helper taking `threadgroup T*`, simdgroup_load/store of 8x8
-// fragments from/to threadgroup memory, a threadgroup scalar, and a
-// dynamic [[threadgroup(0)]] buffer. out = (x * 2)^T per 8x8 block, plus
-// the sum of x in out[512].
+// fragments from/to threadgroup memory, a threadgroup scalar, a dynamic
+// [[threadgroup(0)]] buffer, vector elements' components, a `threadgroup T&`
+// and a `const threadgroup T*` parameter. out = (x * 2)^T per 8x8 block,
+// out[512] = the sum of 2x, out[513] = the sum of 2x over rows 0 and 8, + 1.
 template <typename T>
 inline void scale_rows(threadgroup T* rows, int n, float s) {
   for (int i = 0; i < n; ++i) rows[i] = T(float(rows[i]) * s);
+}
+
+inline float sum_row(const threadgroup half* row, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += float(row[i]);
+  return s;
+}
+
+inline void put2(threadgroup float2& slot, float a, float b) {
+  slot.x = a;
+  slot.y = b;
 }
 
 [[kernel]] void emu_tg_staging(
@@ -183,6 +195,10 @@ inline void scale_rows(threadgroup T* rows, int n, float s) {
     for (int i = 0; i < 16 * 32; ++i) total += float(tile[i]);
     out[512] = total;
   }
+  threadgroup float2 red[2];
+  if (lane == 0) put2(red[sg], sum_row(&tile[sg * 8 * 32], 32), float(sg));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) out[513] = red[0].x + red[1].x + red[1].y;
 }
 
 // Known costs: each lane of each simdgroup reads one float of x at

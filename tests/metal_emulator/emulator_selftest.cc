@@ -335,6 +335,15 @@ static void test_tg_staging() {
   CHECK(st.simdgroup_mma == 0 && st.threadgroups_executed == 1 && st.threadgroups_total == 1 &&
             st.threads_per_threadgroup == 64 && st.sampled_fraction == 1.0,
         "staging launch counters");
+  // Three threadgroups over two workers: sums triple, the peak stays per threadgroup.
+  msl::rt::DispatchStats three;
+  err = run_with("emu_tg_staging", 64, 3,
+                 {buf(0, x.data(), x.size() * 4), buf(1, out.data(), out.size() * 4)}, &three, 2048);
+  CHECK(err.empty(), "tg staging x3: %s", err.c_str());
+  CHECK(three.peak_tg_bytes == 3104 && three.tg_bytes_read == 3 * 7312 &&
+            three.barriers == 3 * 4 && three.threadgroups_executed == 3,
+        "x3 peak %llu tg read %llu barriers %llu", (unsigned long long)three.peak_tg_bytes,
+        (unsigned long long)three.tg_bytes_read, (unsigned long long)three.barriers);
 }
 
 static void test_staged_gemm() {

@@ -60,8 +60,11 @@ COUNTERS = (
 
 
 def _extension():
-  from jax_fatrain import _metal_emulated
-  return _metal_emulated._extension()
+  try:
+    from jax_fatrain import _metal_emulated_ffi
+  except ImportError as e:  # not built (JAX_FATRAIN_METAL_EMULATOR=OFF) or broken
+    raise RuntimeError(f"jax_fatrain's metal_emulated extension is not available: {e}") from e
+  return _metal_emulated_ffi
 
 
 def _sample_args(sample) -> tuple[float, int]:

@@ -1,9 +1,11 @@
 """The MSL emulator as a measuring instrument (jax_fatrain.metal_profile).
 
-* planted threadgroup-memory races (a missing threadgroup_barrier, a
-  simdgroup exchange without simdgroup_barrier) and a threadgroup tile overrun
-  are reported with kernel, variable, offset and the two threads; the exact
-  counters of the self-test kernels (emulator_selftest.cc);
+* planted threadgroup-memory races (a missing threadgroup_barrier between a
+  write and a read, a simdgroup exchange without simdgroup_barrier, a tile
+  overwritten while others read it) and a threadgroup tile overrun are
+  reported with kernel, variable, offset and the two threads; the exact
+  counters of the self-test kernels, incl. a staged GEMM that runs race-free
+  (emulator_selftest.cc);
 * counters of our kernels through the metal_emulated FFI path: MMA counts that
   every FlashAttention-2 kernel pair must have on aligned problems, exact
   output bytes, plausible input bytes, no races;
@@ -13,10 +15,10 @@
 
 import pytest
 
-_metal_emulated = pytest.importorskip("jax_fatrain._metal_emulated")
-if _metal_emulated.IMPORT_ERROR is not None:
-  pytest.fail(f"metal_emulated extension not built: {_metal_emulated.IMPORT_ERROR}",
-              pytrace=False)
+try:
+  from jax_fatrain import _metal_emulated_ffi
+except ImportError as e:
+  pytest.fail(f"metal_emulated extension not built: {e}", pytrace=False)
 
 from jax_fatrain import metal_profile  # noqa: E402
 
@@ -25,7 +27,7 @@ RECORD_KEYS = {"kernel", "grid", "threadgroup", "threadgroup_memory_length", "ra
 
 
 def test_planted_races_and_overruns_are_reported():
-  failures, log = _metal_emulated.selftest()
+  failures, log = _metal_emulated_ffi.selftest()
   assert failures == 0, log
   assert ("kernel emu_race_missing_barrier, threadgroup (0, 0, 0), thread 32 (simdgroup 1, "
           "lane 0): race on threadgroup memory `partial` bytes [128, 132) of 256: read by "
@@ -38,10 +40,15 @@ def test_planted_races_and_overruns_are_reported():
           ) in log
   assert ("thread 96 (simdgroup 3, lane 0): out-of-bounds threadgroup memory write of 4 bytes: "
           "byte offset 512 of `tile` (512 bytes)") in log
+  # A staged GEMM that overwrites a tile other simdgroups still read.
+  assert ("kernel emu_staged_gemm, threadgroup (0, 0, 0), thread 0 (simdgroup 0, lane 0): race "
+          "on threadgroup memory `As` bytes [0, 2) of 2048: read by thread 32 (simdgroup 1, "
+          "lane 0) and write by thread 0 (simdgroup 0, lane 0) with no "
+          "threadgroup_barrier(mem_flags::mem_threadgroup) between them") in log
 
 
 def test_counter_names_match_the_extension():
-  assert tuple(_metal_emulated._extension().counter_names()) == metal_profile.COUNTERS
+  assert tuple(_metal_emulated_ffi.counter_names()) == metal_profile.COUNTERS
 
 
 def _by_kernel(launches):
@@ -113,7 +120,9 @@ def test_causal_forward_skips_invisible_blocks():
 
 
 def test_sampling_scales_to_the_full_run():
-  problem = dict(seq_len=256, head_dim=64, q_heads=2, kv_heads=1, causal=True, backward=True)
+  # float32: the dK/dV kernel's key tile at D = 64 is 32 keys (16-bit: 64).
+  problem = dict(seq_len=256, head_dim=64, q_heads=2, kv_heads=1, causal=True, backward=True,
+                 dtype="float32")
   full = _by_kernel(metal_profile.run_problem(**problem))
   for sample in (0.25, 4):
     part = _by_kernel(metal_profile.run_problem(sample=sample, **problem))

@@ -289,11 +289,12 @@ static void test_race_detector() {
 }
 
 static void test_tg_staging() {
-  std::vector<float> x(512), out(513, -1.0f);
-  float sum = 0.0f;
+  std::vector<float> x(512), out(514, -1.0f);
+  float sum = 0.0f, rows0and8 = 1.0f;
   for (int i = 0; i < 512; ++i) {
     x[i] = float((i * 13) % 29) - 14.0f;  // exact in half
     sum += 2.0f * x[i];
+    if (i / 32 == 0 || i / 32 == 8) rows0and8 += 2.0f * x[i];
   }
   msl::rt::DispatchStats st;
   std::string err = run_with("emu_tg_staging", 64, 1,
@@ -312,22 +313,90 @@ static void test_tg_staging() {
     }
   }
   CHECK(out[512] == sum, "staging sum %g vs %g", out[512], sum);
+  CHECK(out[513] == rows0and8, "staging rows %g vs %g", out[513], rows0and8);
   // Counters, from the kernel's source (see emulator_test_kernels.metal).
+  // Threadgroup bytes written: the half4 stores (64 x 16), scale_rows
+  // (16 x 32 x 2), simdgroup_store (2 x 4 x 64 x 4), total (4 + 512 x 4),
+  // red (2 x 8) = 6164. Read: scale_rows (1024), simdgroup_load (2 x 4 x 64
+  // x 2), the scratch copy (2 x 256 x 4), the sum loop (512 x 2 + 512 x 4),
+  // total (4), sum_row (2 x 32 x 2), red (3 x 4) = 7312.
   CHECK(st.races == 0, "staging races: %llu", (unsigned long long)st.races);
-  CHECK(st.tg_bytes_written == 6148 && st.tg_bytes_read == 7172, "tg bytes: w %llu r %llu",
+  CHECK(st.tg_bytes_written == 6164 && st.tg_bytes_read == 7312, "tg bytes: w %llu r %llu",
         (unsigned long long)st.tg_bytes_written, (unsigned long long)st.tg_bytes_read);
-  CHECK(st.peak_tg_bytes == 3076, "peak tg: %llu", (unsigned long long)st.peak_tg_bytes);
-  CHECK(st.barriers == 3 && st.simd_barriers == 2, "barriers %llu simd %llu",
+  CHECK(st.peak_tg_bytes == 3104, "peak tg: %llu", (unsigned long long)st.peak_tg_bytes);
+  CHECK(st.barriers == 4 && st.simd_barriers == 2, "barriers %llu simd %llu",
         (unsigned long long)st.barriers, (unsigned long long)st.simd_barriers);
-  CHECK(st.device_bytes_read == 2048 && st.device_bytes_written == 2052, "device bytes r %llu w %llu",
+  CHECK(st.device_bytes_read == 2048 && st.device_bytes_written == 2056, "device bytes r %llu w %llu",
         (unsigned long long)st.device_bytes_read, (unsigned long long)st.device_bytes_written);
-  CHECK(st.device_load_instrs == 16 && st.device_store_instrs == 17, "instrs ld %llu st %llu",
+  CHECK(st.device_load_instrs == 16 && st.device_store_instrs == 18, "instrs ld %llu st %llu",
         (unsigned long long)st.device_load_instrs, (unsigned long long)st.device_store_instrs);
-  CHECK(st.device_lines64 == 256 + 33 && st.device_lines128 == 128 + 17, "lines %llu %llu",
+  CHECK(st.device_lines64 == 256 + 34 && st.device_lines128 == 128 + 18, "lines %llu %llu",
         (unsigned long long)st.device_lines64, (unsigned long long)st.device_lines128);
   CHECK(st.simdgroup_mma == 0 && st.threadgroups_executed == 1 && st.threadgroups_total == 1 &&
             st.threads_per_threadgroup == 64 && st.sampled_fraction == 1.0,
         "staging launch counters");
+  // Three threadgroups over two workers: sums triple, the peak stays per threadgroup.
+  msl::rt::DispatchStats three;
+  err = run_with("emu_tg_staging", 64, 3,
+                 {buf(0, x.data(), x.size() * 4), buf(1, out.data(), out.size() * 4)}, &three, 2048);
+  CHECK(err.empty(), "tg staging x3: %s", err.c_str());
+  CHECK(three.peak_tg_bytes == 3104 && three.tg_bytes_read == 3 * 7312 &&
+            three.barriers == 3 * 4 && three.threadgroups_executed == 3,
+        "x3 peak %llu tg read %llu barriers %llu", (unsigned long long)three.peak_tg_bytes,
+        (unsigned long long)three.tg_bytes_read, (unsigned long long)three.barriers);
+}
+
+static void test_staged_gemm() {
+  const uint32_t K = 64;
+  std::vector<_Float16> a(64 * K), b(K * 64);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = _Float16(float(int(i % 7) - 3));
+    b[i] = _Float16(float(int(i % 5) - 2));
+  }
+  std::vector<float> c(64 * 64, -1.0f);
+  uint32_t k = K, omit_barrier = 0;
+  auto bufs = [&] {
+    return std::vector<BufferBinding>{buf(0, a.data(), a.size() * 2), buf(1, b.data(), b.size() * 2),
+                                      buf(2, c.data(), c.size() * 4), bytes_of(3, &k),
+                                      bytes_of(4, &omit_barrier)};
+  };
+  msl::rt::DispatchStats st;
+  std::string err = run_with("emu_staged_gemm", 128, 1, bufs(), &st);
+  CHECK(err.empty(), "staged gemm: %s", err.c_str());
+  int wrong = 0;
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j) {
+      float want = 0.0f;
+      for (uint32_t q = 0; q < K; ++q) want += float(a[i * K + q]) * float(b[q * 64 + j]);
+      wrong += c[i * 64 + j] != want;
+    }
+  }
+  CHECK(wrong == 0, "staged gemm: %d wrong elements", wrong);
+  // 4 simdgroups x 16 accumulators x K/8 steps; each K tile: 2 x 2048 bytes
+  // staged, each simdgroup loads 16 fragments (2 elements a lane).
+  CHECK(st.races == 0 && st.simdgroup_mma == 4 * 16 * (K / 8), "gemm races %llu mma %llu",
+        (unsigned long long)st.races, (unsigned long long)st.simdgroup_mma);
+  CHECK(st.tg_bytes_written == (K / 16) * 4096 && st.tg_bytes_read == (K / 16) * 4 * 16 * 32 * 4 &&
+            st.barriers == 2 * (K / 16) && st.peak_tg_bytes == 4096,
+        "gemm tg w %llu r %llu barriers %llu peak %llu", (unsigned long long)st.tg_bytes_written,
+        (unsigned long long)st.tg_bytes_read, (unsigned long long)st.barriers,
+        (unsigned long long)st.peak_tg_bytes);
+  CHECK(st.device_bytes_read == 2 * 64 * K * 2 && st.device_bytes_written == 64 * 64 * 4,
+        "gemm device r %llu w %llu", (unsigned long long)st.device_bytes_read,
+        (unsigned long long)st.device_bytes_written);
+  // One simdgroup_store per accumulator: one instruction each.
+  CHECK(st.device_store_instrs == 4 * 16, "gemm store instrs %llu",
+        (unsigned long long)st.device_store_instrs);
+  // Planted: the next tile overwrites As while other simdgroups read it.
+  omit_barrier = 1;
+  err = run_with("emu_staged_gemm", 128, 1, bufs(), nullptr);
+  emu_log("tile overwritten without a barrier -> %s\n", err.c_str());
+  CHECK(err.find("race on threadgroup memory `As`") != std::string::npos &&
+            err.find(": read by thread") != std::string::npos &&
+            err.find("and write by thread") != std::string::npos &&
+            err.find("with no threadgroup_barrier(mem_flags::mem_threadgroup) between them") !=
+                std::string::npos,
+        "write-after-read race not reported: %s", err.c_str());
 }
 
 static void test_counters_and_sampling() {
@@ -400,6 +469,7 @@ int msl_emulator_selftest(std::string* log) {
   test_planted_bugs();
   test_race_detector();
   test_tg_staging();
+  test_staged_gemm();
   test_counters_and_sampling();
   if (failures) {
     emu_log("%d check(s) failed\n", failures);

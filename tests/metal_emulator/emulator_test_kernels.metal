@@ -144,12 +144,24 @@ template <typename T>
 // Stages a 16x32 row-major tile through threadgroup memory the way the
 // attention kernels do: vectorised stores through a cast threadgroup
 // pointer, a helper taking `threadgroup T*`, simdgroup_load/store of 8x8
-// fragments from/to threadgroup memory, a threadgroup scalar, and a
-// dynamic [[threadgroup(0)]] buffer. out = (x * 2)^T per 8x8 block, plus
-// the sum of x in out[512].
+// fragments from/to threadgroup memory, a threadgroup scalar, a dynamic
+// [[threadgroup(0)]] buffer, vector elements' components, a `threadgroup T&`
+// and a `const threadgroup T*` parameter. out = (x * 2)^T per 8x8 block,
+// out[512] = the sum of 2x, out[513] = the sum of 2x over rows 0 and 8, + 1.
 template <typename T>
 inline void scale_rows(threadgroup T* rows, int n, float s) {
   for (int i = 0; i < n; ++i) rows[i] = T(float(rows[i]) * s);
+}
+
+inline float sum_row(const threadgroup half* row, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += float(row[i]);
+  return s;
+}
+
+inline void put2(threadgroup float2& slot, float a, float b) {
+  slot.x = a;
+  slot.y = b;
 }
 
 [[kernel]] void emu_tg_staging(
@@ -183,6 +195,10 @@ inline void scale_rows(threadgroup T* rows, int n, float s) {
     for (int i = 0; i < 16 * 32; ++i) total += float(tile[i]);
     out[512] = total;
   }
+  threadgroup float2 red[2];
+  if (lane == 0) put2(red[sg], sum_row(&tile[sg * 8 * 32], 32), float(sg));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) out[513] = red[0].x + red[1].x + red[1].y;
 }
 
 // Known costs: each lane of each simdgroup reads one float of x at
@@ -202,6 +218,55 @@ inline void scale_rows(threadgroup T* rows, int n, float s) {
   simdgroup_multiply_accumulate(c, a, a, c);
   simdgroup_multiply_accumulate(c, a, a, c);
   out[base + lane] = c.thread_elements()[0];
+}
+
+// C[64 x 64] = A[64 x K] * B[K x 64] (half in, float out) the way a staged
+// kernel works: 4 simdgroups (2 x 2, 32 x 32 each), K in tiles of 16 staged
+// in threadgroup memory by all 128 threads, a barrier before overwriting a
+// tile and one before reading it, fragments loaded with simdgroup_load.
+// omit_barrier = 1 plants a race: no barrier before overwriting a tile that
+// other simdgroups may still be reading.
+template <typename T>
+inline void emu_load_tile(threadgroup T* dst, const device T* src, int ld_src, int rows,
+                          int cols, uint tid) {
+  for (int i = int(tid) * 4; i < rows * cols; i += 128 * 4) {
+    const int r = i / cols, c = i % cols;
+    for (int j = 0; j < 4; ++j) dst[r * cols + c + j] = src[r * ld_src + c + j];
+  }
+}
+
+[[kernel]] void emu_staged_gemm(
+    const device half* A [[buffer(0)]],
+    const device half* B [[buffer(1)]],
+    device float* C [[buffer(2)]],
+    constant uint& K [[buffer(3)]],
+    constant uint& omit_barrier [[buffer(4)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup half As[64 * 16];
+  threadgroup half Bs[16 * 64];
+  const int sm = int(sg / 2) * 32, sn = int(sg % 2) * 32;
+  simdgroup_matrix<float, 8, 8> acc[4][4];
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (int k0 = 0; k0 < int(K); k0 += 16) {
+    if (omit_barrier == 0) threadgroup_barrier(mem_flags::mem_threadgroup);
+    emu_load_tile(As, A + k0, int(K), 64, 16, tid);
+    emu_load_tile(Bs, B + k0 * 64, 64, 16, 64, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int kk = 0; kk < 16; kk += 8) {
+      simdgroup_matrix<float, 8, 8> a[4], b[4];
+      for (int i = 0; i < 4; ++i) simdgroup_load(a[i], &As[(sm + i * 8) * 16 + kk], 16);
+      for (int j = 0; j < 4; ++j) simdgroup_load(b[j], &Bs[kk * 64 + sn + j * 8], 64);
+      for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) simdgroup_store(acc[i][j], C + (sm + i * 8) * 64 + sn + j * 8, 64);
+  }
 }
 
 template [[host_name("emu_mma_f32")]] [[kernel]] decltype(emu_mma<float>) emu_mma<float>;

@@ -121,12 +121,12 @@ struct DeviceAccess {
 };
 
 // Race-detector state of one threadgroup-memory byte within the current
-// barrier interval (`epoch`): its last writer and up to two readers (thread
-// index + 1, 0 = none), each with its simdgroup's simdgroup_barrier count.
+// barrier interval (`epoch`): its last writer and up to two readers, each as
+// an access word (thread index + 1) | (its simdgroup's count of ordering
+// simdgroup_barriers) << 16; 0 = none.
 struct Shadow {
   uint32_t epoch;
-  uint16_t writer, reader1, reader2;
-  uint16_t writer_se, reader1_se, reader2_se;
+  uint32_t writer, reader1, reader2;
 };
 static_assert(sizeof(Shadow) == 16, "Shadow is 16 bytes");
 
@@ -162,6 +162,11 @@ struct Fiber {
   size_t tg_cursor = 0;  // threadgroup bytes allocated (what counts against 32 KiB)
   size_t tg_arena = 0;   // arena offset of the next allocation (with red zones)
   Group* group = nullptr;
+  // The group's threadgroup-memory tables, here for tg_access's fast path.
+  uintptr_t tg_base = 0;
+  size_t tg_size = 0;
+  const uint32_t* tg_granule_end = nullptr;
+  Shadow* tg_shadow = nullptr;
   // Counting: this lane's device accesses since its simdgroup last synchronised.
   std::vector<DeviceAccess> device_log;
   uint32_t instr_groups = 0;  // InstrGroups begun since then
@@ -181,6 +186,7 @@ struct Group {
   // 16-byte granule of the arena (index + 1; 0: red zone or unallocated).
   std::vector<TgVariable> variables;
   std::vector<uint16_t> granule_owner;
+  std::vector<uint32_t> granule_end;  // end offset of the owner (0: none)
   // Race detector: one Shadow per arena byte; `epoch` numbers barrier
   // intervals (unique over this worker's threadgroups, so the shadow needs no
   // clearing); simd_epoch counts each simdgroup's ordering simdgroup_barriers.
@@ -337,6 +343,7 @@ void register_variable(Group& g, const char* name, size_t offset, size_t size) {
   const uint16_t id = static_cast<uint16_t>(g.variables.size());
   for (size_t q = offset / kGranule; q <= (offset + size - 1) / kGranule; ++q) {
     g.granule_owner[q] = id;
+    g.granule_end[q] = static_cast<uint32_t>(offset + size);
   }
 }
 
@@ -399,6 +406,7 @@ void run_group(Group& g) {
   std::fill(g.simd_epoch.begin(), g.simd_epoch.end(), uint16_t(0));
   g.variables.clear();
   std::fill(g.granule_owner.begin(), g.granule_owner.end(), uint16_t(0));
+  std::fill(g.granule_end.begin(), g.granule_end.end(), 0u);
   register_variable(g, "[[threadgroup(0)]] memory", kRedZone, s.threadgroup_memory_length);
   std::fill(g.exchange.begin(), g.exchange.end(), static_cast<char>(0xFF));
   // setBytes data is per-encode constant memory; give each threadgroup a fresh
@@ -423,6 +431,10 @@ void run_group(Group& g) {
     f.simd_ops = 0;
     f.tg_cursor = s.threadgroup_memory_length;
     f.tg_arena = kRedZone + s.threadgroup_memory_length;
+    f.tg_base = reinterpret_cast<uintptr_t>(g.arena.data());
+    f.tg_size = g.arena.size();
+    f.tg_granule_end = g.granule_end.data();
+    f.tg_shadow = g.shadow.data();
     f.device_log.clear();
     f.instr_groups = f.instr_group = 0;
     f.instr_group_depth = 0;
@@ -616,10 +628,11 @@ struct RunState {
 };
 
 void merge_stats(DispatchStats& into, const DispatchStats& from) {
+  const uint64_t peak = std::max(into.peak_tg_bytes, from.peak_tg_bytes);  // a max, not a sum
 #define MSL_EMU_ADD_COUNTER(name) into.name += from.name;
   MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_ADD_COUNTER)
 #undef MSL_EMU_ADD_COUNTER
-  into.peak_tg_bytes = std::max(into.peak_tg_bytes, from.peak_tg_bytes);  // a max, not a sum
+  into.peak_tg_bytes = peak;
   for (const auto& r : from.race_reports) {
     if (into.race_reports.size() < kMaxRaceReports) into.race_reports.push_back(r);
   }
@@ -638,6 +651,7 @@ void worker_body(void* context, int64_t) {
   g.fibers.swap(cache);
   g.arena.assign(kArenaBytes, 0);
   g.granule_owner.assign(kArenaBytes / kGranule, 0);
+  g.granule_end.assign(kArenaBytes / kGranule, 0);
   g.shadow.assign(kArenaBytes, Shadow{});
   g.simd_epoch.assign((d.threads + 31) / 32, 0);
   g.counting = d.counting;
@@ -884,10 +898,54 @@ namespace {
   fail(os.str());
 }
 
-void report_race(Group& g, const Fiber& f, size_t off, uint32_t bytes, bool write,
-                 uint16_t other, bool other_write) {
+MSL_EMU_INLINE bool same_shadow(const Shadow& a, const Shadow& b) {
+  return a.epoch == b.epoch && a.writer == b.writer && a.reader1 == b.reader1 &&
+         a.reader2 == b.reader2;
+}
+
+// One access's effect on one byte's state. An earlier access conflicts if it
+// is another thread's, in another simdgroup or in the same simdgroup with no
+// ordering simdgroup_barrier since (equal access-word high halves), and one
+// of the two is a write; step() returns its access word (0: none) and
+// records the access.
+struct RaceCheck {
+  uint32_t epoch;
+  uint32_t me;    // this access's word
+  uint32_t id;    // thread index + 1
+  uint32_t simdgroup;
+  bool write;
+  MSL_EMU_INLINE bool conflicts(uint32_t other) const {
+    const uint32_t other_id = other & 0xFFFFu;
+    return other_id != 0 && other_id != id &&
+           ((other_id - 1) / 32 != simdgroup || (other >> 16) == (me >> 16));
+  }
+  MSL_EMU_INLINE uint32_t step(Shadow& sh) const {
+    if (sh.epoch != epoch) sh = Shadow{epoch, 0, 0, 0};
+    uint32_t other = 0;
+    if (conflicts(sh.writer)) {
+      other = sh.writer;
+    } else if (write && conflicts(sh.reader1)) {
+      other = sh.reader1;
+    } else if (write && conflicts(sh.reader2)) {
+      other = sh.reader2;
+    }
+    if (write) {
+      sh.writer = me;
+      sh.reader1 = sh.reader2 = 0;
+    } else if (sh.reader1 == 0 || (sh.reader1 & 0xFFFFu) == id) {
+      sh.reader1 = me;
+    } else if (sh.reader2 == 0 || (sh.reader2 & 0xFFFFu) == id) {
+      sh.reader2 = me;
+    }
+    return other;
+  }
+};
+
+__attribute__((noinline, cold)) void report_race(Group& g, const Fiber& f, size_t off,
+                                                  uint32_t bytes, bool write, uint32_t other,
+                                                  bool other_write) {
   const TgVariable& v = g.variables[g.granule_owner[off / kGranule] - 1];
-  const uint32_t other_thread = other - 1u;
+  const uint32_t other_thread = (other & 0xFFFFu) - 1u;
   const bool same_simdgroup = other_thread / 32 == f.simd_group;
   std::ostringstream os;
   os << "race on threadgroup memory `" << v.name << "` bytes [" << off - v.offset << ", "
@@ -914,53 +972,42 @@ void tg_access(const void* address, uint32_t bytes, bool write) {
   Fiber* fp = t_current;
   if (fp == nullptr) return;
   Fiber& f = *fp;
+  const size_t off = reinterpret_cast<uintptr_t>(address) - f.tg_base;
+  if (off >= f.tg_size) return;  // a copy outside threadgroup memory
   Group& g = *f.group;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(address);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(g.arena.data());
-  if (a < base || a >= base + g.arena.size()) return;  // a copy outside threadgroup memory
-  const size_t off = a - base;
-  const uint16_t owner = g.granule_owner[off / kGranule];
-  if (owner == 0 || off + bytes > g.variables[owner - 1].offset + g.variables[owner - 1].size) {
-    tg_out_of_bounds(g, off, bytes, write);
-  }
+  // Inside one variable: it owns the granule and the access ends by its end
+  // (variables are separated by red zones, so it cannot start before it).
+  if (off + bytes > f.tg_granule_end[off / kGranule]) tg_out_of_bounds(g, off, bytes, write);
   if (g.counting) (write ? g.stats.tg_bytes_written : g.stats.tg_bytes_read) += bytes;
   // Race check against the other threads' accesses since the last barrier.
-  const uint16_t me = static_cast<uint16_t>(f.index_in_tg + 1);
-  const uint32_t sg = f.simd_group;
-  const uint16_t se = g.simd_epoch[sg];
-  const auto conflicts = [&](uint16_t other, uint16_t other_se) {
-    return other != 0 && other != me && ((other - 1u) / 32 != sg || other_se == se);
-  };
-  bool raced = false;
-  for (size_t b = off; b < off + bytes; ++b) {
-    Shadow& sh = g.shadow[b];
-    if (sh.epoch != g.epoch) sh = Shadow{g.epoch, 0, 0, 0, 0, 0, 0};
-    if (!raced) {
-      uint16_t other = 0;
-      bool other_write = false;
-      if (conflicts(sh.writer, sh.writer_se)) {
-        other = sh.writer;
-        other_write = true;
-      } else if (write && conflicts(sh.reader1, sh.reader1_se)) {
-        other = sh.reader1;
-      } else if (write && conflicts(sh.reader2, sh.reader2_se)) {
-        other = sh.reader2;
+  // An element is usually accessed as a whole, so its bytes share one state:
+  // then the state is updated once and stored to every byte.
+  const uint32_t id = f.index_in_tg + 1;
+  const RaceCheck rc{g.epoch, id | uint32_t(g.simd_epoch[f.simd_group]) << 16, id, f.simd_group,
+                     write};
+  Shadow* sh = f.tg_shadow + off;
+  bool uniform = true;
+  for (uint32_t b = 1; b < bytes && uniform; ++b) uniform = same_shadow(sh[b], sh[0]);
+  if (__builtin_expect(uniform, 1)) {
+    Shadow next = sh[0];
+    const uint32_t other = rc.step(next);
+    if (__builtin_expect(other == 0, 1)) {
+      if (!same_shadow(next, sh[0])) {
+        for (uint32_t b = 0; b < bytes; ++b) sh[b] = next;
       }
-      if (other != 0) {
-        raced = true;
-        report_race(g, f, off, bytes, write, other, other_write);
-      }
+      return;
     }
-    if (write) {
-      sh.writer = me;
-      sh.writer_se = se;
-      sh.reader1 = sh.reader2 = 0;
-    } else if (sh.reader1 == 0 || sh.reader1 == me) {
-      sh.reader1 = me;
-      sh.reader1_se = se;
-    } else if (sh.reader2 == 0 || sh.reader2 == me) {
-      sh.reader2 = me;
-      sh.reader2_se = se;
+  }
+  // Bytes in different states, or a race: byte by byte, one report per access.
+  bool reported = false;
+  for (uint32_t b = 0; b < bytes; ++b) {
+    const Shadow before = sh[b];
+    const uint32_t other = rc.step(sh[b]);
+    if (other != 0 && !reported) {
+      reported = true;
+      sh[b] = before;  // report_race throws unless counting: leave the state as it was
+      report_race(g, f, off, bytes, write, other, other == before.writer);
+      rc.step(sh[b]);
     }
   }
 }
@@ -1000,6 +1047,12 @@ char* simd_exchange_begin() {
   f.simd_ops++;
   return f.group->exchange.data() +
          ((size_t(f.simd_group) * 2 + parity) * 32 + f.lane) * kExchangeBytes;
+}
+
+const char* simd_exchange_peers() {
+  Fiber& f = cur();
+  const size_t parity = (f.simd_ops - 1) & 1;
+  return f.group->exchange.data() + (size_t(f.simd_group) * 2 + parity) * 32 * kExchangeBytes;
 }
 
 const char* simd_exchange_peer(int lane) {

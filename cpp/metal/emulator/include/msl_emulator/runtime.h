@@ -289,6 +289,8 @@ void count_mma();  // one simdgroup_multiply_accumulate (counted for lane 0)
 constexpr size_t kExchangeBytes = 64;
 char* simd_exchange_begin();          // this lane's slot for the next op
 const char* simd_exchange_peer(int lane);  // a lane's slot of the current op
+// Lane 0's slot of the current op; lane l's is kExchangeBytes * l further.
+const char* simd_exchange_peers();
 enum class SyncKind : int { kSimdReduce, kSimdShuffle, kSimdMatrix, kSimdBarrier };
 void simd_sync(SyncKind kind, const char* what);
 // `orders_threadgroup_memory`: the barrier's flags include mem_threadgroup,

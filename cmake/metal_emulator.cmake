@@ -49,7 +49,7 @@ if(JAX_FATRAIN_METAL_EMULATOR)
     "${_gen_dir}/emulator_test_kernels.cc"
     "${_emu_tests_dir}/emulator_selftest.cc")
   target_include_directories(fatrain_msl_kernels PRIVATE "${_msl_dir}/include")
-  target_compile_options(fatrain_msl_kernels PRIVATE -O1 -Wno-unused-variable -Wno-unused-parameter)
+  target_compile_options(fatrain_msl_kernels PRIVATE -O2 -Wno-unused-variable -Wno-unused-parameter)
 
   nanobind_add_module(_metal_emulated_ffi NB_STATIC "${_fatrain_root}/cpp/ffi/metal_emulated_ffi.cc")
   target_include_directories(_metal_emulated_ffi PRIVATE "${XLA_FFI_INCLUDE_DIR}")

@@ -43,16 +43,18 @@ template <typename T>
     uint simd_lid [[thread_index_in_simdgroup]]) {
   // Each simdgroup reduces 8 rows; lane i dots the 4-element vectors i,
   // i + 32, ... of a row (coalesced 8- or 16-byte loads), then simd_sum.
+  // Lane r keeps row r's sum, so the 8 results leave in one 32-byte store.
   typedef vec4_t<T> V4;
   const int b = int(tid.z);
   const int h = int(tid.y);
   const int ql = params->ql;
   const int d4 = params->d / 4;
   const long base = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
-  for (int r = 0; r < 8; ++r) {
-    const int row = int(tid.x) * (8 * kSimdgroups) + int(simd_gid) * 8 + r;
-    if (row >= ql) break;  // uniform across the simdgroup
-    const long off = base + long(row) * params->o_strides[2];
+  const int row0 = int(tid.x) * (8 * kSimdgroups) + int(simd_gid) * 8;
+  const int rows = min(8, ql - row0);  // uniform across the simdgroup
+  float mine = 0.0f;
+  for (int r = 0; r < rows; ++r) {
+    const long off = base + long(row0 + r) * params->o_strides[2];
     float acc = 0.0f;
     for (int c = int(simd_lid); c < d4; c += 32) {
       const V4 o = *((const device V4*)(O + (off + 4 * c)));
@@ -63,8 +65,9 @@ template <typename T>
       acc += float(o[3]) * float(g[3]);
     }
     acc = simd_sum(acc);
-    if (simd_lid == 0) Delta[(long(b) * params->h + h) * ql + row] = acc;
+    if (int(simd_lid) == r) mine = acc;
   }
+  if (int(simd_lid) < rows) Delta[(long(b) * params->h + h) * ql + row0 + int(simd_lid)] = mine;
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>

@@ -7,10 +7,12 @@
 //     H_q, B), threadgroup (32, 4, 1), BQ and BK = dq_block_q / dq_block_k
 //     (flash_attn_abi.h). The threadgroup stages its Q and dO rows once and
 //     sweeps the visible keys BK at a time through a K and a V tile in
-//     threadgroup memory (coalesced vector loads; the next V tile loads while
-//     dS and dQ += dS K are computed). Simdgroup (wm, wn) owns rows wm * 8 ..
-//     +7 and head-dim columns wn * D / WN .. as in the forward, keeping dQ in
-//     float32 registers:
+//     threadgroup memory (coalesced vector loads). Per key step:
+//       load K_j | dP = dO V_j^T  (barrier)  load V_j+1 | S = Q K_j^T, dS,
+//       dQ += dS K_j  (barrier)
+//     (plus one barrier before the partial sums when WN > 1). Simdgroup
+//     (wm, wn) owns rows wm * 8 .. +7 and head-dim columns wn * D / WN .. as
+//     in the forward, keeping dQ in float32 registers:
 //       S = Q K^T, P = exp2(S * scale * log2e + mask * log2e - L * log2e),
 //       dP = dO V^T, dS = P * (dP - Delta), dQ += dS K; dQ *= scale.
 //     dS is rounded to the input dtype for dS K (exact for f32).
@@ -157,52 +159,59 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   if (k_first < k_stop) {
     tile_load<T, BQ, D, LD>(q_stage, Q + qbase, params->q_strides[2], q0, q_valid, tix);
     tile_load<T, BQ, D, LD>(dOs, dO + obase, params->o_strides[2], q0, q_valid, tix);
+    tile_load<T, BK, D, LD>(Vs, v_ptr, vs, k_first, align_K ? BK : min(BK, kl - k_first), tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
     if (kQInRegs) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_load(Qr[kQInRegs ? dd : 0], Ks + (wm * 8) * LD + c0 + dd * 8, LD);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    const int k_valid = align_K ? BK : min(BK, kl - k_first);
-    tile_load<T, BK, D, LD>(Ks, k_ptr, ks, k_first, k_valid, tix);
-    tile_load<T, BK, D, LD>(Vs, v_ptr, vs, k_first, k_valid, tix);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   for (int kb = k_first; kb < k_stop; kb += BK) {
-    const bool more = kb + BK < k_stop;
-    const int next_valid = align_K ? BK : min(BK, kl - kb - BK);
+    const int k_valid = align_K ? BK : min(BK, kl - kb);
+    tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb, k_valid, tix);  // overlaps dP = dO V^T
     bool live[TK];
     bool any_live = false;
     for (int t = 0; t < TK; ++t) {
       live[t] = kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
     }
-    // S = Q K^T and dP = dO V^T over this simdgroup's columns.
+    // dP = dO V^T and S = Q K^T over this simdgroup's columns.
     frag_t S[TK];
     frag_t dP[TK];
     if (any_live) {
-      for (int t = 0; t < TK; ++t) {
-        S[t] = zero_frag();
-        dP[t] = zero_frag();
+      for (int t = 0; t < TK; ++t) dP[t] = zero_frag();
+      for (int dd = 0; dd < TD; ++dd) {
+        simdgroup_matrix<T, 8, 8> dOf;
+        simdgroup_load(dOf, dOs + (wm * 8) * LD + c0 + dd * 8, LD);
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_matrix<T, 8, 8> Vt;  // row = head dim, col = key
+          simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+          simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
+        }
       }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j loaded, V_j read
+
+    if (kb + BK < k_stop) {  // overlaps S, dS and dQ
+      tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
+    }
+    if (any_live) {
+      for (int t = 0; t < TK; ++t) S[t] = zero_frag();
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_matrix<T, 8, 8> Qf;
-        simdgroup_matrix<T, 8, 8> dOf;
         if (kQInRegs) {
           Qf = Qr[kQInRegs ? dd : 0];
         } else {
           simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
         }
-        simdgroup_load(dOf, dOs + (wm * 8) * LD + c0 + dd * 8, LD);
         for (int t = 0; t < TK; ++t) {
           if (!live[t]) continue;
           simdgroup_matrix<T, 8, 8> Kt;  // row = head dim, col = key
-          simdgroup_matrix<T, 8, 8> Vt;
           simdgroup_load(Kt, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
           simdgroup_multiply_accumulate(S[t], Qf, Kt, S[t]);
-          simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
         }
       }
       if (WN > 1) {
@@ -213,9 +222,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // V_j read, Sx written
-
-    if (more) tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb + BK, next_valid, tix);
+    if (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
     if (any_live) {
       simdgroup_matrix<T, 8, 8> dS[TK];
       for (int t = 0; t < TK; ++t) {
@@ -253,10 +260,6 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j and Sx read, V_j+1 loaded
-    if (more) {
-      tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb + BK, next_valid, tix);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
   }
 
   // dQ * scale through the Q staging tile, then coalesced row stores.

@@ -99,7 +99,8 @@ FATRAIN_ABI_FN int dq_block_q(int head_dim, int elem_bytes) {
   return fwd_block_q(head_dim, elem_bytes);
 }
 FATRAIN_ABI_FN int dq_block_k(int head_dim, int elem_bytes) {
-  return head_dim <= 64 ? (elem_bytes <= 2 ? 32 : 16) : head_dim <= 128 && elem_bytes <= 2 ? 16 : 8;
+  return head_dim <= 64 ? (elem_bytes <= 2 ? 32 : 16)
+                        : (head_dim <= 128 && elem_bytes <= 2 ? 16 : 8);
 }
 // The dK/dV kernel: block_kv keys per threadgroup; bwd_block_q is the query
 // granularity of its align_Q constant.

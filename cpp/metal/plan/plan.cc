@@ -50,7 +50,8 @@ AttnParams make_params(const Problem& p) {
   a.scale = p.scale;
   a.softcapping = 1.0f;  // disabled (the seed always passes 1.0)
   const int es = int(dtype_size(p.dtype));
-  const int bq = abi::fwd_block_q(int(p.head_dim), es), bk = abi::fwd_block_k(int(p.head_dim), es);
+  const int bq = abi::fwd_block_q(int(p.head_dim), es);
+  const int bk = abi::fwd_block_k(int(p.head_dim), es);
   a.nq = int32_t(ceil_div(p.q_len, bq));
   a.nk = int32_t(ceil_div(p.kv_len, bk));
   a.nq_aligned = int32_t(p.q_len / bq);
@@ -245,7 +246,8 @@ std::string plan_forward(const Problem& p, Plan* plan) {
   Dispatch d;
   d.kernel = variant("fwd", p);
   const int es = int(dtype_size(p.dtype));
-  const int bq = abi::fwd_block_q(int(p.head_dim), es), bk = abi::fwd_block_k(int(p.head_dim), es);
+  const int bq = abi::fwd_block_q(int(p.head_dim), es);
+  const int bk = abi::fwd_block_k(int(p.head_dim), es);
   add_common(p, p.q_len % bq == 0, p.kv_len % bk == 0, &d);
   for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
                       {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_O, Role::kO},
@@ -276,7 +278,8 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   plan->dispatches.push_back(std::move(cd));
 
   const int es = int(dtype_size(p.dtype));
-  const int dq_bq = abi::dq_block_q(int(p.head_dim), es), dq_bk = abi::dq_block_k(int(p.head_dim), es);
+  const int dq_bq = abi::dq_block_q(int(p.head_dim), es);
+  const int dq_bk = abi::dq_block_k(int(p.head_dim), es);
   Dispatch dq;
   dq.kernel = variant("bwd_dq", p);
   add_common(p, p.q_len % dq_bq == 0, p.kv_len % dq_bk == 0, &dq);

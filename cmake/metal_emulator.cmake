@@ -20,6 +20,7 @@ if(JAX_FATRAIN_METAL_EMULATOR)
       COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
               "${_metal_dir}/${_src}.metal" "${_gen_dir}/${_src}.cc" --cxx "${CMAKE_CXX_COMPILER}"
       DEPENDS "${_metal_dir}/${_src}.metal" "${_metal_dir}/flash_attn_common.h"
+              "${_metal_dir}/flash_attn_tiles.h"
               "${_metal_dir}/flash_attn_abi.h" "${_msl_dir}/msl_prepass.py"
       COMMENT "MSL pre-pass: ${_src}.metal"
       VERBATIM)

@@ -15,12 +15,14 @@ typedef long fatrain_abi_i64;
 #define FATRAIN_ABI_BEGIN
 #define FATRAIN_ABI_END
 #define FATRAIN_ABI_CONST constant constexpr
+#define FATRAIN_ABI_FN constexpr
 #else
 #include <cstdint>
 typedef int64_t fatrain_abi_i64;
 #define FATRAIN_ABI_BEGIN namespace fatrain::metal_abi {
 #define FATRAIN_ABI_END }
 #define FATRAIN_ABI_CONST inline constexpr
+#define FATRAIN_ABI_FN inline constexpr
 #endif
 
 // ---------------------------------------------------------------------------
@@ -72,13 +74,38 @@ FATRAIN_ABI_BEGIN
 // Threads per threadgroup are (32, kSimdgroups, 1) in every attention kernel.
 FATRAIN_ABI_CONST int kSimdgroups = 4;
 
-// Tile sizes per head dim. The forward and dQ kernels own block_q query rows
-// per threadgroup and sweep keys block_k at a time; the dK/dV kernel owns
-// block_kv keys per threadgroup and sweeps query rows block_q at a time.
-FATRAIN_ABI_CONST int fwd_block_q(int /*head_dim*/) { return 32; }
-FATRAIN_ABI_CONST int fwd_block_k(int /*head_dim*/) { return 16; }
-FATRAIN_ABI_CONST int bwd_block_q(int /*head_dim*/) { return 32; }
-FATRAIN_ABI_CONST int bwd_block_kv(int /*head_dim*/) { return 32; }
+// Tile sizes per head dim and element size (bytes of Q/K/V's dtype). The
+// forward and dQ kernels own block_q query rows per threadgroup and sweep the
+// keys block_k at a time, with K and V tiles (and Q, dO) staged in
+// threadgroup memory; a threadgroup's kSimdgroups simdgroups cover the
+// block_q rows 8 at a time and split the head dim among the simdgroups that
+// share 8 rows (kSimdgroups * 8 / block_q of them). The sizes are the largest
+// that keep every variant within 32 KiB of threadgroup memory and about 64
+// live floats per lane (jax_fatrain/metal/README.md has the counts).
+//
+//              forward (block_q, block_k)   dQ (block_q, block_k)
+//   head dim   16-bit      f32              16-bit      f32
+//   64         32, 32      32, 32           32, 32      32, 16
+//   128        32, 32      16, 16           32, 16      16, 8
+//   256        16, 16       8,  8           16, 8        8, 8
+FATRAIN_ABI_FN int fwd_block_q(int head_dim, int elem_bytes) {
+  return head_dim <= 64 ? 32 : head_dim <= 128 ? (elem_bytes <= 2 ? 32 : 16)
+                                               : (elem_bytes <= 2 ? 16 : 8);
+}
+FATRAIN_ABI_FN int fwd_block_k(int head_dim, int elem_bytes) {
+  return fwd_block_q(head_dim, elem_bytes);
+}
+FATRAIN_ABI_FN int dq_block_q(int head_dim, int elem_bytes) {
+  return fwd_block_q(head_dim, elem_bytes);
+}
+FATRAIN_ABI_FN int dq_block_k(int head_dim, int elem_bytes) {
+  return head_dim <= 64 ? (elem_bytes <= 2 ? 32 : 16)
+                        : (head_dim <= 128 && elem_bytes <= 2 ? 16 : 8);
+}
+// The dK/dV kernel: block_kv keys per threadgroup; bwd_block_q is the query
+// granularity of its align_Q constant.
+FATRAIN_ABI_FN int bwd_block_q(int /*head_dim*/) { return 32; }
+FATRAIN_ABI_FN int bwd_block_kv(int /*head_dim*/) { return 32; }
 
 // The 160-byte params struct (MLX steel-attention layout plus softcapping).
 struct AttnParams {

@@ -3,11 +3,19 @@
 //
 //  1. flash_attn_train_bwd_compute_d_{dt}: Delta[b, h, i] = rowsum(dO * O),
 //     float32 [B, H_q, qL]; grid (ceil(qL / 32), H_q, B), threadgroup (32, 4, 1).
-//  2. flash_attn_train_bwd_dq_{dt}_d{D}: Q tiles outer. Grid (ceil(qL / 32),
-//     H_q, B), threadgroup (32, 4, 1); each simdgroup owns 8 query rows and
-//     sweeps all visible keys, keeping dQ in registers:
+//  2. flash_attn_train_bwd_dq_{dt}_d{D}: Q tiles outer. Grid (ceil(qL / BQ),
+//     H_q, B), threadgroup (32, 4, 1), BQ and BK = dq_block_q / dq_block_k
+//     (flash_attn_abi.h). The threadgroup stages its Q and dO rows once and
+//     sweeps the visible keys BK at a time through a K and a V tile in
+//     threadgroup memory (coalesced vector loads). Per key step:
+//       load K_j | dP = dO V_j^T  (barrier)  load V_j+1 | S = Q K_j^T, dS,
+//       dQ += dS K_j  (barrier)
+//     (plus one barrier before the partial sums when WN > 1). Simdgroup
+//     (wm, wn) owns rows wm * 8 .. +7 and head-dim columns wn * D / WN .. as
+//     in the forward, keeping dQ in float32 registers:
 //       S = Q K^T, P = exp2(S * scale * log2e + mask * log2e - L * log2e),
 //       dP = dO V^T, dS = P * (dP - Delta), dQ += dS K; dQ *= scale.
+//     dS is rounded to the input dtype for dS K (exact for f32).
 //  3. flash_attn_train_bwd_dkdv_{dt}_d{D}: KV tiles outer. Grid (ceil(kL / 32),
 //     H_kv, B), threadgroup (32, 4, 1); each simdgroup owns 8 keys and loops
 //     over the query heads of its GQA group and the visible query rows,
@@ -21,9 +29,10 @@
 //
 // Buffers: Q0 K1 V2 O3 params4 mask_params5 mask6 L8 window9 q_lengths10
 // kv_lengths11 dO12 Delta13 dQ14 dK15 dV16. Function constants as in the
-// forward, with align_Q = (qL % 32 == 0) and align_K = (kL % 32 == 0).
+// forward, with align_Q = (qL % BQ == 0) and align_K = (kL % BK == 0) for
+// dQ, align_Q = (qL % 32 == 0) and align_K = (kL % 32 == 0) for dK/dV.
 
-#include "flash_attn_common.h"
+#include "flash_attn_tiles.h"
 
 template <typename T>
 [[kernel]] void flash_attn_train_bwd_compute_d(
@@ -34,20 +43,33 @@ template <typename T>
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
+  // Each simdgroup reduces 8 rows; lane i dots the 4-element vectors i,
+  // i + 32, ... of a row (coalesced 8- or 16-byte loads), then simd_sum.
+  // Lane r keeps row r's sum, so the 8 results leave in one 32-byte store.
+  typedef vec4_t<T> V4;
   const int b = int(tid.z);
   const int h = int(tid.y);
   const int ql = params->ql;
-  const int d = params->d;
+  const int d4 = params->d / 4;
   const long base = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
-  for (int r = 0; r < 8; ++r) {
-    const int row = int(tid.x) * 32 + int(simd_gid) * 8 + r;
-    if (row >= ql) break;  // uniform across the simdgroup
-    const long off = base + long(row) * params->o_strides[2];
+  const int row0 = int(tid.x) * (8 * kSimdgroups) + int(simd_gid) * 8;
+  const int rows = min(8, ql - row0);  // uniform across the simdgroup
+  float mine = 0.0f;
+  for (int r = 0; r < rows; ++r) {
+    const long off = base + long(row0 + r) * params->o_strides[2];
     float acc = 0.0f;
-    for (int c = int(simd_lid); c < d; c += 32) acc += float(O[off + c]) * float(dO[off + c]);
+    for (int c = int(simd_lid); c < d4; c += 32) {
+      const V4 o = *((const device V4*)(O + (off + 4 * c)));
+      const V4 g = *((const device V4*)(dO + (off + 4 * c)));
+      acc += float(o[0]) * float(g[0]);
+      acc += float(o[1]) * float(g[1]);
+      acc += float(o[2]) * float(g[2]);
+      acc += float(o[3]) * float(g[3]);
+    }
     acc = simd_sum(acc);
-    if (simd_lid == 0) Delta[(long(b) * params->h + h) * ql + row] = acc;
+    if (int(simd_lid) == r) mine = acc;
   }
+  if (int(simd_lid) < rows) Delta[(long(b) * params->h + h) * ql + row0 + int(simd_lid)] = mine;
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
@@ -68,28 +90,51 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  constexpr int BQ = 32;
-  constexpr int BK = 16;
-  constexpr int TD = D / 8;
+  constexpr int BQ = dq_block_q(D, sizeof(T));
+  constexpr int BK = dq_block_k(D, sizeof(T));
+  constexpr int WN = kSimdgroups * 8 / BQ;  // simdgroups sharing 8 query rows
+  constexpr int DW = D / WN;                // head-dim columns per simdgroup
+  constexpr int TD = DW / 8;
   constexpr int TK = BK / 8;
+  constexpr int LD = D + kTilePad;
+  constexpr int kSx = WN > 1 ? 2 * kSimdgroups * 8 * BK : 1;  // partial S and dP
+  // Q stays in registers (TD fragments) where its tile does not fit beside
+  // dO, K and V (f32, D = 256); it is staged through the K tile then.
+  constexpr bool kQInRegs =
+      (2 * BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 > kMaxThreadgroupBytes;
+  constexpr int kQs = kQInRegs ? 1 : BQ * LD;
+  constexpr int kTgBytes = (kQs + (BQ + 2 * BK) * LD) * int(sizeof(T)) + kSx * 4;
+  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
+  static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
+  static_assert(!kQInRegs || BK >= BQ, "Q is staged through the K tile");
+
+  threadgroup T Qs[kQs];      // Q rows, then the output dQ rows
+  threadgroup T dOs[BQ * LD];
+  threadgroup T Ks[BK * LD];
+  threadgroup T Vs[BK * LD];
+  threadgroup float Sx[kSx];
 
   const int b = int(tid.z);
   const int h = int(tid.y);
   const int ql = params->ql;
   const int kl = params->kl;
   const int h_kv = h / params->gqa_factor;
+  const int tix = int(simd_gid) * 32 + int(simd_lid);
+  const int wm = int(simd_gid) / WN;
+  const int wn = int(simd_gid) % WN;
   const short fr = frag_row(simd_lid);
   const short fc = frag_col(simd_lid);
-  const int row0 = int(tid.x) * BQ + int(simd_gid) * 8;
-  const int my_row = row0 + fr;
+  const int q0 = int(tid.x) * BQ;
+  const int r0 = q0 + wm * 8;
+  const int c0 = wn * DW;
+  const int my_row = r0 + fr;
   const bool row_in = align_Q || my_row < ql;
+  threadgroup T* q_stage = kQInRegs ? Ks : Qs;
 
   const long qbase = long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const long obase = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
   const device T* k_ptr = K + long(b) * params->k_strides[0] + long(h_kv) * params->k_strides[1];
   const device T* v_ptr = V + long(b) * params->v_strides[0] + long(h_kv) * params->v_strides[1];
-  const long qs = params->q_strides[2];
-  const long os = params->o_strides[2];
   const long ks = params->k_strides[2];
   const long vs = params->v_strides[2];
 
@@ -97,76 +142,136 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
       has_window, has_q_lengths, has_kv_lengths);
 
-  frag_t Qf[TD];
-  frag_t dOf[TD];
-  frag_t dQf[TD];
-  for (int dd = 0; dd < TD; ++dd) {
-    for (int j = 0; j < 2; ++j) {
-      const int col = dd * 8 + fc + j;
-      Qf[dd].thread_elements()[j] = row_in ? float(Q[qbase + long(my_row) * qs + col]) : 0.0f;
-      dOf[dd].thread_elements()[j] = row_in ? float(dO[obase + long(my_row) * os + col]) : 0.0f;
-    }
-    dQf[dd] = zero_frag();
-  }
   const long lrow = (long(b) * params->h + h) * ql + my_row;
   const float L2 = row_in ? L[lrow] * kLog2e : -INFINITY;
   const float delta = row_in ? Delta[lrow] : 0.0f;
 
-  int k_begin = 0;
-  int k_end = ctx.k_limit;
-  if (do_causal) k_end = min(k_end, row0 + 7 + ctx.ql_off + 1);
-  if (has_window && ctx.window_right >= 0) k_end = min(k_end, row0 + 7 + ctx.window_right + 1);
-  if (has_window && ctx.window_left >= 0) k_begin = max(0, row0 - ctx.window_left);
-  k_begin = (k_begin / BK) * BK;
-  if (row0 >= ctx.q_limit) k_end = 0;
+  const int2 tg_keys = visible_keys(ctx, q0, q0 + BQ - 1);
+  const int2 sg_keys = visible_keys(ctx, r0, r0 + 7);
+  const int k_first = (tg_keys.x / BK) * BK;
+  const int k_stop = tg_keys.y;
+  const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
 
-  for (int kb = k_begin; kb < k_end; kb += BK) {
+  simdgroup_matrix<T, 8, 8> Qr[kQInRegs ? TD : 1];
+  frag_t dQf[TD];
+  for (int dd = 0; dd < TD; ++dd) dQf[dd] = zero_frag();
+
+  if (k_first < k_stop) {
+    tile_load<T, BQ, D, LD>(q_stage, Q + qbase, params->q_strides[2], q0, q_valid, tix);
+    tile_load<T, BQ, D, LD>(dOs, dO + obase, params->o_strides[2], q0, q_valid, tix);
+    tile_load<T, BK, D, LD>(Vs, v_ptr, vs, k_first, align_K ? BK : min(BK, kl - k_first), tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (kQInRegs) {
+      for (int dd = 0; dd < TD; ++dd) {
+        simdgroup_load(Qr[kQInRegs ? dd : 0], Ks + (wm * 8) * LD + c0 + dd * 8, LD);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+  for (int kb = k_first; kb < k_stop; kb += BK) {
+    const int k_valid = align_K ? BK : min(BK, kl - kb);
+    tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb, k_valid, tix);  // overlaps dP = dO V^T
+    bool live[TK];
+    bool any_live = false;
+    for (int t = 0; t < TK; ++t) {
+      live[t] = kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
+      any_live = any_live || live[t];
+    }
+    // dP = dO V^T and S = Q K^T over this simdgroup's columns.
     frag_t S[TK];
     frag_t dP[TK];
-    for (int t = 0; t < TK; ++t) {
-      S[t] = zero_frag();
-      dP[t] = zero_frag();
+    if (any_live) {
+      for (int t = 0; t < TK; ++t) dP[t] = zero_frag();
       for (int dd = 0; dd < TD; ++dd) {
-        frag_t Kt;  // row = head dim, col = key
-        frag_t Vt;
-        for (int j = 0; j < 2; ++j) {
-          const int key = kb + t * 8 + fc + j;
-          const bool key_in = align_K || key < kl;
-          Kt.thread_elements()[j] = key_in ? float(k_ptr[long(key) * ks + dd * 8 + fr]) : 0.0f;
-          Vt.thread_elements()[j] = key_in ? float(v_ptr[long(key) * vs + dd * 8 + fr]) : 0.0f;
+        simdgroup_matrix<T, 8, 8> dOf;
+        simdgroup_load(dOf, dOs + (wm * 8) * LD + c0 + dd * 8, LD);
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_matrix<T, 8, 8> Vt;  // row = head dim, col = key
+          simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+          simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
         }
-        simdgroup_multiply_accumulate(S[t], Qf[dd], Kt, S[t]);
-        simdgroup_multiply_accumulate(dP[t], dOf[dd], Vt, dP[t]);
-      }
-      // dS = P * (dP - Delta), in place of S.
-      for (int j = 0; j < 2; ++j) {
-        const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
-        const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : exp2(s - L2);
-        S[t].thread_elements()[j] = p * (dP[t].thread_elements()[j] - delta);
       }
     }
-    // dQ += dS K.
-    for (int dd = 0; dd < TD; ++dd) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j loaded, V_j read
+
+    if (kb + BK < k_stop) {  // overlaps S, dS and dQ
+      tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
+    }
+    if (any_live) {
+      for (int t = 0; t < TK; ++t) S[t] = zero_frag();
+      for (int dd = 0; dd < TD; ++dd) {
+        simdgroup_matrix<T, 8, 8> Qf;
+        if (kQInRegs) {
+          Qf = Qr[kQInRegs ? dd : 0];
+        } else {
+          simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
+        }
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_matrix<T, 8, 8> Kt;  // row = head dim, col = key
+          simdgroup_load(Kt, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+          simdgroup_multiply_accumulate(S[t], Qf, Kt, S[t]);
+        }
+      }
+      if (WN > 1) {
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
+          simdgroup_store(dP[t], Sx + (kSimdgroups + int(simd_gid)) * 8 * BK + t * 8, BK);
+        }
+      }
+    }
+    if (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
+    if (any_live) {
+      simdgroup_matrix<T, 8, 8> dS[TK];
       for (int t = 0; t < TK; ++t) {
-        frag_t Kf;  // row = key, col = head dim
-        const int key = kb + t * 8 + fr;
-        for (int j = 0; j < 2; ++j) {
-          Kf.thread_elements()[j] =
-              (align_K || key < kl) ? float(k_ptr[long(key) * ks + dd * 8 + fc + j]) : 0.0f;
+        if (!live[t]) continue;
+        if (WN > 1) {
+          // Full S and dP: the partials summed in simdgroup order.
+          S[t] = zero_frag();
+          dP[t] = zero_frag();
+          for (int w = 0; w < WN; ++w) {
+            frag_t part_s;
+            frag_t part_dp;
+            simdgroup_load(part_s, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
+            simdgroup_load(part_dp, Sx + (kSimdgroups + wm * WN + w) * 8 * BK + t * 8, BK);
+            for (int j = 0; j < 2; ++j) {
+              S[t].thread_elements()[j] += part_s.thread_elements()[j];
+              dP[t].thread_elements()[j] += part_dp.thread_elements()[j];
+            }
+          }
         }
-        simdgroup_multiply_accumulate(dQf[dd], S[t], Kf, dQf[dd]);
+        // dS = P * (dP - Delta); P = 0 for masked scores and rows without keys.
+        for (int j = 0; j < 2; ++j) {
+          const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
+          const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
+          dS[t].thread_elements()[j] = T(p * (dP[t].thread_elements()[j] - delta));
+        }
+      }
+      // dQ += dS K.
+      for (int dd = 0; dd < TD; ++dd) {
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_matrix<T, 8, 8> Kf;  // row = key, col = head dim
+          simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD);
+          simdgroup_multiply_accumulate(dQf[dd], dS[t], Kf, dQf[dd]);
+        }
       }
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j and Sx read, V_j+1 loaded
   }
 
-  if (row_in) {
-    const float scale = params->scale;
-    for (int dd = 0; dd < TD; ++dd) {
-      for (int j = 0; j < 2; ++j) {
-        dQ[qbase + long(my_row) * qs + dd * 8 + fc + j] = T(dQf[dd].thread_elements()[j] * scale);
-      }
-    }
+  // dQ * scale through the Q staging tile, then coalesced row stores.
+  const float scale = params->scale;
+  for (int dd = 0; dd < TD; ++dd) {
+    simdgroup_matrix<T, 8, 8> out;
+    out.thread_elements()[0] = T(dQf[dd].thread_elements()[0] * scale);
+    out.thread_elements()[1] = T(dQf[dd].thread_elements()[1] * scale);
+    simdgroup_store(out, q_stage + (wm * 8) * LD + c0 + dd * 8, LD);
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  tile_store<T, BQ, D, LD>(dQ + qbase, params->q_strides[2], q0, q_valid, q_stage, tix);
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>

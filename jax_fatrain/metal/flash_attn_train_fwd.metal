@@ -1,19 +1,32 @@
 // FlashAttention-2 training forward: O and the natural-log logsumexp L.
 //
-// Grid (ceil(qL / 32), H_q, B), threadgroup (32, 4, 1): each of the 4
-// simdgroups owns 8 query rows (BQ = 32 = 4 x 8) and sweeps the keys in tiles
-// of BK = 16 with an online softmax in base 2. Q K^T and P V are 8x8
-// simdgroup_matrix multiply-accumulates in float32. GQA: query head h reads
-// kv head h / gqa_factor. No threadgroup memory and no threadgroup barrier:
-// simdgroups are independent, so causal / window / length limits let each
-// one skip the key tiles it cannot see.
+// Grid (ceil(qL / BQ), H_q, B), threadgroup (32, 4, 1); BQ and BK (keys per
+// step) per head dim and dtype from flash_attn_abi.h. The threadgroup stages
+// its BQ query rows once, then sweeps the visible keys BK at a time through
+// two threadgroup tiles, K and V, loaded cooperatively with coalesced vector
+// loads. The loads alternate with the math on the other tile:
+//
+//   load V_j      | S = Q K_j^T      (barrier)  load K_j+1 | O += P V_j  (barrier)
+//
+// so every load has the other operand's math to overlap with, at two barriers
+// per key step. Simdgroup (wm, wn) owns query rows wm * 8 .. +7 and head-dim
+// columns wn * D / WN .. (WN = 4 * 8 / BQ simdgroups share a row block at
+// D = 256 and f32 D = 128; their partial scores over their columns are summed
+// through threadgroup memory, in a fixed order, so all of them hold the same
+// scores). Fragments are simdgroup_load-ed from the tiles (K transposed);
+// Q K^T and P V are 8x8 simdgroup multiply-accumulates into float32; P is
+// rounded to the input dtype for P V (exact for f32). Online softmax in base
+// 2 (scores times scale * log2(e)); L is stored in natural log. A simdgroup
+// skips the 8-key fragments its rows cannot see (causal, window, lengths).
+// A row that sees no key gets O = 0 and L = -inf exactly (masked scores are
+// -inf and give p = 0 without evaluating exp2).
 //
 // Buffers: Q0 K1 V2 O3 params4 mask_params5 mask6 L8 window9 q_lengths10
-// kv_lengths11. Function constants: 200 align_Q (qL % 32 == 0), 201 align_K
-// (kL % 16 == 0), 300 has_mask, 301 do_causal, 302 has_window,
+// kv_lengths11. Function constants: 200 align_Q (qL % BQ == 0), 201 align_K
+// (kL % BK == 0), 300 has_mask, 301 do_causal, 302 has_window,
 // 303 has_q_lengths, 304 has_kv_lengths.
 
-#include "flash_attn_common.h"
+#include "flash_attn_tiles.h"
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
 [[kernel]] void flash_attn_train_fwd(
@@ -31,126 +44,172 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  constexpr int BQ = 32;
-  constexpr int BK = 16;
-  constexpr int TD = D / 8;
+  constexpr int BQ = fwd_block_q(D, sizeof(T));
+  constexpr int BK = fwd_block_k(D, sizeof(T));
+  constexpr int WN = kSimdgroups * 8 / BQ;  // simdgroups sharing 8 query rows
+  constexpr int DW = D / WN;                // head-dim columns per simdgroup
+  constexpr int TD = DW / 8;
   constexpr int TK = BK / 8;
+  constexpr int LD = D + kTilePad;
+  constexpr int kSx = WN > 1 ? kSimdgroups * 8 * BK : 1;  // partial scores
+  constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4;
+  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
+  static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
+
+  threadgroup T Qs[BQ * LD];  // Q rows, then the output O rows
+  threadgroup T Ks[BK * LD];
+  threadgroup T Vs[BK * LD];
+  threadgroup float Sx[kSx];
 
   const int b = int(tid.z);
   const int h = int(tid.y);
   const int ql = params->ql;
   const int kl = params->kl;
   const int h_kv = h / params->gqa_factor;
+  const int tix = int(simd_gid) * 32 + int(simd_lid);
+  const int wm = int(simd_gid) / WN;
+  const int wn = int(simd_gid) % WN;
   const short fr = frag_row(simd_lid);
   const short fc = frag_col(simd_lid);
-  const int row0 = int(tid.x) * BQ + int(simd_gid) * 8;
-  const int my_row = row0 + fr;
-  const bool row_in = align_Q || my_row < ql;
+  const int q0 = int(tid.x) * BQ;
+  const int r0 = q0 + wm * 8;  // this simdgroup's first row
+  const int c0 = wn * DW;      // its first head-dim column
+  const int my_row = r0 + fr;
 
   const device T* q_ptr = Q + long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const device T* k_ptr = K + long(b) * params->k_strides[0] + long(h_kv) * params->k_strides[1];
   const device T* v_ptr = V + long(b) * params->v_strides[0] + long(h_kv) * params->v_strides[1];
   device T* o_ptr = O + long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
-  const long qs = params->q_strides[2];
   const long ks = params->k_strides[2];
   const long vs = params->v_strides[2];
-  const long os = params->o_strides[2];
 
   const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
       params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
       has_window, has_q_lengths, has_kv_lengths);
 
-  // This simdgroup's Q rows (A operands: row = query, col = head dim).
-  frag_t Qf[TD];
+  // Keys the threadgroup sweeps (uniform) and the keys this simdgroup's rows see.
+  const int2 tg_keys = visible_keys(ctx, q0, q0 + BQ - 1);
+  const int2 sg_keys = visible_keys(ctx, r0, r0 + 7);
+  const int k_first = (tg_keys.x / BK) * BK;
+  const int k_stop = tg_keys.y;
+  const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
+
   frag_t Of[TD];
-  for (int dd = 0; dd < TD; ++dd) {
-    for (int j = 0; j < 2; ++j) {
-      const int col = dd * 8 + fc + j;
-      Qf[dd].thread_elements()[j] = row_in ? float(q_ptr[long(my_row) * qs + col]) : 0.0f;
-    }
-    Of[dd] = zero_frag();
-  }
-
-  // Key tiles this simdgroup can see (uniform across its lanes).
-  int k_begin = 0;
-  int k_end = ctx.k_limit;
-  if (do_causal) k_end = min(k_end, row0 + 7 + ctx.ql_off + 1);
-  if (has_window && ctx.window_right >= 0) k_end = min(k_end, row0 + 7 + ctx.window_right + 1);
-  if (has_window && ctx.window_left >= 0) k_begin = max(0, row0 - ctx.window_left);
-  k_begin = (k_begin / BK) * BK;
-  if (row0 >= ctx.q_limit) k_end = 0;
-
+  for (int dd = 0; dd < TD; ++dd) Of[dd] = zero_frag();
   float m = -INFINITY;  // running max of this lane's row (base 2)
-  float l = 0.0f;       // running sum of exp2(s - m)
-  for (int kb = k_begin; kb < k_end; kb += BK) {
-    // S = Q K^T for BK keys: TK fragments of 8 keys.
+  float l = 0.0f;       // this lane's part of the running sum of exp2(s - m)
+
+  if (k_first < k_stop) {
+    tile_load<T, BQ, D, LD>(Qs, q_ptr, params->q_strides[2], q0, q_valid, tix);
+    tile_load<T, BK, D, LD>(Ks, k_ptr, ks, k_first, align_K ? BK : min(BK, kl - k_first), tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (int kb = k_first; kb < k_stop; kb += BK) {
+    const int k_valid = align_K ? BK : min(BK, kl - kb);
+    tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb, k_valid, tix);
+
+    // S = Q K^T over this simdgroup's columns, for the 8-key fragments its
+    // rows can see (uniform across the simdgroup).
+    bool live[TK];
+    bool any_live = false;
+    for (int t = 0; t < TK; ++t) {
+      live[t] = kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
+      any_live = any_live || live[t];
+    }
     frag_t S[TK];
-    for (int t = 0; t < TK; ++t) {
-      S[t] = zero_frag();
+    if (any_live) {
+      for (int t = 0; t < TK; ++t) S[t] = zero_frag();
       for (int dd = 0; dd < TD; ++dd) {
-        frag_t Kt;  // row = head dim, col = key
-        for (int j = 0; j < 2; ++j) {
-          const int key = kb + t * 8 + fc + j;
-          Kt.thread_elements()[j] =
-              (align_K || key < kl) ? float(k_ptr[long(key) * ks + dd * 8 + fr]) : 0.0f;
+        simdgroup_matrix<T, 8, 8> Qf;
+        simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_matrix<T, 8, 8> Kf;  // row = head dim, col = key
+          simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+          simdgroup_multiply_accumulate(S[t], Qf, Kf, S[t]);
         }
-        simdgroup_multiply_accumulate(S[t], Qf[dd], Kt, S[t]);
+      }
+      if (WN > 1) {
+        for (int t = 0; t < TK; ++t) {
+          if (live[t]) simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
+        }
       }
     }
-    // Scores, masks and the online softmax (each row lives on 4 lanes that
-    // differ in lane bits 0 and 3).
-    float tile_max = -INFINITY;
-    for (int t = 0; t < TK; ++t) {
-      for (int j = 0; j < 2; ++j) {
-        const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
-        S[t].thread_elements()[j] = s;
-        tile_max = max(tile_max, s);
-      }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // V_j loaded, K_j read, Sx written
+
+    if (kb + BK < k_stop) {
+      tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb + BK, align_K ? BK : min(BK, kl - kb - BK),
+                              tix);
     }
-    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
-    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
-    const float m_new = max(m, tile_max);
-    const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = exp2(m - m_safe);
-    float row_sum = 0.0f;
-    for (int t = 0; t < TK; ++t) {
-      for (int j = 0; j < 2; ++j) {
-        const float p = exp2(S[t].thread_elements()[j] - m_safe);
-        S[t].thread_elements()[j] = p;
-        row_sum += p;
+    if (any_live) {
+      if (WN > 1) {
+        // Full scores: the partials of the WN simdgroups of this row block,
+        // summed in simdgroup order (identical in all of them).
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          S[t] = zero_frag();
+          for (int w = 0; w < WN; ++w) {
+            frag_t part;
+            simdgroup_load(part, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
+            S[t].thread_elements()[0] += part.thread_elements()[0];
+            S[t].thread_elements()[1] += part.thread_elements()[1];
+          }
+        }
       }
-    }
-    row_sum += simd_shuffle_xor(row_sum, ushort(1));
-    row_sum += simd_shuffle_xor(row_sum, ushort(8));
-    l = l * alpha + row_sum;
-    m = m_new;
-    // O = alpha * O + P V.
-    for (int dd = 0; dd < TD; ++dd) {
-      Of[dd].thread_elements()[0] *= alpha;
-      Of[dd].thread_elements()[1] *= alpha;
+      // Online softmax; masked scores are -inf.
+      float tile_max = -INFINITY;
       for (int t = 0; t < TK; ++t) {
-        frag_t Vf;  // row = key, col = head dim
-        const int key = kb + t * 8 + fr;
         for (int j = 0; j < 2; ++j) {
-          Vf.thread_elements()[j] =
-              (align_K || key < kl) ? float(v_ptr[long(key) * vs + dd * 8 + fc + j]) : 0.0f;
+          const float s = live[t] ? score2(ctx, S[t].thread_elements()[j], my_row,
+                                           kb + t * 8 + fc + j)
+                                  : -INFINITY;
+          S[t].thread_elements()[j] = s;
+          tile_max = max(tile_max, s);
         }
-        simdgroup_multiply_accumulate(Of[dd], S[t], Vf, Of[dd]);
+      }
+      const float m_new = max(m, row_max4(tile_max));
+      const float alpha = m == -INFINITY ? 0.0f : fast::exp2(m - m_new);
+      simdgroup_matrix<T, 8, 8> P[TK];
+      float part_sum = 0.0f;
+      for (int t = 0; t < TK; ++t) {
+        for (int j = 0; j < 2; ++j) {
+          const float s = S[t].thread_elements()[j];
+          const float p = s == -INFINITY ? 0.0f : fast::exp2(s - m_new);
+          part_sum += p;
+          P[t].thread_elements()[j] = T(p);
+        }
+      }
+      l = l * alpha + part_sum;
+      m = m_new;
+      // O = alpha * O + P V.
+      for (int dd = 0; dd < TD; ++dd) {
+        Of[dd].thread_elements()[0] *= alpha;
+        Of[dd].thread_elements()[1] *= alpha;
+        for (int t = 0; t < TK; ++t) {
+          if (!live[t]) continue;
+          simdgroup_matrix<T, 8, 8> Vf;  // row = key, col = head dim
+          simdgroup_load(Vf, Vs + (t * 8) * LD + c0 + dd * 8, LD);
+          simdgroup_multiply_accumulate(Of[dd], P[t], Vf, Of[dd]);
+        }
       }
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j+1 loaded, V_j and Sx read
   }
 
-  // A row that saw no key: O = 0, L = -inf.
+  // O = O / l through the Q tile (no longer read), then coalesced row stores.
+  // A row that saw no key: l = 0, O = 0, L = -inf.
+  l = row_sum4(l);
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
-  if (row_in) {
-    for (int dd = 0; dd < TD; ++dd) {
-      for (int j = 0; j < 2; ++j) {
-        o_ptr[long(my_row) * os + dd * 8 + fc + j] = T(Of[dd].thread_elements()[j] * inv_l);
-      }
-    }
-    if (fc == 0) {
-      L[(long(b) * params->h + h) * ql + my_row] = l > 0.0f ? m * kLn2 + log(l) : -INFINITY;
-    }
+  for (int dd = 0; dd < TD; ++dd) {
+    simdgroup_matrix<T, 8, 8> Ot;
+    Ot.thread_elements()[0] = T(Of[dd].thread_elements()[0] * inv_l);
+    Ot.thread_elements()[1] = T(Of[dd].thread_elements()[1] * inv_l);
+    simdgroup_store(Ot, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  tile_store<T, BQ, D, LD>(o_ptr, params->o_strides[2], q0, q_valid, Qs, tix);
+  if (wn == 0 && fc == 0 && (align_Q || my_row < ql)) {
+    L[(long(b) * params->h + h) * ql + my_row] = l > 0.0f ? m * kLn2 + log(l) : -INFINITY;
   }
 }
 

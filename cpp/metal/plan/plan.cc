@@ -49,7 +49,9 @@ AttnParams make_params(const Problem& p) {
   a.gqa_factor = int32_t(p.q_heads / p.kv_heads);
   a.scale = p.scale;
   a.softcapping = 1.0f;  // disabled (flash_attn_train.rs always passes 1.0)
-  const int bq = abi::fwd_block_q(int(p.head_dim)), bk = abi::fwd_block_k(int(p.head_dim));
+  const int es = int(dtype_size(p.dtype));
+  const int bq = abi::fwd_block_q(int(p.head_dim), es);
+  const int bk = abi::fwd_block_k(int(p.head_dim), es);
   a.nq = int32_t(ceil_div(p.q_len, bq));
   a.nk = int32_t(ceil_div(p.kv_len, bk));
   a.nq_aligned = int32_t(p.q_len / bq);
@@ -187,6 +189,12 @@ std::string validate(const Problem& p) {
   if (p.window_left > int_max || p.window_right > int_max) {
     return pre + "local window too large";
   }
+  for (const Strides* s : {&p.q, &p.k, &p.v, &p.o}) {
+    if (s->batch % 4 != 0 || s->head % 4 != 0 || s->seq % 4 != 0) {
+      return pre + "Q/K/V/O strides must be multiples of 4 elements (the kernels load "
+                   "4-element vectors)";
+    }
+  }
   if (p.mask == MaskKind::kAdditive && p.mask_dtype != p.dtype) {
     return pre + std::string("an additive mask must have the dtype of Q (") + dtype_name(p.dtype) +
            "), got " + dtype_name(p.mask_dtype);
@@ -237,7 +245,9 @@ std::string plan_forward(const Problem& p, Plan* plan) {
   plan->dispatches.clear();
   Dispatch d;
   d.kernel = variant("fwd", p);
-  const int bq = abi::fwd_block_q(int(p.head_dim)), bk = abi::fwd_block_k(int(p.head_dim));
+  const int es = int(dtype_size(p.dtype));
+  const int bq = abi::fwd_block_q(int(p.head_dim), es);
+  const int bk = abi::fwd_block_k(int(p.head_dim), es);
   add_common(p, p.q_len % bq == 0, p.kv_len % bk == 0, &d);
   for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
                       {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_O, Role::kO},
@@ -267,21 +277,24 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   set_size(cd.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(cd));
 
-  const int bq = abi::bwd_block_q(int(p.head_dim)), bkv = abi::bwd_block_kv(int(p.head_dim));
-  const bool align_q = p.q_len % bq == 0, align_k = p.kv_len % bkv == 0;
+  const int es = int(dtype_size(p.dtype));
+  const int dq_bq = abi::dq_block_q(int(p.head_dim), es);
+  const int dq_bk = abi::dq_block_k(int(p.head_dim), es);
   Dispatch dq;
   dq.kernel = variant("bwd_dq", p);
-  add_common(p, align_q, align_k, &dq);
+  add_common(p, p.q_len % dq_bq == 0, p.kv_len % dq_bk == 0, &dq);
   for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
                       {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
                       {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
                       {FATRAIN_BUF_DQ, Role::kDQ}}) {
     dq.bindings.push_back(buffer(i, r));
   }
-  set_size(dq.grid, ceil_div(p.q_len, bq), p.q_heads, p.batch);
+  set_size(dq.grid, ceil_div(p.q_len, dq_bq), p.q_heads, p.batch);
   set_size(dq.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(dq));
 
+  const int bq = abi::bwd_block_q(int(p.head_dim)), bkv = abi::bwd_block_kv(int(p.head_dim));
+  const bool align_q = p.q_len % bq == 0, align_k = p.kv_len % bkv == 0;
   Dispatch dkdv;
   dkdv.kernel = variant("bwd_dkdv", p);
   add_common(p, align_q, align_k, &dkdv);

@@ -1,0 +1,100 @@
+// Threadgroup-memory staging shared by the Metal attention kernels.
+//
+// A tile is `rows` rows of a [seq, head_dim] matrix held in threadgroup memory
+// row-major with a padded row length LD = D + kTilePad elements. The pad
+// shifts consecutive rows by 4 (16-bit) or 8 (f32) banks, so the 8x8
+// simdgroup_load of a fragment - plain or transposed (K^T) - spreads its 64
+// elements over all 32 banks instead of hitting a few banks 8 times.
+//
+// Loads and stores between device and threadgroup memory are cooperative: the
+// kThreads threads of the threadgroup move 4-element vectors, vector v =
+// thread + i * kThreads, row v / (D / 4); consecutive lanes read consecutive
+// 8-byte (16-bit types) or 16-byte (f32) vectors along the head dim, so one
+// simdgroup-wide load covers whole 128-byte cache lines. Device row starts
+// must be 4-element aligned (the dispatch plan requires strides that are
+// multiples of 4).
+#pragma once
+
+#include "flash_attn_common.h"
+
+static constant constexpr const int kThreads = 32 * kSimdgroups;
+static constant constexpr const int kTilePad = 8;
+static constant constexpr const int kMaxThreadgroupBytes = 32768;
+
+// 4-element vector of T (bfloat4, half4, float4).
+template <typename T> struct Vec4Of;
+template <> struct Vec4Of<bfloat> { typedef bfloat4 type; };
+template <> struct Vec4Of<half> { typedef half4 type; };
+template <> struct Vec4Of<float> { typedef float4 type; };
+template <typename T> using vec4_t = typename Vec4Of<T>::type;
+
+// Copies rows [row0, row0 + ROWS) of a device matrix (row stride `stride`
+// elements, head dim contiguous) into the tile dst[ROWS][LD]; rows
+// >= n_valid are written as zeros (never left uninitialised: a NaN in a
+// padded row would reach the outputs through 0 * NaN).
+template <typename T, int ROWS, int D, int LD>
+inline void tile_load(threadgroup T* dst, const device T* src, long stride, int row0, int n_valid,
+                      int tix) {
+  typedef vec4_t<T> V;
+  constexpr int kVecsPerRow = D / 4;
+  static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+  for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
+    const int v = i * kThreads + tix;
+    const int r = v / kVecsPerRow;
+    const int c = (v % kVecsPerRow) * 4;
+    V x = V(T(0));
+    if (r < n_valid) x = *((const device V*)(src + (long(row0 + r) * stride + c)));
+    threadgroup T* out = dst + r * LD + c;
+    out[0] = x[0];
+    out[1] = x[1];
+    out[2] = x[2];
+    out[3] = x[3];
+  }
+}
+
+// Copies tile rows [0, n_valid) to device rows [row0, row0 + n_valid).
+template <typename T, int ROWS, int D, int LD>
+inline void tile_store(device T* dst, long stride, int row0, int n_valid,
+                       const threadgroup T* src, int tix) {
+  typedef vec4_t<T> V;
+  constexpr int kVecsPerRow = D / 4;
+  static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+  for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
+    const int v = i * kThreads + tix;
+    const int r = v / kVecsPerRow;
+    const int c = (v % kVecsPerRow) * 4;
+    if (r < n_valid) {
+      const threadgroup T* in = src + r * LD + c;
+      *((device V*)(dst + (long(row0 + r) * stride + c))) = V(in[0], in[1], in[2], in[3]);
+    }
+  }
+}
+
+inline long min64(long a, long b) { return a < b ? a : b; }
+inline long max64(long a, long b) { return a > b ? a : b; }
+
+// The keys [x, y) that query rows [row_first, row_last] can see through
+// causal / window / length limits (y <= x: none). Masks are not considered.
+template <typename MaskT, bool kBoolMask>
+inline int2 visible_keys(thread const ScoreCtx<MaskT, kBoolMask>& c, int row_first, int row_last) {
+  if (row_first >= c.q_limit) return int2(0, 0);
+  row_last = min(row_last, c.q_limit - 1);
+  // 64-bit bounds: row + window may exceed the int range.
+  long begin = 0;
+  long end = c.k_limit;
+  if (c.causal) end = min64(end, long(row_last) + c.ql_off + 1);
+  if (c.window && c.window_right >= 0) end = min64(end, long(row_last) + c.window_right + 1);
+  if (c.window && c.window_left >= 0) begin = max64(begin, long(row_first) - c.window_left);
+  return int2(int(begin), int(max64(begin, end)));
+}
+
+// Row statistics of a score fragment: each row lives on the 4 lanes that
+// differ in lane bits 0 and 3.
+inline float row_max4(float x) {
+  x = max(x, simd_shuffle_xor(x, ushort(1)));
+  return max(x, simd_shuffle_xor(x, ushort(8)));
+}
+inline float row_sum4(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  return x + simd_shuffle_xor(x, ushort(8));
+}

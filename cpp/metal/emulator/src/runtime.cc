@@ -616,10 +616,11 @@ struct RunState {
 };
 
 void merge_stats(DispatchStats& into, const DispatchStats& from) {
+  const uint64_t peak = std::max(into.peak_tg_bytes, from.peak_tg_bytes);  // a max, not a sum
 #define MSL_EMU_ADD_COUNTER(name) into.name += from.name;
   MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_ADD_COUNTER)
 #undef MSL_EMU_ADD_COUNTER
-  into.peak_tg_bytes = std::max(into.peak_tg_bytes, from.peak_tg_bytes);  // a max, not a sum
+  into.peak_tg_bytes = peak;
   for (const auto& r : from.race_reports) {
     if (into.race_reports.size() < kMaxRaceReports) into.race_reports.push_back(r);
   }

@@ -81,13 +81,14 @@ def test_kernel_variant(case):
 
 
 def test_aligned_lengths_use_unguarded_paths():
-  # q_len % 32 == 0 and kv_len % 32 == 0: align_Q / align_K are true for
-  # every kernel's tiles (flash_attn_abi.h: at most 32 rows or keys).
+  # Lengths that are multiples of every kernel's tiles, so align_Q / align_K
+  # are true (flash_attn_abi.h: at most 32 query rows, 64 keys for the 16-bit
+  # dK/dV kernel at D = 64).
   _check(Case(q_len=64, kv_len=96, q_heads=4, kv_heads=1, is_causal=True))
-  _check(Case(q_len=32, kv_len=32, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
+  _check(Case(q_len=32, kv_len=64, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
   # D = 128 (16-bit: 32-key forward tiles, 16-key dQ tiles) and f32 D = 256
   # (the head dim split over 4 simdgroups; dQ keeps Q in registers).
-  _check(Case(q_len=64, kv_len=32, head_dim=128, dtype=jnp.bfloat16, is_causal=True))
+  _check(Case(q_len=64, kv_len=64, head_dim=128, dtype=jnp.bfloat16, is_causal=True))
   _check(Case(q_len=32, kv_len=64, head_dim=256, q_heads=2, kv_heads=1, window=(20, 3)))
 
 

@@ -71,7 +71,8 @@ typedef int64_t fatrain_abi_i64;
 
 FATRAIN_ABI_BEGIN
 
-// Threads per threadgroup are (32, kSimdgroups, 1) in every attention kernel.
+// Threads per threadgroup are (32, kSimdgroups, 1) in the forward, compute-D and
+// dQ kernels (the dK/dV kernel: see bwd_dkdv_simdgroups below).
 FATRAIN_ABI_CONST int kSimdgroups = 4;
 
 // Tile sizes per head dim and element size (bytes of Q/K/V's dtype). The
@@ -102,10 +103,25 @@ FATRAIN_ABI_FN int dq_block_k(int head_dim, int elem_bytes) {
   return head_dim <= 64 ? (elem_bytes <= 2 ? 32 : 16)
                         : (head_dim <= 128 && elem_bytes <= 2 ? 16 : 8);
 }
-// The dK/dV kernel: block_kv keys per threadgroup; bwd_block_q is the query
-// granularity of its align_Q constant.
-FATRAIN_ABI_FN int bwd_block_q(int /*head_dim*/) { return 32; }
-FATRAIN_ABI_FN int bwd_block_kv(int /*head_dim*/) { return 32; }
+
+// The dK/dV kernel (tiles per head dim and element size of Q/K/V in bytes;
+// jax_fatrain/metal/README.md explains the choice): threadgroups of
+// (32, bwd_dkdv_simdgroups, 1) threads own bwd_block_kv keys of one kv head
+// and sweep the query rows bwd_dkdv_block_q at a time. Each simdgroup keeps
+// dK and dV of 8 keys x bwd_dkdv_cols head-dim columns in registers; 16-bit
+// inputs stage K and V in threadgroup memory (64 columns per simdgroup),
+// float32 keeps its K and V columns in registers (32 columns per simdgroup).
+FATRAIN_ABI_FN int bwd_dkdv_simdgroups(int /*head_dim*/, int /*elem_bytes*/) { return 8; }
+FATRAIN_ABI_FN int bwd_dkdv_cols(int /*head_dim*/, int elem_bytes) {
+  return elem_bytes == 4 ? 32 : 64;
+}
+FATRAIN_ABI_FN int bwd_block_kv(int head_dim, int elem_bytes) {
+  return 8 * bwd_dkdv_simdgroups(head_dim, elem_bytes) * bwd_dkdv_cols(head_dim, elem_bytes) /
+         head_dim;
+}
+FATRAIN_ABI_FN int bwd_dkdv_block_q(int head_dim, int /*elem_bytes*/) {
+  return head_dim == 64 ? 16 : 8;
+}
 
 // The 160-byte params struct (MLX steel-attention layout plus softcapping).
 struct AttnParams {

@@ -16,10 +16,11 @@
 //       S = Q K^T, P = exp2(S * scale * log2e + mask * log2e - L * log2e),
 //       dP = dO V^T, dS = P * (dP - Delta), dQ += dS K; dQ *= scale.
 //     dS is rounded to the input dtype for dS K (exact for f32).
-//  3. flash_attn_train_bwd_dkdv_{dt}_d{D}: KV tiles outer. Grid (ceil(kL / 32),
-//     H_kv, B), threadgroup (32, 4, 1); each simdgroup owns 8 keys and loops
-//     over the query heads of its GQA group and the visible query rows,
-//     keeping dK and dV in registers (transposed scores, rows = keys):
+//  3. flash_attn_train_bwd_dkdv_{dt}_d{D}: KV tiles outer. Grid (ceil(kL /
+//     bwd_block_kv), H_kv, B), threadgroup (32, bwd_dkdv_simdgroups, 1); each
+//     threadgroup loops over the query heads of its GQA group and the visible
+//     query tiles, keeping dK and dV in registers (transposed scores,
+//     rows = keys; see the section above the kernel):
 //       S^T = K Q^T, P^T, dP^T = V dO^T, dS^T = P^T * (dP^T - Delta),
 //       dV += P^T dO, dK += dS^T Q; dK *= scale.
 //
@@ -29,8 +30,9 @@
 //
 // Buffers: Q0 K1 V2 O3 params4 mask_params5 mask6 L8 window9 q_lengths10
 // kv_lengths11 dO12 Delta13 dQ14 dK15 dV16. Function constants as in the
-// forward, with align_Q = (qL % BQ == 0) and align_K = (kL % BK == 0) for
-// dQ, align_Q = (qL % 32 == 0) and align_K = (kL % 32 == 0) for dK/dV.
+// forward; align_Q / align_K say that qL / kL are multiples of the
+// dispatch's own query / key tile (dQ: dq_block_q and dq_block_k; dK/dV:
+// bwd_dkdv_block_q and bwd_block_kv).
 
 #include "flash_attn_tiles.h"
 
@@ -274,6 +276,111 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   tile_store<T, BQ, D, LD>(dQ + qbase, params->q_strides[2], q0, q_valid, q_stage, tix);
 }
 
+// ---------------------------------------------------------------------------
+// dK/dV: KV tiles outer, staged query tiles, head dim split across simdgroups.
+//
+// A threadgroup of NSG = bwd_dkdv_simdgroups simdgroups owns BKV =
+// bwd_block_kv keys of one kv head (grid (ceil(kL / BKV), H_kv, B)). It
+// sweeps the query heads of its GQA group and, per head, the query tiles of
+// BQ = bwd_dkdv_block_q rows that can see one of its keys. Simdgroup sg owns
+// dK and dV of the 8 keys of key block ks = sg / DS and of the W =
+// bwd_dkdv_cols head-dim columns c0 = (sg % DS) * W, DS = D / W, in float32
+// registers; every output element has one owner and is written once.
+//
+// Per query tile (Q, dO rows staged in threadgroup memory; L, Delta too):
+//   1. partial scores over the owner's columns:  S^T  += K[:, c0:c0+W] Q^T,
+//                                                 dP^T += V[:, c0:c0+W] dO^T;
+//   2. DS > 1: the DS simdgroups of a key block exchange their partials
+//      through threadgroup memory and each sums them in the same order, so
+//      all DS copies of S^T and dP^T are bitwise equal;
+//   3. P^T = exp2(S^T * scale * log2e + mask * log2e - L * log2e),
+//      dS^T = P^T * (dP^T - Delta) (masked scores and rows with L = -inf give
+//      P = 0, so fast::exp2 only sees finite arguments <= ~0);
+//   4. dV[:, c0:c0+W] += P^T dO[:, c0:c0+W],  dK[:, c0:c0+W] += dS^T Q[:, c0:c0+W].
+// dK *= scale at the end. No matrix product is computed twice.
+//
+// K and V: 16-bit inputs stage the threadgroup's BKV keys in threadgroup
+// memory once (W = 64, so 32 accumulator floats per lane); float32 inputs
+// keep each simdgroup's 8 x W slice of K and V in registers (W = 32: 16
+// accumulator + 16 K/V floats per lane), because staging them would leave no
+// threadgroup memory for the query tiles at D = 256.
+//
+// Staging: every thread loads a contiguous run of D-contiguous elements of Q
+// and dO (rows x D, lanes consecutive along the row: coalesced), issued
+// before the current tile's math and stored to threadgroup memory after it;
+// with two buffers (where 32 KiB allow) the stores go to the other buffer and
+// one barrier per tile suffices (two with the partial-score exchange). Rows
+// are padded by 16 bytes so that 8x8 fragment reads, plain or transposed,
+// fall in distinct banks.
+// ---------------------------------------------------------------------------
+
+// 8x8 float fragment from a row-major threadgroup tile: element (r, c) =
+// src[r * ld + c] (plain) or src[c * ld + r] (transposed), converted to float.
+template <typename T>
+inline void dkdv_load_frag(thread frag_t& f, const threadgroup T* src, int ld, short fr,
+                           short fc) {
+  f.thread_elements()[0] = float(src[fr * ld + fc]);
+  f.thread_elements()[1] = float(src[fr * ld + fc + 1]);
+}
+template <typename T>
+inline void dkdv_load_frag_t(thread frag_t& f, const threadgroup T* src, int ld, short fr,
+                             short fc) {
+  f.thread_elements()[0] = float(src[fc * ld + fr]);
+  f.thread_elements()[1] = float(src[(fc + 1) * ld + fr]);
+}
+
+// This thread's share of one query tile: RUN D-contiguous elements of Q and
+// of dO (row `row`, columns col .. col + RUN), and one of L * log2(e) (rows
+// 0 .. BQ-1 on threads 0 .. BQ-1) or Delta (threads BQ .. 2 BQ - 1).
+template <typename T, int RUN>
+struct DkdvTileRun {
+  T q[RUN];
+  T dout[RUN];
+  float ld;
+};
+
+template <typename T, int D, int BQ, int RUN>
+inline void dkdv_fetch_tile(thread DkdvTileRun<T, RUN>& r, const device T* Q, const device T* dO,
+                            const device float* L, const device float* Delta,
+                            constant AttnParams* params, int b, int h, int q0, int tid_tg,
+                            bool guard_rows) {
+  const int ql = params->ql;
+  const int row = tid_tg / (D / RUN);
+  const int col = (tid_tg % (D / RUN)) * RUN;
+  const int q = q0 + row;
+  const bool in = !guard_rows || q < ql;
+  const long qoff = long(b) * params->q_strides[0] + long(h) * params->q_strides[1] +
+                    long(q) * params->q_strides[2] + col;
+  const long ooff = long(b) * params->o_strides[0] + long(h) * params->o_strides[1] +
+                    long(q) * params->o_strides[2] + col;
+  for (int e = 0; e < RUN; ++e) {
+    r.q[e] = in ? Q[qoff + e] : T(0.0f);
+    r.dout[e] = in ? dO[ooff + e] : T(0.0f);
+  }
+  r.ld = 0.0f;
+  if (tid_tg < 2 * BQ) {
+    const int lq = q0 + (tid_tg % BQ);
+    const long lrow = (long(b) * params->h + h) * ql + lq;
+    if (tid_tg < BQ) {
+      r.ld = (!guard_rows || lq < ql) ? L[lrow] * kLog2e : -INFINITY;
+    } else {
+      r.ld = (!guard_rows || lq < ql) ? Delta[lrow] : 0.0f;
+    }
+  }
+}
+
+template <typename T, int D, int BQ, int RUN, int LDQ>
+inline void dkdv_store_tile(thread const DkdvTileRun<T, RUN>& r, threadgroup T* qs,
+                            threadgroup T* dos, threadgroup float* lds, int tid_tg) {
+  const int row = tid_tg / (D / RUN);
+  const int col = (tid_tg % (D / RUN)) * RUN;
+  for (int e = 0; e < RUN; ++e) {
+    qs[row * LDQ + col + e] = r.q[e];
+    dos[row * LDQ + col + e] = r.dout[e];
+  }
+  if (tid_tg < 2 * BQ) lds[tid_tg] = r.ld;
+}
+
 template <typename T, int D, typename MaskT, bool kBoolMask>
 [[kernel]] void flash_attn_train_bwd_dkdv(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
@@ -293,113 +400,268 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  constexpr int BKV = 32;
-  constexpr int TD = D / 8;
+  constexpr int ES = int(sizeof(T));
+  constexpr int NSG = bwd_dkdv_simdgroups(D, ES);
+  constexpr int NT = 32 * NSG;
+  constexpr int W = bwd_dkdv_cols(D, ES);
+  constexpr int BKV = bwd_block_kv(D, ES);
+  constexpr int BQ = bwd_dkdv_block_q(D, ES);
+  constexpr int DS = D / W;     // simdgroups sharing a key block
+  constexpr int KS = NSG / DS;  // key blocks of 8
+  constexpr int WF = W / 8;     // head-dim fragments per simdgroup
+  constexpr int QF = BQ / 8;    // query fragments per tile
+  constexpr bool kKVInTg = ES == 2;
+  constexpr int LD = D + 16 / ES;  // padded row of a staged tile
+  constexpr int RUN = BQ * D / NT;  // staged elements per thread per tensor
+  static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
+  static_assert(RUN * NT == BQ * D && D % RUN == 0 && 2 * BQ <= NT, "dK/dV staging shape");
+
+  // Threadgroup memory: K, V (16-bit only), one or two Q/dO/L/Delta tile
+  // buffers, the partial-score exchange (DS > 1).
+  constexpr int kKVElems = kKVInTg ? 2 * BKV * LD : 0;
+  constexpr int kTileElems = 2 * BQ * LD;
+  constexpr int kTileFloats = 2 * BQ;
+  constexpr int kExFloats = DS > 1 ? NSG * 2 * QF * 64 : 0;
+  constexpr int kOneBufBytes = (kKVElems + kTileElems) * ES + (kTileFloats + kExFloats) * 4;
+  constexpr int NBUF = kOneBufBytes + kTileElems * ES + kTileFloats * 4 <= 32768 ? 2 : 1;
+  constexpr int kTgBytes =
+      (kKVElems + NBUF * kTileElems) * ES + (NBUF * kTileFloats + kExFloats) * 4;
+  static_assert(kTgBytes <= 32768, "dK/dV threadgroup memory exceeds 32 KiB");
+  constexpr int kKVAlloc = kKVElems > 0 ? kKVElems : 1;
+  constexpr int kTileAlloc = NBUF * kTileElems;
+  constexpr int kTileFloatAlloc = NBUF * kTileFloats;
+  constexpr int kExAlloc = kExFloats > 0 ? kExFloats : 1;
+  threadgroup T kv_s[kKVAlloc];
+  threadgroup T tile_s[kTileAlloc];
+  threadgroup float tile_f[kTileFloatAlloc];
+  threadgroup float ex_s[kExAlloc];
 
   const int b = int(tid.z);
   const int h_kv = int(tid.y);
-  const int ql = params->ql;
   const int kl = params->kl;
   const int gqa = params->gqa_factor;
   const short fr = frag_row(simd_lid);
   const short fc = frag_col(simd_lid);
-  const int key0 = int(tid.x) * BKV + int(simd_gid) * 8;
-  const int my_key = key0 + fr;
-  const bool key_in = align_K || my_key < kl;
+  const int sg = int(simd_gid);
+  const int tid_tg = sg * 32 + int(simd_lid);
+  const int ks = sg / DS;
+  const int c0 = (sg % DS) * W;
+  const int kt0 = int(tid.x) * BKV;  // first key of the threadgroup
+  const int kb0 = kt0 + 8 * ks;      // first key of this simdgroup's block
+  const int my_key = kb0 + fr;
 
   const long kbase = long(b) * params->k_strides[0] + long(h_kv) * params->k_strides[1];
   const long vbase = long(b) * params->v_strides[0] + long(h_kv) * params->v_strides[1];
-  const long ks = params->k_strides[2];
-  const long vs = params->v_strides[2];
-  const long qs = params->q_strides[2];
-  const long os = params->o_strides[2];
+  const long kss = params->k_strides[2];
+  const long vss = params->v_strides[2];
 
-  // This simdgroup's keys (A operands: row = key, col = head dim).
-  frag_t Kf[TD];
-  frag_t Vf[TD];
-  frag_t dKf[TD];
-  frag_t dVf[TD];
-  for (int dd = 0; dd < TD; ++dd) {
-    for (int j = 0; j < 2; ++j) {
-      const int col = dd * 8 + fc + j;
-      Kf[dd].thread_elements()[j] = key_in ? float(K[kbase + long(my_key) * ks + col]) : 0.0f;
-      Vf[dd].thread_elements()[j] = key_in ? float(V[vbase + long(my_key) * vs + col]) : 0.0f;
+  // K and V of this threadgroup (16-bit: staged) or of this simdgroup's
+  // 8 keys x W columns (float32: registers; A operands, row = key).
+  frag_t Kr[kKVInTg ? 1 : WF];
+  frag_t Vr[kKVInTg ? 1 : WF];
+  if constexpr (kKVInTg) {
+    constexpr int KRUN = 8;  // 16 bytes per thread and row segment
+    constexpr int kPasses = BKV * D / (NT * KRUN);
+    static_assert(kPasses * NT * KRUN == BKV * D, "K/V staging shape");
+    for (int p = 0; p < kPasses; ++p) {
+      const int idx = p * NT + tid_tg;
+      const int row = idx / (D / KRUN);
+      const int col = (idx % (D / KRUN)) * KRUN;
+      const int key = kt0 + row;
+      const bool in = align_K || key < kl;
+      for (int e = 0; e < KRUN; ++e) {
+        kv_s[row * LD + col + e] = in ? K[kbase + long(key) * kss + col + e] : T(0.0f);
+        kv_s[(BKV + row) * LD + col + e] = in ? V[vbase + long(key) * vss + col + e] : T(0.0f);
+      }
     }
+  } else {
+    const bool key_in = align_K || my_key < kl;
+    for (int dd = 0; dd < WF; ++dd) {
+      for (int j = 0; j < 2; ++j) {
+        const int col = c0 + dd * 8 + fc + j;
+        Kr[dd].thread_elements()[j] = key_in ? float(K[kbase + long(my_key) * kss + col]) : 0.0f;
+        Vr[dd].thread_elements()[j] = key_in ? float(V[vbase + long(my_key) * vss + col]) : 0.0f;
+      }
+    }
+  }
+
+  frag_t dKf[WF];
+  frag_t dVf[WF];
+  for (int dd = 0; dd < WF; ++dd) {
     dKf[dd] = zero_frag();
     dVf[dd] = zero_frag();
   }
 
-  for (int g = 0; g < gqa; ++g) {
+  // Visibility does not depend on the query head: limits, causal offset and
+  // window are per batch. Query rows that see a key of the threadgroup
+  // (tiles start at multiples of BQ), and rows that see a key of this
+  // simdgroup's block (uniform across its lanes, equal across the DS
+  // simdgroups of the block).
+  const ScoreCtx<MaskT, kBoolMask> ctx0 = make_score_ctx<MaskT, kBoolMask>(
+      params, mask, mask_params, window, q_lengths, kv_lengths, b, h_kv * gqa, has_mask,
+      do_causal, has_window, has_q_lengths, has_kv_lengths);
+  const int kt_last = min(kt0 + BKV, ctx0.k_limit) - 1;
+  int q_first = 0;
+  int q_stop = ctx0.q_limit;
+  int sq_first = 0;
+  int sq_stop = ctx0.q_limit;
+  if (do_causal) {
+    q_first = max(q_first, kt0 - ctx0.ql_off);
+    sq_first = max(sq_first, kb0 - ctx0.ql_off);
+  }
+  if (has_window && ctx0.window_right >= 0) {
+    q_first = max(q_first, kt0 - ctx0.window_right);
+    sq_first = max(sq_first, kb0 - ctx0.window_right);
+  }
+  if (has_window && ctx0.window_left >= 0) {
+    q_stop = min(q_stop, kt_last + ctx0.window_left + 1);
+    sq_stop = min(sq_stop, min(kb0 + 7, kt_last) + ctx0.window_left + 1);
+  }
+  if (kt0 >= ctx0.k_limit) q_stop = 0;
+  if (kb0 >= ctx0.k_limit) sq_stop = 0;
+  q_first = (q_first / BQ) * BQ;
+  const int n_tiles = q_stop > q_first ? (q_stop - q_first + BQ - 1) / BQ : 0;
+  const int n_items = n_tiles * gqa;  // (head, tile) pairs, head-major
+
+  const threadgroup T* Ks = kv_s + ks * 8 * LD + c0;
+  const threadgroup T* Vs = kv_s + (BKV + ks * 8) * LD + c0;
+
+  DkdvTileRun<T, RUN> run;
+  if (n_items > 0) {
+    dkdv_fetch_tile<T, D, BQ, RUN>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first, tid_tg,
+                                   !align_Q);
+    dkdv_store_tile<T, D, BQ, RUN, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  for (int it = 0; it < n_items; ++it) {
+    const int g = it / n_tiles;
     const int h = h_kv * gqa + g;
-    const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
-        params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
-        has_window, has_q_lengths, has_kv_lengths);
-    const device T* q_ptr = Q + long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
-    const device T* do_ptr = dO + long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
-    const long lbase = (long(b) * params->h + h) * ql;
+    const int q0 = q_first + (it - g * n_tiles) * BQ;
+    const int buf = NBUF == 2 ? (it & 1) : 0;
+    const threadgroup T* Qs = tile_s + buf * kTileElems;
+    const threadgroup T* dOs = Qs + BQ * LD;
+    const threadgroup float* Ls = tile_f + buf * kTileFloats;
+    const threadgroup float* Dls = Ls + BQ;
 
-    // Query rows that can see one of this simdgroup's keys.
-    int q_begin = 0;
-    int q_end = ctx.q_limit;
-    if (do_causal) q_begin = max(q_begin, key0 - ctx.ql_off);
-    if (has_window && ctx.window_right >= 0) q_begin = max(q_begin, key0 - ctx.window_right);
-    if (has_window && ctx.window_left >= 0) q_end = min(q_end, key0 + 7 + ctx.window_left + 1);
-    q_begin = (q_begin / 8) * 8;
-    if (key0 >= ctx.k_limit) q_end = 0;
+    // The next tile's loads are issued now and land in registers while this
+    // tile's products run.
+    const bool has_next = it + 1 < n_items;
+    if (has_next) {
+      const int gn = (it + 1) / n_tiles;
+      dkdv_fetch_tile<T, D, BQ, RUN>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
+                                     q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg, !align_Q);
+    }
 
-    for (int qb = q_begin; qb < q_end; qb += 8) {
-      frag_t ST = zero_frag();   // row = key, col = query
-      frag_t dPT = zero_frag();
-      for (int dd = 0; dd < TD; ++dd) {
-        frag_t Qt;   // row = head dim, col = query
-        frag_t dOt;
-        for (int j = 0; j < 2; ++j) {
-          const int q = qb + fc + j;
-          const bool q_in = align_Q || q < ql;
-          Qt.thread_elements()[j] = q_in ? float(q_ptr[long(q) * qs + dd * 8 + fr]) : 0.0f;
-          dOt.thread_elements()[j] = q_in ? float(do_ptr[long(q) * os + dd * 8 + fr]) : 0.0f;
+    const bool active = q0 < sq_stop && q0 + BQ > sq_first;
+    frag_t S[QF];   // S^T, then P^T (row = key, col = query)
+    frag_t dP[QF];  // dP^T, then dS^T
+    if (active) {
+      for (int qf = 0; qf < QF; ++qf) {
+        S[qf] = zero_frag();
+        dP[qf] = zero_frag();
+      }
+      for (int dd = 0; dd < WF; ++dd) {
+        frag_t ka;
+        frag_t va;
+        if constexpr (kKVInTg) {
+          dkdv_load_frag(ka, Ks + dd * 8, LD, fr, fc);
+          dkdv_load_frag(va, Vs + dd * 8, LD, fr, fc);
+        } else {
+          ka = Kr[dd];
+          va = Vr[dd];
         }
-        simdgroup_multiply_accumulate(ST, Kf[dd], Qt, ST);
-        simdgroup_multiply_accumulate(dPT, Vf[dd], dOt, dPT);
-      }
-      frag_t PT;
-      frag_t dST;
-      for (int j = 0; j < 2; ++j) {
-        const int q = qb + fc + j;
-        const bool q_in = align_Q || q < ql;
-        const float L2 = q_in ? L[lbase + q] * kLog2e : -INFINITY;
-        const float delta = q_in ? Delta[lbase + q] : 0.0f;
-        const float s = score2(ctx, ST.thread_elements()[j], q, my_key);
-        const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : exp2(s - L2);
-        PT.thread_elements()[j] = p;
-        dST.thread_elements()[j] = p * (dPT.thread_elements()[j] - delta);
-      }
-      // dV += P^T dO, dK += dS^T Q.
-      const int q_row = qb + fr;
-      const bool q_row_in = align_Q || q_row < ql;
-      for (int dd = 0; dd < TD; ++dd) {
-        frag_t dOf;  // row = query, col = head dim
-        frag_t Qf;
-        for (int j = 0; j < 2; ++j) {
-          const int col = dd * 8 + fc + j;
-          dOf.thread_elements()[j] = q_row_in ? float(do_ptr[long(q_row) * os + col]) : 0.0f;
-          Qf.thread_elements()[j] = q_row_in ? float(q_ptr[long(q_row) * qs + col]) : 0.0f;
+        for (int qf = 0; qf < QF; ++qf) {
+          frag_t qt;   // row = head dim, col = query
+          frag_t dot;
+          dkdv_load_frag_t(qt, Qs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
+          dkdv_load_frag_t(dot, dOs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
+          simdgroup_multiply_accumulate(S[qf], ka, qt, S[qf]);
+          simdgroup_multiply_accumulate(dP[qf], va, dot, dP[qf]);
         }
-        simdgroup_multiply_accumulate(dVf[dd], PT, dOf, dVf[dd]);
-        simdgroup_multiply_accumulate(dKf[dd], dST, Qf, dKf[dd]);
       }
+    }
+    if constexpr (DS > 1) {
+      threadgroup float* mine = ex_s + sg * (2 * QF * 64);
+      if (active) {
+        for (int qf = 0; qf < QF; ++qf) {
+          for (int j = 0; j < 2; ++j) {
+            mine[qf * 64 + fr * 8 + fc + j] = S[qf].thread_elements()[j];
+            mine[(QF + qf) * 64 + fr * 8 + fc + j] = dP[qf].thread_elements()[j];
+          }
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (active) {
+        const threadgroup float* part = ex_s + ks * DS * (2 * QF * 64);
+        for (int qf = 0; qf < QF; ++qf) {
+          for (int j = 0; j < 2; ++j) {
+            const int e = fr * 8 + fc + j;
+            float s = part[qf * 64 + e];
+            float dp = part[(QF + qf) * 64 + e];
+            for (int p = 1; p < DS; ++p) {
+              s += part[p * (2 * QF * 64) + qf * 64 + e];
+              dp += part[p * (2 * QF * 64) + (QF + qf) * 64 + e];
+            }
+            S[qf].thread_elements()[j] = s;
+            dP[qf].thread_elements()[j] = dp;
+          }
+        }
+      }
+    }
+    if (active) {
+      const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
+          params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
+          has_window, has_q_lengths, has_kv_lengths);
+      for (int qf = 0; qf < QF; ++qf) {
+        for (int j = 0; j < 2; ++j) {
+          const int ql_idx = qf * 8 + fc + j;
+          const float L2 = Ls[ql_idx];
+          const float s = score2(ctx, S[qf].thread_elements()[j], q0 + ql_idx, my_key);
+          const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
+          S[qf].thread_elements()[j] = p;
+          dP[qf].thread_elements()[j] = p * (dP[qf].thread_elements()[j] - Dls[ql_idx]);
+        }
+      }
+      // dV += P^T dO, dK += dS^T Q over this simdgroup's columns.
+      for (int qf = 0; qf < QF; ++qf) {
+        for (int dd = 0; dd < WF; ++dd) {
+          frag_t dof;  // row = query, col = head dim
+          frag_t qfr;
+          dkdv_load_frag(dof, dOs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
+          dkdv_load_frag(qfr, Qs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
+          simdgroup_multiply_accumulate(dVf[dd], S[qf], dof, dVf[dd]);
+          simdgroup_multiply_accumulate(dKf[dd], dP[qf], qfr, dKf[dd]);
+        }
+      }
+    }
+
+    if (NBUF == 2) {
+      // The other buffer was last read in the previous iteration, before its
+      // closing barrier.
+      if (has_next) {
+        threadgroup T* nq = tile_s + (buf ^ 1) * kTileElems;
+        dkdv_store_tile<T, D, BQ, RUN, LD>(run, nq, nq + BQ * LD,
+                                           tile_f + (buf ^ 1) * kTileFloats, tid_tg);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    } else {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the tile
+      if (has_next) {
+        dkdv_store_tile<T, D, BQ, RUN, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 
-  if (key_in) {
+  // Every key of the kv head is written once (keys past k_limit get zeros).
+  if (align_K || my_key < kl) {
     const float scale = params->scale;
-    const long dkbase = long(b) * params->k_strides[0] + long(h_kv) * params->k_strides[1];
-    const long dvbase = long(b) * params->v_strides[0] + long(h_kv) * params->v_strides[1];
-    for (int dd = 0; dd < TD; ++dd) {
+    for (int dd = 0; dd < WF; ++dd) {
       for (int j = 0; j < 2; ++j) {
-        const int col = dd * 8 + fc + j;
-        dK[dkbase + long(my_key) * ks + col] = T(dKf[dd].thread_elements()[j] * scale);
-        dV[dvbase + long(my_key) * vs + col] = T(dVf[dd].thread_elements()[j]);
+        const int col = c0 + dd * 8 + fc + j;
+        dK[kbase + long(my_key) * kss + col] = T(dKf[dd].thread_elements()[j] * scale);
+        dV[vbase + long(my_key) * vss + col] = T(dVf[dd].thread_elements()[j]);
       }
     }
   }

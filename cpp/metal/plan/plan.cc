@@ -293,19 +293,21 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   set_size(dq.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(dq));
 
-  const int bq = abi::bwd_block_q(int(p.head_dim)), bkv = abi::bwd_block_kv(int(p.head_dim));
-  const bool align_q = p.q_len % bq == 0, align_k = p.kv_len % bkv == 0;
+  // dK/dV: its own tiles (per head dim and element size), hence its own
+  // alignment constants.
+  const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
+  const int dkdv_bq = abi::bwd_dkdv_block_q(d, es), dkdv_bkv = abi::bwd_block_kv(d, es);
   Dispatch dkdv;
   dkdv.kernel = variant("bwd_dkdv", p);
-  add_common(p, align_q, align_k, &dkdv);
+  add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % dkdv_bkv == 0, &dkdv);
   for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
                       {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
                       {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
                       {FATRAIN_BUF_DK, Role::kDK}, {FATRAIN_BUF_DV, Role::kDV}}) {
     dkdv.bindings.push_back(buffer(i, r));
   }
-  set_size(dkdv.grid, ceil_div(p.kv_len, bkv), p.kv_heads, p.batch);
-  set_size(dkdv.threadgroup, 32, abi::kSimdgroups, 1);
+  set_size(dkdv.grid, ceil_div(p.kv_len, dkdv_bkv), p.kv_heads, p.batch);
+  set_size(dkdv.threadgroup, 32, abi::bwd_dkdv_simdgroups(d, es), 1);
   plan->dispatches.push_back(std::move(dkdv));
   return "";
 }

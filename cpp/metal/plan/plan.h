@@ -16,7 +16,7 @@
 //     flash_attn_train_bwd_dq_{dt}_d{D}[_boolmask]: Q tiles outer, grid (ceil(qL/BQ), H_q, B)
 //     flash_attn_train_bwd_dkdv_{dt}_d{D}[_boolmask]: KV tiles outer, grid (ceil(kL/BKV), H_kv, B),
 //       looping over the query heads of its GQA group and all query tiles
-//   threadgroup (32, kSimdgroups, 1) everywhere.
+//   threadgroup (32, kSimdgroups, 1), except (32, bwd_dkdv_simdgroups, 1) for dK/dV.
 #pragma once
 
 #include <cstdint>

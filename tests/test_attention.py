@@ -1,6 +1,7 @@
 """Values and gradients of every implementation against jax.nn (docs/testing.md)."""
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ CASES = [
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_values_and_gradients(case, implementation):
-  x = make_inputs(case, seed=hash(case.id) % 2**31)
+  x = make_inputs(case, seed=zlib.crc32(case.id.encode()))
   assert_matches_reference(case, x, results(case, x, implementation),
                            reference_results(case, x))
 

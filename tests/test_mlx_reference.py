@@ -25,7 +25,7 @@ FEATURES = ROOT / "tests" / "metal_emulator" / "msl_language_features.metal"
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-# DESIGN.md §6: relative error against the float32 reference.
+# Relative error against the float32 reference (docs/testing.md).
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 

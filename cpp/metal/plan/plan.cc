@@ -277,9 +277,8 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   set_size(cd.threadgroup, 32, abi::kSimdgroups, 1);
   plan->dispatches.push_back(std::move(cd));
 
-  const int es = int(dtype_size(p.dtype));
-  const int dq_bq = abi::dq_block_q(int(p.head_dim), es);
-  const int dq_bk = abi::dq_block_k(int(p.head_dim), es);
+  const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
+  const int dq_bq = abi::dq_block_q(d, es), dq_bk = abi::dq_block_k(d, es);
   Dispatch dq;
   dq.kernel = variant("bwd_dq", p);
   add_common(p, p.q_len % dq_bq == 0, p.kv_len % dq_bk == 0, &dq);
@@ -295,7 +294,6 @@ std::string plan_backward(const Problem& p, Plan* plan) {
 
   // dK/dV: its own tiles (per head dim and element size), hence its own
   // alignment constants.
-  const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
   const int dkdv_bq = abi::bwd_dkdv_block_q(d, es), dkdv_bkv = abi::bwd_block_kv(d, es);
   Dispatch dkdv;
   dkdv.kernel = variant("bwd_dkdv", p);

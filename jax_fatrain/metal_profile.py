@@ -30,6 +30,11 @@ Counters (integers, summed over a dispatch's threadgroups):
   two simdgroup synchronisations (``simdgroup_load``/``store`` count once);
 * ``device_lines64`` / ``device_lines128``: distinct 64- and 128-byte lines of
   the buffer each instruction touches, summed (see :func:`coalescing`);
+* ``device_lines128_merged``: distinct 128-byte lines the lanes of a simdgroup
+  touch between two simdgroup synchronisations, summed: what the accesses need
+  once a compiler merges each lane's contiguous scalar accesses into vector
+  accesses and the cache serves repeats within the interval (see
+  :func:`coalescing`);
 * ``tg_bytes_read`` / ``tg_bytes_written``: threadgroup-memory bytes;
 * ``barriers``: ``threadgroup_barrier`` executions, once per threadgroup;
   ``simd_barriers``: ``simdgroup_barrier`` executions, once per simdgroup;
@@ -54,7 +59,8 @@ from typing import Iterator, Sequence
 
 COUNTERS = (
     "simdgroup_mma", "device_bytes_read", "device_bytes_written", "device_load_instrs",
-    "device_store_instrs", "device_lines64", "device_lines128", "tg_bytes_read",
+    "device_store_instrs", "device_lines64", "device_lines128", "device_lines128_merged",
+    "tg_bytes_read",
     "tg_bytes_written", "barriers", "simd_barriers", "peak_tg_bytes", "threadgroups_executed",
     "threadgroups_total", "threads_per_threadgroup", "races")
 
@@ -110,9 +116,14 @@ def record(sample: float | int | None = None) -> Iterator[list[dict]]:
     launches.extend(ext.profile_stop())
 
 
-def coalescing(launch: dict) -> float:
-  """Device bytes requested / bytes of the 128-byte lines touched (1 = ideal)."""
-  lines = launch["device_lines128"]
+def coalescing(launch: dict, merged: bool = False) -> float:
+  """Device bytes requested / bytes of the 128-byte lines touched (1 = ideal).
+
+  Per simdgroup-wide instruction as the kernel's source issues them, or with
+  ``merged``, per simdgroup and synchronisation interval (each lane's
+  contiguous accesses merged, as a vectorising compiler does).
+  """
+  lines = launch["device_lines128_merged" if merged else "device_lines128"]
   if lines == 0:
     return 1.0
   return (launch["device_bytes_read"] + launch["device_bytes_written"]) / (128.0 * lines)

@@ -75,6 +75,9 @@ def _check_launch(launch):
       "device_bytes_written"]
   assert launch["device_lines128"] <= launch["device_lines64"] <= 2 * launch["device_lines128"]
   assert 0.0 < metal_profile.coalescing(launch) <= 1.0
+  # Merging a simdgroup's accesses over an interval can only share lines.
+  assert launch["device_lines128_merged"] <= launch["device_lines128"]
+  assert metal_profile.coalescing(launch) <= metal_profile.coalescing(launch, merged=True)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 64), ("float32", 128)])

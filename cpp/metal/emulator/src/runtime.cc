@@ -198,6 +198,7 @@ struct Group {
   bool counting = false;
   DispatchStats stats;  // this worker's threadgroups, unscaled
   std::vector<std::pair<std::pair<const void*, uint64_t>, uint64_t>> instr_lines;  // scratch
+  std::vector<uint64_t> interval_lines;  // scratch: (line128 << 1) | store
   std::unordered_map<const void*, uint32_t> site_counts;                          // scratch
   // Simdgroup exchange: [simdgroup][parity][lane][kExchangeBytes].
   std::vector<char> exchange;
@@ -351,12 +352,15 @@ void register_variable(Group& g, const char* name, size_t offset, size_t size) {
 // last synchronisation into simdgroup-wide instructions, and counts the
 // distinct 64- and 128-byte lines each instruction touches. An instruction is
 // the k-th execution of one access site by the lanes (or one InstrGroup).
+// Also counts the distinct 128-byte lines of the whole interval.
 void flush_device_accesses(Group& g) {
   const uint32_t n = g.dispatch->threads;
   auto& lines = g.instr_lines;
+  auto& merged = g.interval_lines;
   for (uint32_t lo = 0; lo < n; lo += 32) {
     const uint32_t hi = std::min(n, lo + 32);
     lines.clear();
+    merged.clear();
     for (uint32_t i = lo; i < hi; ++i) {
       Fiber& f = g.fibers[i];
       f.instr_groups = 0;
@@ -370,10 +374,16 @@ void flush_device_accesses(Group& g) {
         for (uint64_t l = a.offset >> 6; l <= (a.offset + a.bytes - 1) >> 6; ++l) {
           lines.push_back({key, l});
         }
+        for (uint64_t l = a.offset >> 7; l <= (a.offset + a.bytes - 1) >> 7; ++l) {
+          merged.push_back((l << 1) | uint64_t(a.store));
+        }
       }
       f.device_log.clear();
     }
     if (lines.empty()) continue;
+    std::sort(merged.begin(), merged.end());
+    g.stats.device_lines128_merged +=
+        uint64_t(std::unique(merged.begin(), merged.end()) - merged.begin());
     std::sort(lines.begin(), lines.end());
     for (size_t i = 0; i < lines.size();) {
       uint64_t l64 = 0, l128 = 0, prev64 = ~uint64_t(0), prev128 = ~uint64_t(0);

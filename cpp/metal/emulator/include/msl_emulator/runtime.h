@@ -220,6 +220,11 @@ struct DispatchSpec {
 //                          lane's two elements is one instruction)
 //   device_lines64         distinct 64-byte / 128-byte lines (offsets within the
 //   device_lines128        buffer) per simdgroup-wide instruction, summed
+//   device_lines128_merged distinct 128-byte lines the lanes of a simdgroup touch
+//                          between two simdgroup synchronisations (loads and
+//                          stores apart), summed: the lines needed once a compiler
+//                          merges a lane's contiguous scalar accesses into vector
+//                          accesses and the cache serves repeats in that interval
 //   tg_bytes_read          bytes lanes read from / wrote to threadgroup memory
 //   tg_bytes_written
 //   barriers               threadgroup_barrier executions (once per threadgroup)
@@ -232,7 +237,7 @@ struct DispatchSpec {
 #define MSL_EMU_DISPATCH_COUNTERS(X)                                            \
   X(simdgroup_mma) X(device_bytes_read) X(device_bytes_written)                 \
   X(device_load_instrs) X(device_store_instrs) X(device_lines64)                \
-  X(device_lines128) X(tg_bytes_read) X(tg_bytes_written) X(barriers)           \
+  X(device_lines128) X(device_lines128_merged) X(tg_bytes_read) X(tg_bytes_written) X(barriers)           \
   X(simd_barriers) X(peak_tg_bytes) X(threadgroups_executed)                    \
   X(threadgroups_total) X(threads_per_threadgroup) X(races)
 

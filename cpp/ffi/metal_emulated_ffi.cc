@@ -6,14 +6,21 @@
 // Operand conventions are those of the cpu target (jax_fatrain/_ffi.py); the
 // mapping of XLA buffers onto the plan is shared with the macOS host
 // (cpp/ffi/metal_ffi_common.h).
+//
+// Profiling (jax_fatrain/metal_profile.py): while recording is on, every call
+// runs its dispatches with cost counters (optionally on a sample of each
+// dispatch's threadgroups) and appends one record per dispatch to a
+// process-wide log; profile_stop() returns them.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "metal_ffi_common.h"
 #include "pool_parallel_for.h"
@@ -46,15 +53,73 @@ msl::rt::ParallelFor MakeParallel(ffi::ThreadPool& pool) {
   return p;
 }
 
-ffi::Error Run(const mp::Problem& p, const mp::Plan& plan, const mp::RoleBuffers& roles,
-               ffi::ThreadPool& pool) {
+// The process-wide profiling log.
+struct ProfiledDispatch {
+  uint64_t call;       // FFI call number since recording started
+  const char* target;  // "forward" or "backward"
+  msl::emu::DispatchRecord record;
+};
+struct ProfileLog {
+  std::mutex mutex;
+  bool recording = false;
+  msl::rt::Sampling sample;
+  uint64_t calls = 0;
+  std::vector<ProfiledDispatch> dispatches;
+};
+ProfileLog& profile_log() {
+  static ProfileLog log;
+  return log;
+}
+
+ffi::Error Run(const char* target, const mp::Problem& p, const mp::Plan& plan,
+               const mp::RoleBuffers& roles, ffi::ThreadPool& pool) {
   fatrain::metal_ffi::PoisonHostOutputs(roles);
   msl::emu::RoleMemory m;
   for (int r = 0; r < mp::RoleBuffers::kRoles; ++r) {
     m.data[r] = roles.data[r];
     m.size[r] = roles.size[r];
   }
-  return fatrain::metal_ffi::Status(kWho, msl::emu::execute_plan(p, plan, m, MakeParallel(pool)));
+  bool recording;
+  msl::rt::Sampling sample;
+  uint64_t call = 0;
+  {
+    ProfileLog& log = profile_log();
+    std::lock_guard<std::mutex> lock(log.mutex);
+    recording = log.recording;
+    sample = log.sample;
+    if (recording) call = log.calls++;
+  }
+  if (!recording) {
+    return fatrain::metal_ffi::Status(kWho, msl::emu::execute_plan(p, plan, m, MakeParallel(pool)));
+  }
+  std::vector<msl::emu::DispatchRecord> records;
+  std::string err = msl::emu::execute_plan(p, plan, m, MakeParallel(pool), &records, sample);
+  {
+    ProfileLog& log = profile_log();
+    std::lock_guard<std::mutex> lock(log.mutex);
+    if (log.recording) {
+      for (auto& r : records) log.dispatches.push_back({call, target, std::move(r)});
+    }
+  }
+  return fatrain::metal_ffi::Status(kWho, err);
+}
+
+nb::dict RecordDict(const ProfiledDispatch& d) {
+  const msl::emu::DispatchRecord& r = d.record;
+  const msl::rt::DispatchStats& s = r.stats;
+  nb::dict out;
+  out["kernel"] = r.kernel;
+  out["grid"] = nb::make_tuple(r.grid[0], r.grid[1], r.grid[2]);
+  out["threadgroup"] = nb::make_tuple(r.threadgroup[0], r.threadgroup[1], r.threadgroup[2]);
+  out["threadgroup_memory_length"] = r.threadgroup_memory_length;
+#define FATRAIN_COUNTER_ITEM(name) out[#name] = s.name;
+  MSL_EMU_DISPATCH_COUNTERS(FATRAIN_COUNTER_ITEM)
+#undef FATRAIN_COUNTER_ITEM
+  out["race_reports"] = s.race_reports;
+  out["sampled_fraction"] = s.sampled_fraction;
+  out["call"] = d.call;
+  out["target"] = d.target;
+  return out;
 }
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -69,7 +134,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure()) {
     return e;
   }
-  return Run(p, plan, roles, pool);
+  return Run("forward", p, plan, roles, pool);
 }
 
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -87,7 +152,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
       e.failure()) {
     return e;
   }
-  return Run(p, plan, roles, pool);
+  return Run("backward", p, plan, roles, pool);
 }
 
 }  // namespace
@@ -135,4 +200,42 @@ NB_MODULE(_metal_emulated_ffi, m) {
   }, "Runs the emulator's self-test (layouts, planted bugs): (failures, log).");
   m.def("planned_kernel_names", []() { return mp::all_kernel_names(); },
         "Every kernel name the dispatch plan can ask for.");
+  m.def("profile_start", [](double fraction, uint64_t max_threadgroups) {
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+      throw nb::value_error("the sampled fraction must be in (0, 1]");
+    }
+    ProfileLog& log = profile_log();
+    std::lock_guard<std::mutex> lock(log.mutex);
+    if (log.recording) throw std::runtime_error("metal_emulated profiling is already recording");
+    log.recording = true;
+    log.sample.fraction = fraction;
+    log.sample.max_threadgroups = max_threadgroups;
+    log.calls = 0;
+    log.dispatches.clear();
+  }, nb::arg("fraction") = 1.0, nb::arg("max_threadgroups") = 0,
+        "Starts recording the cost counters of every metal_emulated dispatch.");
+  m.def("profile_stop", []() {
+    std::vector<ProfiledDispatch> dispatches;
+    {
+      ProfileLog& log = profile_log();
+      std::lock_guard<std::mutex> lock(log.mutex);
+      log.recording = false;
+      dispatches.swap(log.dispatches);
+    }
+    nb::list out;
+    for (const auto& d : dispatches) out.append(RecordDict(d));
+    return out;
+  }, "Stops recording; returns one dict per dispatch recorded.");
+  m.def("profile_recording", []() {
+    ProfileLog& log = profile_log();
+    std::lock_guard<std::mutex> lock(log.mutex);
+    return log.recording;
+  }, "Whether metal_emulated dispatches are being recorded.");
+  m.def("counter_names", []() {
+    std::vector<std::string> names;
+#define FATRAIN_COUNTER_NAME(name) names.push_back(#name);
+    MSL_EMU_DISPATCH_COUNTERS(FATRAIN_COUNTER_NAME)
+#undef FATRAIN_COUNTER_NAME
+    return names;
+  }, "The names of the per-dispatch cost counters.");
 }

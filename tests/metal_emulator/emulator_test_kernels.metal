@@ -103,6 +103,107 @@ template <typename T>
   out[tid] = opt[tid];
 }
 
+// ---- Threadgroup-memory tracking and the race detector ----
+
+// Planted race: every thread writes its slot, then reads another simdgroup's
+// slot with no threadgroup_barrier in between.
+[[kernel]] void emu_race_missing_barrier(
+    device float* out [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float partial[64];
+  partial[tid] = float(tid);
+  out[tid] = partial[(tid + 32) % 64];
+}
+
+// Lanes of one simdgroup exchange through threadgroup memory. mode 0: no
+// barrier (a planted race); 1: simdgroup_barrier(mem_threadgroup); 2:
+// simdgroup_barrier(mem_none), which orders no memory (still a race); 3:
+// threadgroup_barrier(mem_threadgroup).
+[[kernel]] void emu_simd_exchange(
+    device float* out [[buffer(0)]],
+    constant uint& mode [[buffer(1)]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float slots[32];
+  slots[lane] = float(lane) * 2.0f;
+  if (mode == 1) simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (mode == 2) simdgroup_barrier(mem_flags::mem_none);
+  if (mode == 3) threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[lane] = slots[lane ^ 1];
+}
+
+// Planted bug: a write one row past the end of a threadgroup tile.
+[[kernel]] void emu_bug_tg_out_of_bounds(
+    device float* out [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float tile[4][32];
+  tile[tid / 32 + 1][tid % 32] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = tile[0][tid % 32];
+}
+
+// Stages a 16x32 row-major tile through threadgroup memory the way the
+// attention kernels do: vectorised stores through a cast threadgroup
+// pointer, a helper taking `threadgroup T*`, simdgroup_load/store of 8x8
+// fragments from/to threadgroup memory, a threadgroup scalar, and a
+// dynamic [[threadgroup(0)]] buffer. out = (x * 2)^T per 8x8 block, plus
+// the sum of x in out[512].
+template <typename T>
+inline void scale_rows(threadgroup T* rows, int n, float s) {
+  for (int i = 0; i < n; ++i) rows[i] = T(float(rows[i]) * s);
+}
+
+[[kernel]] void emu_tg_staging(
+    const device float* x [[buffer(0)]],
+    device float* out [[buffer(1)]],
+    threadgroup float* scratch [[threadgroup(0)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup half tile[16 * 32];
+  threadgroup float total;
+  // 64 threads x 8 halves, stored as two 8-byte vectors per thread.
+  const device float* src = x + tid * 8;
+  threadgroup half4* dst = (threadgroup half4*)(&tile[tid * 8]);
+  dst[0] = half4(half(src[0]), half(src[1]), half(src[2]), half(src[3]));
+  dst[1] = half4(half(src[4]), half(src[5]), half(src[6]), half(src[7]));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < 16) scale_rows(&tile[tid * 32], 32, 2.0f);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Each simdgroup transposes its 8 rows x 32 columns as four 8x8 blocks.
+  for (int blk = 0; blk < 4; ++blk) {
+    simdgroup_matrix<float, 8, 8> m;
+    simdgroup_load(m, &tile[sg * 8 * 32 + blk * 8], 32, ulong2(0, 0), true);
+    simdgroup_store(m, scratch + sg * 256 + blk * 64, 8);
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  for (int i = 0; i < 8; ++i) out[sg * 256 + i * 32 + lane] = scratch[sg * 256 + i * 32 + lane];
+  if (tid == 0) total = 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    for (int i = 0; i < 16 * 32; ++i) total += float(tile[i]);
+    out[512] = total;
+  }
+}
+
+// Known costs: each lane of each simdgroup reads one float of x at
+// x[base + lane * stride] and writes one float to out[base + lane]
+// (base = 32 * simdgroup). Two simdgroup MMAs per simdgroup.
+[[kernel]] void emu_count_accesses(
+    const device float* x [[buffer(0)]],
+    device float* out [[buffer(1)]],
+    constant uint& stride [[buffer(2)]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint3 group [[threadgroup_position_in_grid]]) {
+  const uint base = (group.x * 2 + sg) * 32;
+  float v = x[base * stride + lane * stride];
+  simdgroup_matrix<float, 8, 8> a = make_filled_simdgroup_matrix<float, 8, 8>(v);
+  simdgroup_matrix<float, 8, 8> c = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_multiply_accumulate(c, a, a, c);
+  simdgroup_multiply_accumulate(c, a, a, c);
+  out[base + lane] = c.thread_elements()[0];
+}
+
 template [[host_name("emu_mma_f32")]] [[kernel]] decltype(emu_mma<float>) emu_mma<float>;
 template [[host_name("emu_mma_bf16")]] [[kernel]] decltype(emu_mma<bfloat>) emu_mma<bfloat>;
 template [[host_name("emu_mma_f16")]] [[kernel]] decltype(emu_mma<half>) emu_mma<half>;

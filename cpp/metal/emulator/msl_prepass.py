@@ -11,8 +11,9 @@ something C++ has no word for. This pre-pass
 * records every ``[[host_name("...")]]`` instantiation and every
   ``[[function_constant(N)]]`` declaration,
 * rewrites ``device``/``constant`` pointers into bounds-checked ``msl::rt::dptr``,
-  ``threadgroup`` array declarations into per-threadgroup arena variables and
-  function constants into thread-local variables set per dispatch,
+  ``threadgroup`` declarations into per-threadgroup arena variables of tracked
+  elements (``msl::rt::tgelem``; threadgroup pointers and references likewise)
+  and function constants into thread-local variables set per dispatch,
 * removes the attributes (the preprocessor's line markers keep compiler errors
   pointing at the right line of the .metal file), and
 * appends glue that binds buffers/builtins to parameters and registers each
@@ -235,11 +236,7 @@ def transform(src: str, path: str):
   out.append(code[pos:])
   code = "".join(out)
 
-  # Threadgroup arrays -> per-threadgroup arena variables.
-  code = re.sub(
-      r"\bthreadgroup\s+([A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?)\s+(\w+)\s*((?:\[[^\]]+\]\s*)+);",
-      lambda m: f"auto& {m.group(2)} = ::msl::rt::tg_var<{m.group(1)}{m.group(3).strip()}>();",
-      code)
+  code = rewrite_threadgroup(code)
   # device / constant pointers -> checked pointers.
   ptr_re = re.compile(
       r"(\bconst\s+)?\b(device|constant)\s+(const\s+)?([A-Za-z_][\w:]*(?:\s*<[^;<>()]*>)?)\s*\*")
@@ -263,6 +260,39 @@ def transform(src: str, path: str):
     if func not in kernels:
       raise PrepassError(f"{path}: host_name {host!r} instantiates unknown kernel {func!r}")
   return code, constants, instantiations, kernels
+
+
+TYPE_RE = r"[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?"
+
+
+def rewrite_threadgroup(code: str) -> str:
+  """Threadgroup memory -> tracked elements (``msl::rt::tgelem<T>``, T's layout).
+
+  ``threadgroup T x[N]...;`` (or a scalar) becomes a reference to a
+  per-threadgroup arena variable of ``tgelem<T>``, registered under its name;
+  ``threadgroup T*`` / ``threadgroup T&`` (parameters, locals, members, casts)
+  become ``tgelem<T>*`` / ``tgelem<T>&``. Indexing, pointer arithmetic and
+  pointer casts stay native; each element read or write is checked (bounds,
+  races) and counted by the runtime.
+  """
+  def keep_lines(m, text):
+    return text + "\n" * m.group(0).count("\n")
+
+  code = re.sub(
+      rf"\bthreadgroup\s+({TYPE_RE})\s+(\w+)\s*((?:\[[^\]]+\]\s*)*);",
+      lambda m: keep_lines(m, f"auto& {m.group(2)} = ::msl::rt::tg_var<::msl::rt::tgelem<"
+                              f"{m.group(1)}>{m.group(3).strip()}>(\"{m.group(2)}\");"),
+      code)
+
+  def ptr_sub(m):
+    const = "const " if (m.group(1) or m.group(2) or m.group(4)) else ""
+    t = m.group(3).strip()
+    if t == "void":
+      return keep_lines(m, f"{const}void{m.group(5)}")
+    return keep_lines(m, f"{const}::msl::rt::tgelem<{t}>{m.group(5)}")
+  return re.sub(
+      rf"(\bconst\s+)?\bthreadgroup\s+(const\s+)?({TYPE_RE})\s*(\bconst\b\s*)?([*&])",
+      ptr_sub, code)
 
 
 def glue(path: str, constants, instantiations, kernels) -> str:

@@ -11,7 +11,8 @@ namespace msl::emu {
 namespace mp = fatrain::metal_plan;
 
 std::string execute_plan(const mp::Problem& problem, const mp::Plan& plan, RoleMemory memory,
-                         const msl::rt::ParallelFor& parallel) {
+                         const msl::rt::ParallelFor& parallel, std::vector<DispatchRecord>* records,
+                         const msl::rt::Sampling& sample) {
   std::vector<std::unique_ptr<unsigned char[]>> scratch;
   for (const auto& s : plan.scratch) {
     scratch.emplace_back(new unsigned char[s.bytes]);
@@ -49,8 +50,19 @@ std::string execute_plan(const mp::Problem& problem, const mp::Plan& plan, RoleM
     spec.threadgroup_memory_length = d.threadgroup_memory_length;
     spec.grid = {d.grid[0], d.grid[1], d.grid[2]};
     spec.threadgroup = {d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]};
-    std::string err = msl::rt::run_dispatch(spec, parallel);
+    spec.sample = sample;
+    DispatchRecord record;
+    std::string err = msl::rt::run_dispatch(spec, parallel, records ? &record.stats : nullptr);
     if (!err.empty()) return "msl emulator: " + err;
+    if (records != nullptr) {
+      record.kernel = d.kernel;
+      for (int i = 0; i < 3; ++i) {
+        record.grid[i] = d.grid[i];
+        record.threadgroup[i] = d.threadgroup[i];
+      }
+      record.threadgroup_memory_length = d.threadgroup_memory_length;
+      records->push_back(std::move(record));
+    }
   }
   return "";
 }

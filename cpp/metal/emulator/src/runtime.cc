@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #if !defined(__x86_64__)
 #include <ucontext.h>
@@ -93,10 +95,46 @@ msl_emu_ctx_swap:
 )");
 #endif
 
+std::atomic<int> g_counting_dispatches{0};
+
 namespace {
 
 constexpr size_t kStackBytes = 512 * 1024;
 constexpr size_t kThreadgroupMemoryLimit = 32 * 1024;
+// Threadgroup variables are laid out in the emulator's arena with a red zone
+// before each, so that an access running off a variable hits no other
+// variable and is reported. Offsets the kernel can observe (within one
+// variable) and the byte count against the 32 KiB limit are unaffected.
+constexpr size_t kRedZone = 256;
+constexpr size_t kMaxThreadgroupVariables = 64;
+constexpr size_t kArenaBytes = kThreadgroupMemoryLimit + kRedZone * (kMaxThreadgroupVariables + 1);
+constexpr size_t kGranule = 16;  // threadgroup variables start at 16-byte boundaries
+
+// One device access of one lane, kept until the simdgroup's next
+// synchronisation, when the lanes' accesses are grouped into instructions.
+struct DeviceAccess {
+  const void* site;   // return address of the hook: the access site
+  uint64_t offset;    // (buffer index << 48) | byte offset in the buffer
+  uint32_t bytes;
+  uint32_t group;     // instruction group serial (InstrGroup), 0: none
+  bool store;
+};
+
+// Race-detector state of one threadgroup-memory byte within the current
+// barrier interval (`epoch`): its last writer and up to two readers (thread
+// index + 1, 0 = none), each with its simdgroup's simdgroup_barrier count.
+struct Shadow {
+  uint32_t epoch;
+  uint16_t writer, reader1, reader2;
+  uint16_t writer_se, reader1_se, reader2_se;
+};
+static_assert(sizeof(Shadow) == 16, "Shadow is 16 bytes");
+
+struct TgVariable {
+  const char* name;
+  size_t offset;  // in the arena
+  size_t size;
+};
 
 enum class FiberState { kRunnable, kWaitBarrier, kWaitSimd, kDone };
 
@@ -113,6 +151,7 @@ struct Fiber {
   FiberState state = FiberState::kDone;
   SyncKind sync_kind = SyncKind::kSimdBarrier;
   const char* sync_what = "";
+  bool sync_orders_tg = false;  // the barrier being waited at has mem_threadgroup
   // Builtins.
   Vec3u tid_in_tg{0, 0, 0};
   uint32_t index_in_tg = 0;
@@ -120,8 +159,14 @@ struct Fiber {
   uint32_t simd_group = 0;
   // Per-thread counters.
   uint64_t simd_ops = 0;
-  size_t tg_cursor = 0;
+  size_t tg_cursor = 0;  // threadgroup bytes allocated (what counts against 32 KiB)
+  size_t tg_arena = 0;   // arena offset of the next allocation (with red zones)
   Group* group = nullptr;
+  // Counting: this lane's device accesses since its simdgroup last synchronised.
+  std::vector<DeviceAccess> device_log;
+  uint32_t instr_groups = 0;  // InstrGroups begun since then
+  uint32_t instr_group = 0;   // the open one's serial, 0: none
+  int instr_group_depth = 0;
 };
 
 struct Dispatch;
@@ -131,8 +176,23 @@ struct Group {
   const Dispatch* dispatch = nullptr;
   Vec3u tg_pos{0, 0, 0};
   std::vector<Fiber> fibers;
-  std::vector<char> arena;  // threadgroup memory
-  size_t static_tg_bytes = 0;
+  std::vector<char> arena;  // threadgroup memory (kArenaBytes)
+  // Threadgroup variables of the running threadgroup, and which one owns each
+  // 16-byte granule of the arena (index + 1; 0: red zone or unallocated).
+  std::vector<TgVariable> variables;
+  std::vector<uint16_t> granule_owner;
+  // Race detector: one Shadow per arena byte; `epoch` numbers barrier
+  // intervals (unique over this worker's threadgroups, so the shadow needs no
+  // clearing); simd_epoch counts each simdgroup's ordering simdgroup_barriers.
+  std::vector<Shadow> shadow;
+  uint32_t epoch = 0;
+  std::vector<uint16_t> simd_epoch;
+  bool races_fatal = true;
+  // Counting (DispatchStats requested).
+  bool counting = false;
+  DispatchStats stats;  // this worker's threadgroups, unscaled
+  std::vector<std::pair<std::pair<const void*, uint64_t>, uint64_t>> instr_lines;  // scratch
+  std::unordered_map<const void*, uint32_t> site_counts;                          // scratch
   // Simdgroup exchange: [simdgroup][parity][lane][kExchangeBytes].
   std::vector<char> exchange;
   std::string error;
@@ -150,6 +210,7 @@ struct Dispatch {
   const DispatchSpec* spec = nullptr;
   uint32_t threads = 0;
   int max_index = -1;
+  bool counting = false;
 };
 
 thread_local Fiber* t_current = nullptr;
@@ -255,6 +316,77 @@ std::string where(const Group& g) {
   return os.str();
 }
 
+std::string thread_where(const Group& g, uint32_t index_in_tg) {
+  std::ostringstream os;
+  os << "thread " << index_in_tg << " (simdgroup " << index_in_tg / 32 << ", lane "
+     << index_in_tg % 32 << ")";
+  return os.str();
+}
+
+// Starts a new barrier interval: every byte's race-detector state is stale.
+void new_epoch(Group& g) {
+  if (++g.epoch == 0) {  // wrapped: stale states could look current
+    std::fill(g.shadow.begin(), g.shadow.end(), Shadow{});
+    g.epoch = 1;
+  }
+}
+
+void register_variable(Group& g, const char* name, size_t offset, size_t size) {
+  if (size == 0) return;
+  g.variables.push_back(TgVariable{name, offset, size});
+  const uint16_t id = static_cast<uint16_t>(g.variables.size());
+  for (size_t q = offset / kGranule; q <= (offset + size - 1) / kGranule; ++q) {
+    g.granule_owner[q] = id;
+  }
+}
+
+// Groups the device accesses the lanes of each simdgroup made since their
+// last synchronisation into simdgroup-wide instructions, and counts the
+// distinct 64- and 128-byte lines each instruction touches. An instruction is
+// the k-th execution of one access site by the lanes (or one InstrGroup).
+void flush_device_accesses(Group& g) {
+  const uint32_t n = g.dispatch->threads;
+  auto& lines = g.instr_lines;
+  for (uint32_t lo = 0; lo < n; lo += 32) {
+    const uint32_t hi = std::min(n, lo + 32);
+    lines.clear();
+    for (uint32_t i = lo; i < hi; ++i) {
+      Fiber& f = g.fibers[i];
+      f.instr_groups = 0;
+      if (f.device_log.empty()) continue;
+      g.site_counts.clear();
+      for (const DeviceAccess& a : f.device_log) {
+        // Key: (site, occurrence << 2 | is_group << 1 | store).
+        const uint64_t k = a.group != 0 ? a.group : g.site_counts[a.site]++;
+        const std::pair<const void*, uint64_t> key{a.site,
+                                                   (k << 2) | (a.group != 0 ? 2u : 0u) | a.store};
+        for (uint64_t l = a.offset >> 6; l <= (a.offset + a.bytes - 1) >> 6; ++l) {
+          lines.push_back({key, l});
+        }
+      }
+      f.device_log.clear();
+    }
+    if (lines.empty()) continue;
+    std::sort(lines.begin(), lines.end());
+    for (size_t i = 0; i < lines.size();) {
+      uint64_t l64 = 0, l128 = 0, prev64 = ~uint64_t(0), prev128 = ~uint64_t(0);
+      size_t j = i;
+      for (; j < lines.size() && lines[j].first == lines[i].first; ++j) {
+        if (lines[j].second != prev64) ++l64, prev64 = lines[j].second;
+        if ((lines[j].second >> 1) != prev128) ++l128, prev128 = lines[j].second >> 1;
+      }
+      if (lines[i].first.second & 1) {
+        ++g.stats.device_store_instrs;
+      } else {
+        ++g.stats.device_load_instrs;
+      }
+      g.stats.device_lines64 += l64;
+      g.stats.device_lines128 += l128;
+      i = j;
+    }
+  }
+}
+
 // Runs every thread of one threadgroup to completion (or the first error).
 void run_group(Group& g) {
   const Dispatch& d = *g.dispatch;
@@ -263,6 +395,11 @@ void run_group(Group& g) {
   g.error.clear();
   // Threadgroup memory: poisoned (all-ones bytes are NaN in every float type).
   std::fill(g.arena.begin(), g.arena.end(), static_cast<char>(0xFF));
+  new_epoch(g);
+  std::fill(g.simd_epoch.begin(), g.simd_epoch.end(), uint16_t(0));
+  g.variables.clear();
+  std::fill(g.granule_owner.begin(), g.granule_owner.end(), uint16_t(0));
+  register_variable(g, "[[threadgroup(0)]] memory", kRedZone, s.threadgroup_memory_length);
   std::fill(g.exchange.begin(), g.exchange.end(), static_cast<char>(0xFF));
   // setBytes data is per-encode constant memory; give each threadgroup a fresh
   // copy so a kernel writing through it cannot leak into later groups.
@@ -285,6 +422,10 @@ void run_group(Group& g) {
     f.simd_group = i / 32;
     f.simd_ops = 0;
     f.tg_cursor = s.threadgroup_memory_length;
+    f.tg_arena = kRedZone + s.threadgroup_memory_length;
+    f.device_log.clear();
+    f.instr_groups = f.instr_group = 0;
+    f.instr_group_depth = 0;
     start_fiber(f);
   }
   const uint32_t num_sg = (n + 31) / 32;
@@ -297,6 +438,7 @@ void run_group(Group& g) {
       progressed = true;
       if (!g.error.empty()) return;
     }
+    if (g.counting) flush_device_accesses(g);
     // Barrier: every thread must be waiting at it.
     uint32_t at_barrier = 0, done = 0;
     for (uint32_t i = 0; i < n; ++i) {
@@ -314,7 +456,13 @@ void run_group(Group& g) {
       return;
     }
     if (at_barrier == n) {
-      for (uint32_t i = 0; i < n; ++i) g.fibers[i].state = FiberState::kRunnable;
+      bool orders_tg = false;
+      for (uint32_t i = 0; i < n; ++i) {
+        g.fibers[i].state = FiberState::kRunnable;
+        orders_tg |= g.fibers[i].sync_orders_tg;
+      }
+      if (orders_tg) new_epoch(g);
+      if (g.counting) ++g.stats.barriers;
       continue;
     }
     // Simdgroup operations: all lanes of the simdgroup must be waiting at one.
@@ -355,6 +503,10 @@ void run_group(Group& g) {
             g.error = os.str();
             return;
           }
+        }
+        if (first.sync_kind == SyncKind::kSimdBarrier) {
+          if (first.sync_orders_tg) ++g.simd_epoch[sg];
+          if (g.counting) ++g.stats.simd_barriers;
         }
         for (uint32_t i = lo; i < hi; ++i) g.fibers[i].state = FiberState::kRunnable;
         progressed = true;
@@ -407,7 +559,43 @@ std::string validate_and_prepare(const DispatchSpec& spec, Dispatch* d) {
   if (spec.threadgroup_memory_length > kThreadgroupMemoryLimit) {
     return "kernel " + spec.kernel + ": threadgroup memory length exceeds 32 KiB";
   }
+  if (!(spec.sample.fraction > 0.0)) {
+    return "kernel " + spec.kernel + ": the sampled fraction of threadgroups must be positive";
+  }
   return "";
+}
+
+// Index of the representative of stratum i when [0, n) is cut into k equal
+// strata: its centre, or for an even-sized stratum alternately the element
+// below and above the centre, so that a linear trend (causal work along the
+// query tiles) averages out.
+uint64_t stratum_pick(uint64_t i, uint64_t k, uint64_t n) {
+  const uint64_t a = i * n / k, size = (i + 1) * n / k - a;
+  return a + (size - 1) / 2 + (size % 2 == 0 && i % 2 == 1 ? 1 : 0);
+}
+
+// The linear indices (x + gx * (y + gy * z)) of a sample's threadgroups:
+// round(fraction * total) of them (at most max_threadgroups if set, at least
+// one), one per stratum of x and, for each x, one per stratum of the (y, z)
+// pairs, rotated by the x stratum so that different x see different heads
+// and batches. Empty: run all.
+std::vector<uint64_t> sample_threadgroups(const Size3& grid, const Sampling& sample) {
+  const uint64_t gx = grid.x, rest = uint64_t(grid.y) * grid.z, total = gx * rest;
+  uint64_t n = static_cast<uint64_t>(std::llround(std::min(1.0, sample.fraction) * double(total)));
+  n = std::max<uint64_t>(n, 1);
+  if (sample.max_threadgroups != 0) n = std::min(n, sample.max_threadgroups);
+  if (n >= total) return {};
+  std::vector<uint64_t> order;
+  order.reserve(n);
+  const uint64_t sx = std::min(gx, n);
+  for (uint64_t i = 0; i < sx; ++i) {
+    const uint64_t x = stratum_pick(i, sx, gx);
+    const uint64_t m = n / sx + (i < n % sx ? 1 : 0);
+    for (uint64_t j = 0; j < m; ++j) {
+      order.push_back(x + gx * ((stratum_pick(j, m, rest) + i) % rest));
+    }
+  }
+  return order;
 }
 
 struct Worker {
@@ -418,12 +606,24 @@ thread_local std::vector<Fiber>* t_fiber_cache = nullptr;
 
 struct RunState {
   Dispatch dispatch;
-  uint64_t total = 0;
+  uint64_t total = 0;             // threadgroups to run
+  std::vector<uint64_t> order;    // their linear indices when sampled
   std::atomic<uint64_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex mutex;
   std::string error;
+  DispatchStats stats;  // merged from the workers (unscaled)
 };
+
+void merge_stats(DispatchStats& into, const DispatchStats& from) {
+#define MSL_EMU_ADD_COUNTER(name) into.name += from.name;
+  MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_ADD_COUNTER)
+#undef MSL_EMU_ADD_COUNTER
+  into.peak_tg_bytes = std::max(into.peak_tg_bytes, from.peak_tg_bytes);  // a max, not a sum
+  for (const auto& r : from.race_reports) {
+    if (into.race_reports.size() < kMaxRaceReports) into.race_reports.push_back(r);
+  }
+}
 
 void worker_body(void* context, int64_t) {
   auto& rs = *static_cast<RunState*>(context);
@@ -436,7 +636,12 @@ void worker_body(void* context, int64_t) {
   std::vector<Fiber>& cache = *t_fiber_cache;
   if (cache.size() < d.threads) cache.resize(d.threads);
   g.fibers.swap(cache);
-  g.arena.assign(kThreadgroupMemoryLimit, 0);
+  g.arena.assign(kArenaBytes, 0);
+  g.granule_owner.assign(kArenaBytes / kGranule, 0);
+  g.shadow.assign(kArenaBytes, Shadow{});
+  g.simd_epoch.assign((d.threads + 31) / 32, 0);
+  g.counting = d.counting;
+  g.races_fatal = !d.counting;
   g.exchange.assign(size_t((d.threads + 31) / 32) * 2 * 32 * kExchangeBytes, 0);
   g.infos.assign(size_t(d.max_index + 1), BufferInfo{});
   size_t bytes_total = 0;
@@ -446,6 +651,7 @@ void worker_body(void* context, int64_t) {
     info.index = b.index;
     info.base = static_cast<char*>(b.data);
     info.size = b.size;
+    info.is_bytes = b.is_bytes;
     if (b.is_bytes) bytes_total += (b.size + 15) & ~size_t(15);
   }
   g.bytes_copy.assign(bytes_total, 0);
@@ -454,8 +660,9 @@ void worker_body(void* context, int64_t) {
   const uint64_t gx = s.grid.x, gy = s.grid.y;
   for (;;) {
     if (rs.failed.load()) break;
-    const uint64_t i = rs.next.fetch_add(1);
-    if (i >= rs.total) break;
+    const uint64_t next = rs.next.fetch_add(1);
+    if (next >= rs.total) break;
+    const uint64_t i = rs.order.empty() ? next : rs.order[next];
     g.tg_pos = Vec3u{uint32_t(i % gx), uint32_t((i / gx) % gy), uint32_t(i / (gx * gy))};
     run_group(g);
     if (!g.error.empty()) {
@@ -464,8 +671,18 @@ void worker_body(void* context, int64_t) {
       rs.failed = true;
       break;
     }
+    if (g.counting) {
+      ++g.stats.threadgroups_executed;
+      for (uint32_t t = 0; t < d.threads; ++t) {
+        g.stats.peak_tg_bytes = std::max<uint64_t>(g.stats.peak_tg_bytes, g.fibers[t].tg_cursor);
+      }
+    }
   }
   g.fibers.swap(cache);
+  if (g.counting) {
+    std::lock_guard<std::mutex> lock(rs.mutex);
+    merge_stats(rs.stats, g.stats);
+  }
 }
 
 void thread_run(void* self, int64_t count, void (*body)(void*, int64_t), void* context) {
@@ -485,17 +702,51 @@ ParallelFor thread_parallel_for(int threads) {
   return p;
 }
 
-std::string run_dispatch(const DispatchSpec& spec, const ParallelFor& parallel) {
+std::string run_dispatch(const DispatchSpec& spec, const ParallelFor& parallel,
+                         DispatchStats* stats) {
   RunState rs;
   std::string err = validate_and_prepare(spec, &rs.dispatch);
   if (!err.empty()) return err;
-  rs.total = uint64_t(spec.grid.x) * spec.grid.y * spec.grid.z;
+  const uint64_t grid_total = uint64_t(spec.grid.x) * spec.grid.y * spec.grid.z;
+  if (!spec.sample.all()) rs.order = sample_threadgroups(spec.grid, spec.sample);
+  rs.total = rs.order.empty() ? grid_total : rs.order.size();
+  rs.dispatch.counting = stats != nullptr;
+  struct CountingScope {  // the inline hooks call into the runtime while this lives
+    bool on;
+    explicit CountingScope(bool on_) : on(on_) {
+      if (on) g_counting_dispatches.fetch_add(1);
+    }
+    ~CountingScope() {
+      if (on) g_counting_dispatches.fetch_sub(1);
+    }
+  } counting_scope(stats != nullptr);
   int64_t workers = std::max<int64_t>(1, std::min<int64_t>(parallel.num_threads, rs.total));
   if (parallel.run == nullptr) workers = 1;
   if (workers == 1) {
     worker_body(&rs, 0);
   } else {
     parallel.run(parallel.self, workers, worker_body, &rs);
+  }
+  if (stats != nullptr) {
+    *stats = std::move(rs.stats);
+    const uint64_t executed = stats->threadgroups_executed;
+    stats->threadgroups_total = grid_total;
+    stats->threads_per_threadgroup = rs.dispatch.threads;
+    stats->sampled_fraction = double(executed) / double(grid_total);
+    if (executed != 0 && executed != grid_total) {
+      // Scale the sums to the whole grid.
+      const double f = double(grid_total) / double(executed);
+      const uint64_t peak = stats->peak_tg_bytes, races = stats->races;
+#define MSL_EMU_SCALE_COUNTER(name) \
+  stats->name = static_cast<uint64_t>(std::llround(double(stats->name) * f));
+      MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_SCALE_COUNTER)
+#undef MSL_EMU_SCALE_COUNTER
+      stats->peak_tg_bytes = peak;
+      stats->races = races;
+      stats->threadgroups_executed = executed;
+      stats->threadgroups_total = grid_total;
+      stats->threads_per_threadgroup = rs.dispatch.threads;
+    }
   }
   return rs.error;
 }
@@ -578,23 +829,167 @@ const BufferInfo* buffer_info(int index, const char* param_name, bool optional_a
   return &g.infos[index];
 }
 
-void* threadgroup_param(int index) {
+void* threadgroup_param(int index, const char* name) {
   Fiber& f = cur();
+  Group& g = *f.group;
   if (index != 0) fail("only [[threadgroup(0)]] is supported");
-  if (f.group->dispatch->spec->threadgroup_memory_length == 0) {
+  if (g.dispatch->spec->threadgroup_memory_length == 0) {
     fail("[[threadgroup(0)]] parameter but the dispatch sets no threadgroup memory length");
   }
-  return f.group->arena.data();
+  if (!g.variables.empty() && g.variables[0].offset == kRedZone) g.variables[0].name = name;
+  return g.arena.data() + kRedZone;
 }
 
-void* tg_alloc(size_t size, size_t align) {
+void* tg_alloc(size_t size, size_t align, const char* name) {
   Fiber& f = cur();
-  size_t off = (f.tg_cursor + align - 1) & ~(align - 1);
+  Group& g = *f.group;
+  align = std::max(align, kGranule);
+  const size_t off = (f.tg_cursor + align - 1) & ~(align - 1);
   if (off + size > kThreadgroupMemoryLimit) {
     fail("threadgroup memory exceeds 32 KiB (" + std::to_string(off + size) + " bytes)");
   }
   f.tg_cursor = off + size;
-  return f.group->arena.data() + off;
+  const size_t at = (f.tg_arena + kRedZone + align - 1) & ~(align - 1);
+  if (at + size + kRedZone > g.arena.size()) {
+    fail("more than " + std::to_string(kMaxThreadgroupVariables) +
+         " threadgroup variables (an emulator limit)");
+  }
+  f.tg_arena = at + size;
+  // Every thread runs the declaration; the first registers the variable.
+  if (size > 0 && g.granule_owner[at / kGranule] == 0) register_variable(g, name, at, size);
+  return g.arena.data() + at;
+}
+
+namespace {
+
+[[noreturn]] void tg_out_of_bounds(const Group& g, size_t off, uint32_t bytes, bool write) {
+  std::ostringstream os;
+  os << "out-of-bounds threadgroup memory " << (write ? "write" : "read") << " of " << bytes
+     << " bytes: ";
+  const TgVariable* before = nullptr;
+  const TgVariable* after = nullptr;
+  for (const auto& v : g.variables) {
+    if (v.offset <= off && (before == nullptr || v.offset > before->offset)) before = &v;
+    if (v.offset > off && (after == nullptr || v.offset < after->offset)) after = &v;
+  }
+  if (before != nullptr && off < before->offset + before->size + kRedZone / 2) {
+    os << "byte offset " << off - before->offset << " of `" << before->name << "` ("
+       << before->size << " bytes)";
+  } else if (after != nullptr) {
+    os << after->offset - off << " bytes before `" << after->name << "` (" << after->size
+       << " bytes)";
+  } else {
+    os << "outside every threadgroup variable";
+  }
+  fail(os.str());
+}
+
+void report_race(Group& g, const Fiber& f, size_t off, uint32_t bytes, bool write,
+                 uint16_t other, bool other_write) {
+  const TgVariable& v = g.variables[g.granule_owner[off / kGranule] - 1];
+  const uint32_t other_thread = other - 1u;
+  const bool same_simdgroup = other_thread / 32 == f.simd_group;
+  std::ostringstream os;
+  os << "race on threadgroup memory `" << v.name << "` bytes [" << off - v.offset << ", "
+     << off - v.offset + bytes << ") of " << v.size << ": " << (other_write ? "write" : "read")
+     << " by " << thread_where(g, other_thread) << " and " << (write ? "write" : "read")
+     << " by " << thread_where(g, f.index_in_tg);
+  if (same_simdgroup) {
+    os << " of the same simdgroup with no simdgroup_barrier(mem_flags::mem_threadgroup) or "
+          "threadgroup_barrier between them";
+  } else {
+    os << " with no threadgroup_barrier(mem_flags::mem_threadgroup) between them";
+  }
+  if (g.races_fatal) fail(os.str());
+  ++g.stats.races;
+  if (g.stats.race_reports.size() < kMaxRaceReports) {
+    g.stats.race_reports.push_back(where(g) + ", " + thread_where(g, f.index_in_tg) + ": " +
+                                   os.str());
+  }
+}
+
+}  // namespace
+
+void tg_access(const void* address, uint32_t bytes, bool write) {
+  Fiber* fp = t_current;
+  if (fp == nullptr) return;
+  Fiber& f = *fp;
+  Group& g = *f.group;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(address);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(g.arena.data());
+  if (a < base || a >= base + g.arena.size()) return;  // a copy outside threadgroup memory
+  const size_t off = a - base;
+  const uint16_t owner = g.granule_owner[off / kGranule];
+  if (owner == 0 || off + bytes > g.variables[owner - 1].offset + g.variables[owner - 1].size) {
+    tg_out_of_bounds(g, off, bytes, write);
+  }
+  if (g.counting) (write ? g.stats.tg_bytes_written : g.stats.tg_bytes_read) += bytes;
+  // Race check against the other threads' accesses since the last barrier.
+  const uint16_t me = static_cast<uint16_t>(f.index_in_tg + 1);
+  const uint32_t sg = f.simd_group;
+  const uint16_t se = g.simd_epoch[sg];
+  const auto conflicts = [&](uint16_t other, uint16_t other_se) {
+    return other != 0 && other != me && ((other - 1u) / 32 != sg || other_se == se);
+  };
+  bool raced = false;
+  for (size_t b = off; b < off + bytes; ++b) {
+    Shadow& sh = g.shadow[b];
+    if (sh.epoch != g.epoch) sh = Shadow{g.epoch, 0, 0, 0, 0, 0, 0};
+    if (!raced) {
+      uint16_t other = 0;
+      bool other_write = false;
+      if (conflicts(sh.writer, sh.writer_se)) {
+        other = sh.writer;
+        other_write = true;
+      } else if (write && conflicts(sh.reader1, sh.reader1_se)) {
+        other = sh.reader1;
+      } else if (write && conflicts(sh.reader2, sh.reader2_se)) {
+        other = sh.reader2;
+      }
+      if (other != 0) {
+        raced = true;
+        report_race(g, f, off, bytes, write, other, other_write);
+      }
+    }
+    if (write) {
+      sh.writer = me;
+      sh.writer_se = se;
+      sh.reader1 = sh.reader2 = 0;
+    } else if (sh.reader1 == 0 || sh.reader1 == me) {
+      sh.reader1 = me;
+      sh.reader1_se = se;
+    } else if (sh.reader2 == 0 || sh.reader2 == me) {
+      sh.reader2 = me;
+      sh.reader2_se = se;
+    }
+  }
+}
+
+void count_device_access(const BufferInfo* info, const void* address, uint32_t bytes,
+                         bool store) {
+  Fiber* fp = t_current;
+  if (fp == nullptr || !fp->group->counting || info->is_bytes) return;
+  Fiber& f = *fp;
+  const void* site = f.instr_group != 0 ? nullptr : __builtin_return_address(0);
+  const uint64_t off = uint64_t(static_cast<const char*>(address) - info->base);
+  f.device_log.push_back(
+      DeviceAccess{site, (uint64_t(info->index) << 48) | off, bytes, f.instr_group, store});
+  (store ? f.group->stats.device_bytes_written : f.group->stats.device_bytes_read) += bytes;
+}
+
+void instr_group_begin() {
+  Fiber& f = cur();
+  if (f.instr_group_depth++ == 0) f.instr_group = ++f.instr_groups;
+}
+
+void instr_group_end() {
+  Fiber& f = cur();
+  if (--f.instr_group_depth == 0) f.instr_group = 0;
+}
+
+void count_mma() {
+  Fiber* f = t_current;
+  if (f != nullptr && f->group->counting && f->lane == 0) ++f->group->stats.simdgroup_mma;
 }
 
 uint32_t lane_id() { return cur().lane; }
@@ -619,12 +1014,24 @@ void simd_sync(SyncKind kind, const char* what) {
   f.state = FiberState::kWaitSimd;
   f.sync_kind = kind;
   f.sync_what = what;
+  f.sync_orders_tg = false;
   switch_to_scheduler(f);
 }
 
-void threadgroup_barrier_sync() {
+void simd_barrier_sync(bool orders_threadgroup_memory) {
+  simd_exchange_begin();
+  Fiber& f = cur();
+  f.state = FiberState::kWaitSimd;
+  f.sync_kind = SyncKind::kSimdBarrier;
+  f.sync_what = "simdgroup_barrier";
+  f.sync_orders_tg = orders_threadgroup_memory;
+  switch_to_scheduler(f);
+}
+
+void threadgroup_barrier_sync(bool orders_threadgroup_memory) {
   Fiber& f = cur();
   f.state = FiberState::kWaitBarrier;
+  f.sync_orders_tg = orders_threadgroup_memory;
   switch_to_scheduler(f);
 }
 

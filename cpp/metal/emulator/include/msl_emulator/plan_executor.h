@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "metal/plan/plan.h"
 #include "msl_emulator/runtime.h"
@@ -19,12 +21,25 @@ struct RoleMemory {
   }
 };
 
+// One executed dispatch and its counters.
+struct DispatchRecord {
+  std::string kernel;
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t threadgroup[3] = {1, 1, 1};
+  uint32_t threadgroup_memory_length = 0;
+  msl::rt::DispatchStats stats;
+};
+
 // Runs every dispatch of `plan` in order; allocates the plan's scratch
 // buffers. Checks each bound buffer against required_bytes(problem, role)
 // first (the host-side validation a Metal executor does). Returns "" or the
-// first error.
+// first error. With `records`, each dispatch also counts its costs (races are
+// then counted, not errors) and appends a record; `sample` selects the
+// threadgroups each dispatch runs (see msl::rt::Sampling).
 std::string execute_plan(const fatrain::metal_plan::Problem& problem,
                          const fatrain::metal_plan::Plan& plan, RoleMemory memory,
-                         const msl::rt::ParallelFor& parallel);
+                         const msl::rt::ParallelFor& parallel,
+                         std::vector<DispatchRecord>* records = nullptr,
+                         const msl::rt::Sampling& sample = {});
 
 }  // namespace msl::emu

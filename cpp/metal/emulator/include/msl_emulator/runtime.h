@@ -12,9 +12,16 @@
 //  * device buffers are bounds-checked pointers (dptr), threadgroup memory is
 //    poisoned with 0xFF bytes (NaN for float/half/bfloat) at threadgroup start;
 //  * a barrier or simdgroup operation that not every participant reaches is
-//    reported as an error, never a hang.
+//    reported as an error, never a hang;
+//  * threadgroup memory is accessed through tracked elements (tgelem<T>, see
+//    the shim): every read and write is checked against the threadgroup
+//    variables' bounds and against the accesses of other threads since the
+//    last barrier (the race detector);
+//  * on request a dispatch also counts what decides its cost on a GPU
+//    (DispatchStats), optionally over a sample of its threadgroups.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -47,10 +54,26 @@ struct BufferInfo {  // what a checked pointer knows about its buffer
   int index = -1;
   char* base = nullptr;
   size_t size = 0;
+  bool is_bytes = false;  // setBytes data: constant memory, not counted as device traffic
 };
 
 [[noreturn]] void out_of_bounds(const BufferInfo* info, const void* address,
                                 size_t bytes);
+
+#define MSL_EMU_INLINE inline __attribute__((always_inline))
+
+// Non-zero while a dispatch that counts (DispatchStats requested) runs in
+// this process; the inline hooks test it before calling into the runtime, so
+// counting costs one load and a predictable branch per access when off.
+extern std::atomic<int> g_counting_dispatches;
+MSL_EMU_INLINE bool counting_active() {
+  return g_counting_dispatches.load(std::memory_order_relaxed) != 0;
+}
+// A device-memory access of `bytes` bytes at `address` (one lane). The
+// access site is this function's return address, so the hook must be called
+// from code inlined into the access site (dptr's always-inline operators).
+__attribute__((noinline)) void count_device_access(const BufferInfo* info, const void* address,
+                                                   uint32_t bytes, bool store);
 
 // A bounds-checked device/constant pointer. Every dereference checks that the
 // whole element lies inside the bound buffer.
@@ -64,18 +87,23 @@ struct dptr {
   template <class U, class = std::enable_if_t<std::is_convertible<U*, T*>::value>>
   dptr(const dptr<U>& other) : p(other.p), info(other.info) {}
 
-  T* check(T* q) const {
+  // Bounds check; when counting, records the access (a store if T is not
+  // const: kernels read through const pointers and write through the others).
+  MSL_EMU_INLINE T* check(T* q) const {
     const char* c = reinterpret_cast<const char*>(q);
     if (info == nullptr || info->base == nullptr || c < info->base ||
         c + sizeof(T) > info->base + info->size) {
       out_of_bounds(info, q, sizeof(T));
     }
+    if (__builtin_expect(counting_active(), 0)) {
+      count_device_access(info, q, sizeof(T), !std::is_const<T>::value);
+    }
     return q;
   }
   template <class I>
-  T& operator[](I i) const { return *check(p + static_cast<ptrdiff_t>(i)); }
-  T& operator*() const { return *check(p); }
-  T* operator->() const { return check(p); }
+  MSL_EMU_INLINE T& operator[](I i) const { return *check(p + static_cast<ptrdiff_t>(i)); }
+  MSL_EMU_INLINE T& operator*() const { return *check(p); }
+  MSL_EMU_INLINE T* operator->() const { return check(p); }
   template <class I, class = std::enable_if_t<std::is_integral<I>::value>>
   dptr operator+(I i) const { return dptr(p + static_cast<ptrdiff_t>(i), info); }
   template <class I, class = std::enable_if_t<std::is_integral<I>::value>>
@@ -154,6 +182,18 @@ struct ParallelFor {
 };
 ParallelFor thread_parallel_for(int threads);  // std::thread workers (0: hw)
 
+// Which threadgroups of a dispatch run. The default runs all of them. A
+// sample runs round(fraction * total) threadgroups, at most max_threadgroups
+// when that is non-zero (at least one), spread evenly over grid x (query or
+// key tiles, so causal work is represented) and, within each chosen x, over
+// the (y, z) pairs. Outputs of a sampled dispatch are incomplete: for
+// measuring only.
+struct Sampling {
+  double fraction = 1.0;
+  uint64_t max_threadgroups = 0;
+  bool all() const { return fraction >= 1.0 && max_threadgroups == 0; }
+};
+
 struct DispatchSpec {
   std::string kernel;
   std::vector<ConstantValue> constants;
@@ -161,11 +201,52 @@ struct DispatchSpec {
   size_t threadgroup_memory_length = 0;  // dynamic [[threadgroup(0)]] bytes
   Size3 grid;         // threadgroups per grid
   Size3 threadgroup;  // threads per threadgroup
+  Sampling sample;
 };
 
+// The counters of one dispatch, X(name): summed over the executed
+// threadgroups, then scaled by total / executed threadgroups when sampled
+// (except peak_tg_bytes, threadgroups_*, threads_per_threadgroup and races).
+//   simdgroup_mma          8x8x8 simdgroup_multiply_accumulate, once per simdgroup
+//   device_bytes_read      bytes lanes read from device buffers (not setBytes data)
+//   device_bytes_written   bytes lanes wrote to device buffers
+//   device_load_instrs     simdgroup-wide load instructions: the k-th execution of
+//   device_store_instrs    one access site by the lanes of a simdgroup between two
+//                          simdgroup synchronisations (simdgroup_load/store of a
+//                          lane's two elements is one instruction)
+//   device_lines64         distinct 64-byte / 128-byte lines (offsets within the
+//   device_lines128        buffer) per simdgroup-wide instruction, summed
+//   tg_bytes_read          bytes lanes read from / wrote to threadgroup memory
+//   tg_bytes_written
+//   barriers               threadgroup_barrier executions (once per threadgroup)
+//   simd_barriers          simdgroup_barrier executions (once per simdgroup)
+//   peak_tg_bytes          threadgroup memory per threadgroup (max over threadgroups)
+//   threadgroups_executed  threadgroups run (the sample) / in the grid
+//   threadgroups_total
+//   threads_per_threadgroup
+//   races                  racing threadgroup-memory accesses observed (not scaled)
+#define MSL_EMU_DISPATCH_COUNTERS(X)                                            \
+  X(simdgroup_mma) X(device_bytes_read) X(device_bytes_written)                 \
+  X(device_load_instrs) X(device_store_instrs) X(device_lines64)                \
+  X(device_lines128) X(tg_bytes_read) X(tg_bytes_written) X(barriers)           \
+  X(simd_barriers) X(peak_tg_bytes) X(threadgroups_executed)                    \
+  X(threadgroups_total) X(threads_per_threadgroup) X(races)
+
+struct DispatchStats {
+#define MSL_EMU_COUNTER_FIELD(name) uint64_t name = 0;
+  MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_COUNTER_FIELD)
+#undef MSL_EMU_COUNTER_FIELD
+  double sampled_fraction = 1.0;          // threadgroups_executed / threadgroups_total
+  std::vector<std::string> race_reports;  // the first few races, as error messages
+};
+constexpr size_t kMaxRaceReports = 4;
+
 // Executes one dispatch. Returns "" on success, else the first error
-// (kernel name, threadgroup, thread and what went wrong).
-std::string run_dispatch(const DispatchSpec& spec, const ParallelFor& parallel);
+// (kernel name, threadgroup, thread and what went wrong). A threadgroup-memory
+// race is an error, unless `stats` is given: then the dispatch counts its
+// races and keeps the first reports in stats->race_reports.
+std::string run_dispatch(const DispatchSpec& spec, const ParallelFor& parallel,
+                         DispatchStats* stats = nullptr);
 
 // ---------------------------------------------------------------------------
 // Used by the shim (inside kernels).
@@ -177,9 +258,31 @@ struct Vec3u {
 uint32_t builtin_scalar(Builtin b);
 Vec3u builtin_vec(Builtin b);
 const BufferInfo* buffer_info(int index, const char* param_name, bool optional_absent);
-void* threadgroup_param(int index);
-void* tg_alloc(size_t size, size_t align);
+void* threadgroup_param(int index, const char* name = "[[threadgroup(0)]]");
+// Allocates a threadgroup variable (every thread of the threadgroup gets the
+// same address for the same declaration); `name` is used in reports.
+void* tg_alloc(size_t size, size_t align, const char* name = "threadgroup variable");
 uint32_t lane_id();
+
+// A read or write of threadgroup memory by the calling thread: bounds check
+// against the threadgroup variables, race check, counters. Addresses outside
+// the threadgroup's memory (a tgelem copied to the stack) are ignored.
+void tg_access(const void* address, uint32_t bytes, bool write);
+
+// Marks the device accesses of one lane between begin and end as a single
+// simdgroup-wide instruction (simdgroup_load/store move two elements a lane).
+void instr_group_begin();
+void instr_group_end();
+struct InstrGroup {
+  bool on;
+  MSL_EMU_INLINE InstrGroup() : on(counting_active()) {
+    if (on) instr_group_begin();
+  }
+  MSL_EMU_INLINE ~InstrGroup() {
+    if (on) instr_group_end();
+  }
+};
+void count_mma();  // one simdgroup_multiply_accumulate (counted for lane 0)
 
 // Simdgroup exchange: a lane writes into its slot, calls simd_sync, then may
 // read every lane's slot of the same operation.
@@ -188,12 +291,71 @@ char* simd_exchange_begin();          // this lane's slot for the next op
 const char* simd_exchange_peer(int lane);  // a lane's slot of the current op
 enum class SyncKind : int { kSimdReduce, kSimdShuffle, kSimdMatrix, kSimdBarrier };
 void simd_sync(SyncKind kind, const char* what);
-void threadgroup_barrier_sync();
+// `orders_threadgroup_memory`: the barrier's flags include mem_threadgroup,
+// so threadgroup-memory accesses before it happen before those after it.
+void simd_barrier_sync(bool orders_threadgroup_memory);
+void threadgroup_barrier_sync(bool orders_threadgroup_memory = true);
 
 template <class T>
-T& tg_var() {
-  return *static_cast<T*>(tg_alloc(sizeof(T), alignof(T) < 16 ? 16 : alignof(T)));
+T& tg_var(const char* name = "threadgroup variable") {
+  return *static_cast<T*>(tg_alloc(sizeof(T), alignof(T) < 16 ? 16 : alignof(T), name));
 }
+
+// A threadgroup-memory element. The pre-pass turns `threadgroup T` storage,
+// pointers and references into tgelem<T> ones (same size and alignment as T),
+// so arrays, pointer arithmetic and pointer casts stay native C++ while every
+// read and write of an element goes through tg_access (bounds, races,
+// counters). Reading converts to T (and to float when T is a class type that
+// converts to float, such as bfloat); writing assigns a T.
+template <class Self, class T, bool = std::is_class<T>::value && std::is_convertible<T, float>::value>
+struct tgelem_float_conversion {};
+template <class Self, class T>
+struct tgelem_float_conversion<Self, T, true> {
+  MSL_EMU_INLINE operator float() const {
+    return static_cast<float>(static_cast<const Self*>(this)->load());
+  }
+};
+
+template <class T>
+struct tgelem : tgelem_float_conversion<tgelem<T>, T> {
+  T v;
+  using value_type = T;
+  tgelem() = default;
+  explicit MSL_EMU_INLINE tgelem(const T& x) : v(x) {}
+  MSL_EMU_INLINE tgelem(const tgelem& o) : v(o.load()) {}
+  MSL_EMU_INLINE T load() const {
+    tg_access(this, sizeof(T), false);
+    return v;
+  }
+  MSL_EMU_INLINE operator T() const { return load(); }
+  MSL_EMU_INLINE tgelem& operator=(const T& x) {
+    tg_access(this, sizeof(T), true);
+    v = x;
+    return *this;
+  }
+  MSL_EMU_INLINE tgelem& operator=(const tgelem& o) { return *this = o.load(); }
+#define MSL_EMU_TG_COMPOUND(op)                      \
+  template <class U>                                 \
+  MSL_EMU_INLINE tgelem& operator op##=(const U& x) { \
+    return *this = T(load() op x);                   \
+  }
+  MSL_EMU_TG_COMPOUND(+) MSL_EMU_TG_COMPOUND(-) MSL_EMU_TG_COMPOUND(*) MSL_EMU_TG_COMPOUND(/)
+  MSL_EMU_TG_COMPOUND(%) MSL_EMU_TG_COMPOUND(&) MSL_EMU_TG_COMPOUND(|) MSL_EMU_TG_COMPOUND(^)
+  MSL_EMU_TG_COMPOUND(<<) MSL_EMU_TG_COMPOUND(>>)
+#undef MSL_EMU_TG_COMPOUND
+  MSL_EMU_INLINE tgelem& operator++() { return *this = T(load() + 1); }
+  MSL_EMU_INLINE tgelem& operator--() { return *this = T(load() - 1); }
+  MSL_EMU_INLINE T operator++(int) { T old = load(); *this = T(old + 1); return old; }
+  MSL_EMU_INLINE T operator--(int) { T old = load(); *this = T(old - 1); return old; }
+};
+
+// The value type behind a pointer's element (T for tgelem<T>).
+template <class T>
+struct tg_value { using type = T; };
+template <class T>
+struct tg_value<tgelem<T>> { using type = T; };
+template <class T>
+using tg_value_t = typename tg_value<std::remove_cv_t<T>>::type;
 
 template <class T>
 struct is_dptr : std::false_type {};

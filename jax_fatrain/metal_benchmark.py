@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import sys
@@ -172,38 +173,22 @@ def _profile():
         f"build: {e}") from e
 
 
-def _inputs(p: Problem, seed: int = 0):
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(seed)
-  shape = (p.batch, p.seq_len, p.heads, p.head_dim)
-  return [jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype=p.dtype)
-          for _ in range(4)]
+def run_ours(p: Problem, sample, passes: Sequence[str]) -> tuple[list[dict], list[dict], float]:
+  """Our forward's and backward's dispatch records and the emulator's seconds.
 
-
-def run_ours(p: Problem, sample) -> tuple[list[dict], list[dict], float, float]:
-  """Our forward's and backward's dispatch records: (fwd, bwd, fwd s, bwd s).
-
-  One ``jax.vjp`` (the forward, which also saves the residuals) and one call
-  of its VJP (the backward), each under ``metal_profile.record``.
+  ``metal_profile.run_problem``: the forward once, then (for "fwd+bwd") the
+  backward, whose O and L come from the CPU implementation when sampling (a
+  sampled forward leaves them incomplete).
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax_fatrain  # pylint: disable=import-outside-toplevel
   mp = _profile()
-  q, k, v, ct = _inputs(p)
-
-  def attn(q, k, v):
-    return jax_fatrain.dot_product_attention(q, k, v, is_causal=p.causal,
-                                             implementation="metal_emulated")
-
   t0 = time.perf_counter()
-  with mp.record(sample=sample) as fwd:
-    out, vjp = jax.vjp(attn, q, k, v)
-    jax.block_until_ready(out)
-  t1 = time.perf_counter()
-  with mp.record(sample=sample) as bwd:
-    jax.block_until_ready(vjp(ct))
-  t2 = time.perf_counter()
-  return list(fwd), list(bwd), t1 - t0, t2 - t1
+  launches = mp.run_problem(seq_len=p.seq_len, head_dim=p.head_dim, batch=p.batch,
+                            q_heads=p.heads, kv_heads=p.heads, dtype=p.dtype, causal=p.causal,
+                            backward="fwd+bwd" in passes, sample=sample)
+  seconds = time.perf_counter() - t0
+  fwd = [d for d in launches if d.get("target") == "forward"]
+  bwd = [d for d in launches if d.get("target") == "backward"]
+  return fwd, bwd, seconds
 
 
 _MLX_MODULES = ("jax_fatrain.metal_reference", "jax_fatrain._mlx_reference")
@@ -225,22 +210,35 @@ def mlx_runner() -> tuple[Any, str | None]:
 
 
 def mlx_supports(mod, p: Problem) -> bool:
-  fn = getattr(mod, "supports", None) or getattr(mod, "supported", None)
-  if callable(fn):
-    return bool(fn(head_dim=p.head_dim, dtype=p.dtype))
-  return p.head_dim in tuple(getattr(mod, "HEAD_DIMS", (64, 128)))
+  """Whether MLX's runner has a kernel for this problem."""
+  try:
+    mod.mlx_kernel_name(p.dtype, p.head_dim)
+  except (ValueError, KeyError):
+    return False
+  return True
 
 
 def run_mlx(mod, p: Problem, sample) -> tuple[list[dict], float]:
-  """MLX's forward dispatch records and the emulator's seconds."""
-  import jax  # pylint: disable=import-outside-toplevel
-  mp = _profile()
-  q, k, v, _ = _inputs(p)
+  """MLX's forward dispatch record(s) and the emulator's seconds."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  dt = {"bfloat16": ml_dtypes.bfloat16}.get(p.dtype, p.dtype)
+  shape = (p.batch, p.heads, p.seq_len, p.head_dim)  # MLX's layout
+  q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(dt) for _ in range(3))
+  kwargs = {}
+  if sample is not None:
+    if "sample" not in inspect.signature(mod.mlx_attention_forward).parameters:
+      raise Unavailable("MLX's runner cannot sample threadgroups; pass --sample all")
+    kwargs["sample"] = sample
+  counters: dict[str, Any] = {}
   t0 = time.perf_counter()
-  with mp.record(sample=sample) as launches:
-    jax.block_until_ready(mod.mlx_attention_forward(
-        q, k, v, scale=1.0 / math.sqrt(p.head_dim), causal=p.causal))
-  return list(launches), time.perf_counter() - t0
+  mod.mlx_attention_forward(q, k, v, scale=1.0 / math.sqrt(p.head_dim), causal=p.causal,
+                            counters=counters, **kwargs)
+  seconds = time.perf_counter() - t0
+  if not counters:
+    raise Unavailable("MLX's runner returned no counters")
+  counters.setdefault("kernel", mod.mlx_kernel_name(p.dtype, p.head_dim))
+  return [counters], seconds
 
 
 # ---------------------------------------------------------------------------
@@ -421,12 +419,12 @@ def run(problems: Sequence[Problem], *, impls: Sequence[str] = ("ours", "mlx"),
   for n, p in enumerate(problems, 1):
     done = []
     if "ours" in impls:
-      fwd, bwd, t_fwd, t_bwd = run_ours(p, sample)
+      fwd, bwd, t = run_ours(p, sample, passes)
       if "fwd" in passes:
-        records.append(summarize("ours", "fwd", p, fwd, gpus, t_fwd))
+        records.append(summarize("ours", "fwd", p, fwd, gpus, t if len(passes) == 1 else None))
       if "fwd+bwd" in passes:
-        records.append(summarize("ours", "fwd+bwd", p, fwd + bwd, gpus, t_fwd + t_bwd))
-      done.append(f"ours {t_fwd + t_bwd:.1f}s")
+        records.append(summarize("ours", "fwd+bwd", p, fwd + bwd, gpus, t))
+      done.append(f"ours {t:.1f}s")
     if mlx is not None and "fwd" in passes:
       if mlx_supports(mlx, p):
         launches, t = run_mlx(mlx, p, sample)

@@ -227,3 +227,46 @@ def test_missing_parts_are_clear_errors(monkeypatch):
   monkeypatch.setattr(metal_benchmark, "_profile", no_profile)
   with pytest.raises(metal_benchmark.Unavailable, match="no counters"):
     metal_benchmark.run([P], impls=("ours",))
+
+
+# ---------------------------------------------------------------------------
+# End to end through the emulator (our kernels; a few seconds)
+# ---------------------------------------------------------------------------
+
+
+def test_metal_model_command_ours(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  from jax_fatrain import _metal_emulated, benchmark
+  if _metal_emulated.IMPORT_ERROR is not None:
+    pytest.skip(f"metal_emulated not built: {_metal_emulated.IMPORT_ERROR}")
+  T, D = 128, 64
+  out = benchmark.main(["--metal-model", "--impls", "ours", "--seq-lens", str(T),
+                        "--head-dims", str(D), "--sample", "2",
+                        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+  text = capsys.readouterr().out
+  assert "MODEL, not a measurement" in text and "fwd+bwd/fwd M1" in text
+  records = json.loads((tmp_path / "r.json").read_text())
+  assert records == json.loads(json.dumps(out["records"], default=float))
+  assert [(r["implementation"], r["pass"], r["causal"]) for r in records] == [
+      ("ours", "fwd", False), ("ours", "fwd+bwd", False),
+      ("ours", "fwd", True), ("ours", "fwd+bwd", True)]
+  by = {(r["pass"], r["causal"]): r for r in records}
+  for r in records:
+    assert r["dtype"] == "bfloat16" and r["seq_len"] == T and r["head_dim"] == D
+    assert r["races"] == 0
+    assert r["sampled_fraction"] == pytest.approx(0.5)  # 2 of the 4 query (key) tiles
+    assert 0 < r["coalescing"] <= 1
+    # Q, K and V are each read at least once.
+    assert r["device_bytes"] >= 3 * T * D * 2
+    assert all(s > 0 for s in r["modelled_seconds"].values())
+  # Q K^T and P V: at least 2 T^2 D multiply-adds, 512 per MMA (scaled from the sample).
+  assert by[("fwd", False)]["mma"] >= 2 * T * T * D / 512
+  assert by[("fwd", True)]["mma"] < by[("fwd", False)]["mma"]
+  # The backward adds at least four T^2 D products (S, dP, dQ, dK, dV: five).
+  assert by[("fwd+bwd", False)]["mma"] >= by[("fwd", False)]["mma"] + 4 * T * T * D / 512
+  for g in metal_model.DEFAULT_GPUS:
+    assert by[("fwd+bwd", False)]["modelled_seconds"][g] > by[("fwd", False)]["modelled_seconds"][g]
+  kernels = [d["kernel"] for d in by[("fwd+bwd", False)]["dispatches"]]
+  assert kernels[0].startswith("flash_attn_train_fwd_bf16_d64")
+  assert any(k.startswith("flash_attn_train_bwd_dkdv") for k in kernels)
+  assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

@@ -5,21 +5,31 @@ The C++ compiler cannot read MSL attributes (``[[buffer(0)]]``,
 ``[[threadgroup_position_in_grid]]``, ...) and MSL's address spaces mean
 something C++ has no word for. This pre-pass
 
-* runs the C preprocessor over the source first (local includes, macros such
-  as instantiation lists; the Metal standard headers are left to the shim),
-* records every ``[[kernel]]`` function's parameters and their attributes,
+* runs the C preprocessor over the source first (local includes from the
+  file's directory and the ``-I`` roots, macros such as instantiation lists;
+  the Metal standard headers are left to the shim),
+* records every ``[[kernel]]`` function's parameters and their attributes
+  (also ``[[kernel, max_total_threads_per_threadgroup(N)]]``, whose bound the
+  glue checks at dispatch),
 * records every ``[[host_name("...")]]`` instantiation and every
   ``[[function_constant(N)]]`` declaration,
 * rewrites ``device``/``constant`` pointers into bounds-checked ``msl::rt::dptr``,
   ``threadgroup`` declarations into per-threadgroup arena variables of tracked
   elements (``msl::rt::tgelem``; threadgroup pointers and references likewise)
   and function constants into thread-local variables set per dispatch,
-* removes the attributes (the preprocessor's line markers keep compiler errors
-  pointing at the right line of the .metal file), and
+* removes the attributes, also those on helper-function parameters such as
+  ``[[threadgroup(0)]]`` (the preprocessor's line markers keep compiler errors
+  pointing at the right line of the .metal file),
+* turns MSL literal suffixes (``1.0h``, ``1.0bf``) into casts,
+* drops overloads that differ only by address space (they collide once the
+  address spaces vanish; see remove_address_space_duplicates), and
 * appends glue that binds buffers/builtins to parameters and registers each
-  instantiated kernel under its host name with the emulator runtime.
+  instantiated kernel under its host name with the emulator runtime
+  (``--kernels`` limits that to some host names, so only their templates are
+  instantiated).
 
 Usage: msl_prepass.py INPUT.metal OUTPUT.cc [--cxx COMPILER] [-I DIR ...]
+                      [--kernels NAME,...]
 """
 
 from __future__ import annotations
@@ -65,6 +75,8 @@ class Kernel:
   params: list[Param] = field(default_factory=list)
   body: str = ""
   is_template: bool = False
+  template_params: str = ""      # text inside `template <...>`
+  max_threads: str | None = None  # max_total_threads_per_threadgroup expression
 
 
 def blank_comments(src: str) -> str:
@@ -155,6 +167,116 @@ def parse_param(text: str, kernel: str) -> tuple[Param, str]:
   return Param(decl, name, kind, index, guard), stripped
 
 
+MSL_ATTRIBUTE_RE = re.compile(
+    r"(" + "|".join(BUILTINS) + r"|kernel|host_name\(.*\)|"
+    r"(buffer|threadgroup|texture|sampler|function_constant|"
+    r"max_total_threads_per_threadgroup|user|attribute|color)\(.*\))", re.S)
+
+
+def is_msl_attribute(text: str) -> bool:
+  """Whether every item of an attribute list `[[text]]` is an MSL attribute."""
+  items = [a.strip() for a in split_top_level(text)]
+  return bool(items) and all(MSL_ATTRIBUTE_RE.fullmatch(a) for a in items)
+
+
+LITERAL_RE = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)(h|H|bf|BF)\b")
+
+# MSL address-space words; in the emulator they vanish (macros in the shim).
+ADDRESS_SPACE_RE = re.compile(
+    r"\b(thread|threadgroup|device|constant|threadgroup_imageblock|ray_data|object_data)\b")
+FUNCTION_HEAD_RE = re.compile(
+    r".*\)\s*((const|volatile|noexcept|override|final|&|&&)\s*)*(->[^{};]*)?", re.S)
+
+
+def _normalise(head: str) -> str:
+  lines = [ln for ln in head.split("\n") if not ln.lstrip().startswith("#")]
+  text = ADDRESS_SPACE_RE.sub(" ", " ".join(lines))
+  text = re.sub(r"^\s*(public|private|protected)\s*:", " ", text)
+  return " ".join(text.split())
+
+
+def remove_address_space_duplicates(code: str) -> str:
+  """Drops definitions that become duplicates once address spaces vanish.
+
+  MSL overloads functions and partial specialisations on address spaces
+  (`f(thread T*)` / `f(threadgroup T*)`, member functions qualified `thread` /
+  `device` / `constant`, `pointer_element<thread T*>` / `<threadgroup T*>`).
+  In the emulator every address space is ordinary memory, so such a set
+  collapses to one definition: the first is kept, later ones whose signature
+  is the same after removing the address-space words (in the same namespace
+  or class) are blanked (line breaks and line markers kept). Function bodies
+  are not searched: only namespace and class scopes.
+  """
+  removals: list[tuple[int, int]] = []
+
+  def skip_literal(i: int) -> int:
+    q = code[i]
+    j = i + 1
+    while j < len(code) and code[j] != q:
+      j += 2 if code[j] == "\\" else 1
+    return j
+
+  def walk(start: int, end: int, scope: tuple, is_class: bool, seen: set) -> None:
+    i, head_start, parens = start, start, 0
+    while i < end:
+      c = code[i]
+      if c in "\"'":
+        i = skip_literal(i)
+      elif c in "([":
+        parens += 1
+      elif c in ")]":
+        parens -= 1
+      elif c == ";" and parens == 0:
+        stmt = _normalise(code[head_start:i])
+        # A member function declared twice (differing only by address space).
+        if is_class and FUNCTION_HEAD_RE.fullmatch(stmt) and "=" not in stmt:
+          key = (scope, stmt)
+          if key in seen:
+            removals.append((head_start, i + 1))
+          seen.add(key)
+        head_start = i + 1
+      elif c == "{" and parens > 0:
+        i = match_close(code, i, "{", "}")  # a braced initialiser in a parameter list
+      elif c == "{":
+        close = match_close(code, i, "{", "}")
+        head = _normalise(code[head_start:i])
+        if re.match(r"(inline\s+)?namespace\b|extern\s+\"C", head):
+          walk(i + 1, close, scope + (head,), False, seen)
+        elif re.match(r"(template\s*<.*>\s*)?(struct|class|union)\b", head, re.S):
+          stop = code.find(";", close)
+          key = (scope, head)
+          if key in seen and re.fullmatch(r"\s*", code[close + 1:stop]):
+            removals.append((head_start, stop + 1))
+          else:
+            seen.add(key)
+            walk(i + 1, close, scope + (head,), True, seen)
+        elif FUNCTION_HEAD_RE.fullmatch(head) and not head.startswith(("if", "for", "while",
+                                                                        "switch")):
+          key = (scope, head)
+          if key in seen:
+            removals.append((head_start, close + 1))
+          seen.add(key)
+        i = close
+        head_start = close + 1
+      elif c == "}":
+        head_start = i + 1
+      i += 1
+
+  walk(0, len(code), (), False, set())
+  if not removals:
+    return code
+  out, pos = [], 0
+  for a, b in sorted(removals):
+    if a < pos:
+      continue
+    out.append(code[pos:a])
+    out.append("\n".join(ln if ln.lstrip().startswith("#") else ""
+                         for ln in code[a:b].split("\n")))
+    pos = b
+  out.append(code[pos:])
+  return "".join(out)
+
+
 # Metal standard headers: the shim (include/metal_stdlib) provides all of them
 # when the generated C++ is compiled, so the preprocessing pass sees them empty.
 METAL_HEADERS = ("metal_stdlib", "metal_simdgroup", "metal_simdgroup_matrix", "metal_math",
@@ -179,7 +301,9 @@ def preprocess(path: str, cxx: str, include_dirs: list[str]) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True)
   if proc.returncode != 0:
     raise PrepassError(f"preprocessing {path} failed:\n{proc.stderr}")
-  return proc.stdout
+  # The stub directory is temporary: name it the same every time, so that the
+  # output depends only on the input.
+  return proc.stdout.replace(stubs, "<metal-headers>")
 
 
 def transform(src: str, path: str):
@@ -211,10 +335,14 @@ def transform(src: str, path: str):
     return same_lines(m.group(0), "")
   code = inst_re.sub(inst_sub, code)
 
-  # Kernel definitions.
+  # Kernel definitions: `[[kernel]]` or an attribute list that contains it,
+  # e.g. `[[kernel, max_total_threads_per_threadgroup(N)]]`.
   out, pos = [], 0
-  for m in re.finditer(r"\[\[\s*kernel\s*\]\]\s*void\s+(\w+)\s*\(", code):
-    name = m.group(1)
+  for m in re.finditer(r"\[\[([^\[\]]*)\]\]\s*void\s+(\w+)\s*\(", code):
+    attrs = [a.strip() for a in split_top_level(m.group(1))]
+    if "kernel" not in attrs:
+      continue
+    name = m.group(2)
     open_paren = m.end() - 1
     close_paren = match_close(code, open_paren, "(", ")")
     kernel = Kernel(name)
@@ -226,13 +354,31 @@ def transform(src: str, path: str):
     brace = code.index("{", close_paren)
     end = match_close(code, brace, "{", "}")
     kernel.body = code[brace:end + 1]
-    kernel.is_template = bool(re.search(r"template\s*<[^;{}]*>\s*$", code[:m.start()]))
+    # A template kernel: `template <...>` is all that precedes the attribute
+    # since the previous declaration ended.
+    prev_end = max(code.rfind(c, 0, m.start()) for c in ";{}")
+    preceding = re.sub(r"(?m)^\s*#.*$", "", code[prev_end + 1:m.start()])  # line markers
+    tmpl = re.fullmatch(r"\s*template\s*<(.*)>\s*", preceding, re.S)
+    kernel.is_template = tmpl is not None
+    kernel.template_params = tmpl.group(1) if tmpl else ""
+    for a in attrs:
+      if (b := re.fullmatch(r"max_total_threads_per_threadgroup\((.*)\)", a, re.S)):
+        kernel.max_threads = b.group(1).strip()
+      elif a != "kernel":
+        raise PrepassError(f"kernel {name}: unsupported kernel attribute [[{a}]]")
     kernels[name] = kernel
-    head = code[m.start():m.start() + len(m.group(0)) - 1]
-    head = re.sub(r"\[\[\s*kernel\s*\]\]", lambda a: " " * len(a.group(0)), head)
+    attr_text = code[m.start():m.end(1) + 2]
+    head = re.sub(r"[^\n]", " ", attr_text) + code[m.end(1) + 2:m.end() - 1]
     out.append(code[pos:m.start()])
     out.append(head + "(" + ",".join(new_params) + ")")
-    pos = close_paren + 1
+    out.append(code[close_paren + 1:end + 1])
+    if kernel.max_threads is not None:
+      # The attribute's bound as a function of the kernel's template
+      # parameters, evaluated per instantiation by the glue (same line).
+      tmpl_head = f"template <{kernel.template_params}> " if kernel.is_template else ""
+      out.append(" " + " ".join(f"{tmpl_head}constexpr unsigned long msl_emu_max_threads_{name}() "
+                                f"{{ return ({kernel.max_threads}); }}".split()))
+    pos = end + 1
   out.append(code[pos:])
   code = "".join(out)
 
@@ -248,9 +394,15 @@ def transform(src: str, path: str):
   code = ptr_re.sub(ptr_sub, code)
   code = re.sub(r"(\bconst\s+)?\bconstant\s+(const\s+)?([A-Za-z_][\w:]*)\s*&",
                 lambda m: f"const {m.group(3)}&", code)
-  # Any remaining MSL attribute (e.g. on helper-function parameters).
-  names = "|".join(list(BUILTINS) + ["kernel"])
-  code = re.sub(r"\[\[\s*(" + names + r")\s*\]\]", lambda m: " " * len(m.group(0)), code)
+  # Any remaining MSL attribute (e.g. `[[threadgroup(0)]]` or
+  # `[[thread_index_in_simdgroup]]` on helper-function parameters).
+  code = ATTR_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)) if is_msl_attribute(m.group(1))
+                     else m.group(0), code)
+  # MSL literal suffixes: 1.0h (half), 1.0bf (bfloat).
+  code = LITERAL_RE.sub(
+      lambda m: f"static_cast<{'half' if m.group(2) in 'hH' else 'bfloat'}>({m.group(1)})", code)
+  code = remove_address_space_duplicates(code)
+  code = rewrite_element_addresses(code)
 
   # A non-template kernel is its own host name.
   for name, k in kernels.items():
@@ -260,6 +412,51 @@ def transform(src: str, path: str):
     if func not in kernels:
       raise PrepassError(f"{path}: host_name {host!r} instantiates unknown kernel {func!r}")
   return code, constants, instantiations, kernels
+
+
+ELEMENT_ADDRESS_RE = re.compile(r"&\s*(\(\s*)?([A-Za-z_]\w*(?:\s*(?:\.|->)\s*[A-Za-z_]\w*)*)\s*\[")
+
+
+def rewrite_element_addresses(code: str) -> str:
+  """``&p[i]`` / ``&(p[i])`` -> ``::msl::rt::element_address(p, i)``.
+
+  Taking the address of an element of a device buffer would turn the checked
+  pointer into a raw one: what is written or read through it afterwards would
+  be neither bounds-checked nor counted (library code passes ``&dst[offset]``
+  to helpers that store through it). element_address keeps a checked pointer
+  (``p + i``) for device buffers and is ``&p[i]`` for anything else. Only a
+  unary ``&`` applied to one subscript is rewritten (``&a[i][j]`` is left as
+  is).
+  """
+  out, pos = [], 0
+  for m in ELEMENT_ADDRESS_RE.finditer(code):
+    if m.start() < pos:
+      continue
+    before = code[:m.start()].rstrip()
+    prev = before[-1:] if before else ""
+    # A binary `&` (or `&&`) follows an operand; a unary one does not.
+    if (prev.isalnum() or prev in "_)]&" or code[m.start() + 1:m.start() + 2] == "&" or
+        re.search(r"\b(operator|template)\s*$", before)):
+      continue
+    try:
+      close = match_close(code, m.end() - 1, "[", "]")
+    except PrepassError:
+      continue
+    end = close + 1
+    if m.group(1):  # &( p[i] )
+      rest = re.match(r"\s*\)", code[end:])
+      if not rest:
+        continue
+      end += rest.end()
+    elif re.match(r"\s*(\[|\.|->|\()", code[end:]):
+      continue  # &p[i][j], &p[i].x, ...: not one element of p
+    index = code[m.end():close]
+    out.append(code[pos:m.start()])
+    text = f"::msl::rt::element_address({m.group(2)}, ({index}))"
+    out.append(text + "\n" * (code[m.start():end].count("\n") - text.count("\n")))
+    pos = end
+  out.append(code[pos:])
+  return "".join(out)
 
 
 TYPE_RE = r"[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?"
@@ -329,7 +526,11 @@ def glue(path: str, constants, instantiations, kernels) -> str:
     g.extend(f"    {{{idx}, \"{n}\"}}," for n, idx in used)
     g.append("    {-1, \"\"}};")
     fn = func if targs is None else f"{func}<{targs}>"
-    g.append(f"void msl_emu_run_{i}() {{ ::msl::rt::invoke(&{fn}, msl_emu_attrs_{i}); }}")
+    check = ""
+    if k.max_threads is not None:
+      limit = f"msl_emu_max_threads_{func}" + ("()" if targs is None else f"<{targs}>()")
+      check = f"::msl::rt::check_max_threads({limit}); "
+    g.append(f"void msl_emu_run_{i}() {{ {check}::msl::rt::invoke(&{fn}, msl_emu_attrs_{i}); }}")
     entries.append(f"    {{\"{host}\", \"{path}\", &msl_emu_run_{i}, &msl_emu_set_constants, "
                    f"msl_emu_consts_{i}, {len(used)}}},")
   g.append("const ::msl::rt::KernelEntry msl_emu_entries[] = {")
@@ -347,7 +548,11 @@ def main(argv):
   parser.add_argument("output")
   parser.add_argument("--cxx", default=os.environ.get("CXX", "c++"),
                       help="C++ compiler whose preprocessor runs first")
-  parser.add_argument("-I", dest="include_dirs", action="append", default=[])
+  parser.add_argument("-I", dest="include_dirs", action="append", default=[],
+                      help="include search root for the .metal file's #include \"...\"")
+  parser.add_argument("--kernels", default=None,
+                      help="comma-separated host names: register (and so instantiate) only "
+                           "these kernels")
   args = parser.parse_args(argv[1:])
   src_path, out_path = args.input, args.output
   try:
@@ -355,6 +560,12 @@ def main(argv):
     code, constants, insts, kernels = transform(src, src_path)
     if not insts:
       raise PrepassError(f"{src_path}: no [[host_name]] kernel instantiations found")
+    if args.kernels is not None:
+      wanted = [k for k in args.kernels.split(",") if k]
+      missing = sorted(set(wanted) - {host for host, _, _ in insts})
+      if missing:
+        raise PrepassError(f"{src_path}: no kernel instantiated as {', '.join(missing)}")
+      insts = [inst for inst in insts if inst[0] in wanted]
     text = ("// Generated from " + src_path + " by msl_prepass.py. Do not edit.\n"
             "#include <metal_stdlib>\n" + code + glue(src_path, constants, insts, kernels))
   except PrepassError as e:

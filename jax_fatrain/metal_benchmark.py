@@ -153,6 +153,10 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
       "sampled_fraction": (tot["threadgroups_executed"] / tot["threadgroups_total"]
                            if tot["threadgroups_total"] else None),
       "modelled_seconds": {g: sum(d["modelled_seconds"][g] for d in ds) for g in gpus},
+      # Per GPU, the term that sets the most modelled time over the pass's dispatches.
+      "modelled_bound": {g: max(metal_model.TERMS, key=lambda t, g=g: sum(
+          d["modelled_seconds"][g] for d in ds if d["modelled_bound"][g] == t))
+                         for g in gpus},
       "model_note": MODEL_NOTE,
       "emulator_seconds": seconds,
       "dispatches": ds,
@@ -263,7 +267,7 @@ def _key(r: Mapping[str, Any]) -> tuple:
 def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
   """(header, rows): one row per record."""
   header = ["impl", "pass", "T", "D", "causal", "B/FLOP", "coalesc", "TG MB", "MMA M",
-            "barriers", "races", "sampled"] + [f"{g} us" for g in gpus]
+            "barriers", "races", "sampled", f"{gpus[0]} bound"] + [f"{g} us" for g in gpus]
   rows = []
   for r in records:
     rows.append([
@@ -276,6 +280,7 @@ def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
         f"{r['barriers']:.0f}",
         str(r["races"]),
         "-" if r["sampled_fraction"] is None else f"{r['sampled_fraction']:.3f}",
+        r["modelled_bound"][gpus[0]],
     ] + [_fmt_us(r["modelled_seconds"].get(g)) for g in gpus])
   return header, rows
 
@@ -404,6 +409,13 @@ def check_available(impls: Sequence[str]):
   mlx, why = mlx_runner()
   if mlx is None:
     raise Unavailable(why + "; pass --impls ours to run our kernels alone")
+  fetch = getattr(mlx, "fetch_mlx_kernels", None)
+  if callable(fetch):
+    try:
+      fetch()
+    except RuntimeError as e:  # MlxUnavailable: no network, no pip, wrong hash
+      raise Unavailable(f"MLX's kernel headers are not available: {e}; pass --impls ours to "
+                        "run our kernels alone") from e
   return mlx
 
 
@@ -467,7 +479,9 @@ def main(args) -> list[dict[str, Any]]:
   print("B/FLOP: device bytes requested per FLOP; coalesc: device bytes / (128-byte lines "
         "touched x 128); TG MB: threadgroup-memory bytes read + written; MMA M: millions of "
         "8x8x8 simdgroup multiply-accumulates; barriers: threadgroup barriers executed, summed "
-        "over threadgroups; <GPU> us: modelled lower bound (a model, not a measurement)")
+        "over threadgroups; bound: the model's term that sets most of the time (compute, "
+        "threadgroup, device, dram); <GPU> us: modelled lower bound (a model, not a "
+        "measurement)")
   if "mlx" in impls or "fwd+bwd" in passes:
     header, rows = build_ratios(records, gpus)
     print()

@@ -150,6 +150,7 @@ def test_summarize_fields():
     assert "not measurements" in r["model_note"]
   # The forward's dispatches appear once in fwd+bwd, before the backward's.
   assert [d["kernel"] for d in full["dispatches"]][0] == "flash_attn_train_fwd_bf16_d64"
+  assert ours["modelled_bound"]["M1"] == "device" and mlx["modelled_bound"]["M1"] == "compute"
   # 8e6 lines x 128 B at 64 B/core-cycle outweigh 2e6 MMAs at 101.7 FMA/core-cycle:
   # the synthetic uncoalesced forward is device-bound, MLX's staged one is not.
   assert ours["dispatches"][0]["modelled_bound"]["M1"] == "device"
@@ -170,6 +171,7 @@ def test_tables_and_ratios():
   header, rows = metal_benchmark.build_table(records, gpus)
   assert header[:6] == ["impl", "pass", "T", "D", "causal", "B/FLOP"]
   assert header[-len(gpus):] == [f"{g} us" for g in gpus]
+  assert header[-len(gpus) - 1] == "M1 bound" and rows[0][-len(gpus) - 1] == "device"
   assert [r[:2] for r in rows] == [["ours", "fwd"], ["ours", "fwd+bwd"], ["mlx", "fwd"]]
   assert rows[0][6] == f"{4e7 / (8e6 * 128):.2f}"
   header, rows = metal_benchmark.build_ratios(records, gpus)
@@ -270,3 +272,27 @@ def test_metal_model_command_ours(tmp_path, capsys):
   assert kernels[0].startswith("flash_attn_train_fwd_bf16_d64")
   assert any(k.startswith("flash_attn_train_bwd_dkdv") for k in kernels)
   assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_metal_model_command_with_mlx(capsys):
+  from jax_fatrain import _metal_emulated, _mlx_reference, benchmark
+  if _metal_emulated.IMPORT_ERROR is not None:
+    pytest.skip(f"metal_emulated not built: {_metal_emulated.IMPORT_ERROR}")
+  try:
+    _mlx_reference.fetch_mlx_kernels()
+  except _mlx_reference.MlxUnavailable as e:
+    pytest.skip(f"MLX's kernel headers are not available: {e}")
+  T, D = 128, 64
+  out = benchmark.main(["--metal-model", "--seq-lens", str(T), "--head-dims", str(D),
+                        "--causal", "off", "--fwd-only", "--sample", "all"])
+  records = {r["implementation"]: r for r in out["records"]}
+  assert set(records) == {"ours", "mlx"}
+  mlx = records["mlx"]
+  assert mlx["pass"] == "fwd" and mlx["races"] == 0 and mlx["sampled_fraction"] == 1.0
+  assert mlx["dispatches"][0]["kernel"].startswith("steel_attention_bfloat16_bq32_bk32_bd64")
+  assert mlx["mma"] >= 2 * T * T * D / 512
+  # MLX stages Q, K and V in threadgroup memory; each is read from device memory at least once.
+  assert mlx["threadgroup_bytes"] > 0 and mlx["device_bytes"] >= 3 * T * D * 2
+  text = capsys.readouterr().out
+  line = [l for l in text.splitlines() if l.split()[:3] == [str(T), str(D), "no"]]
+  assert len(line) == 1 and line[0].count("x") >= 2 + len(metal_model.DEFAULT_GPUS)

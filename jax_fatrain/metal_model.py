@@ -66,13 +66,16 @@ MATRIX_FMA_PER_CORE_CYCLE_F32 = 101.7
 # Threadgroup-memory bandwidth per core-cycle: ASSUMED 64 bytes. [MB] listed
 # "Shared BW/Cycle 64 B" for Apple 7/8 in its earlier revisions (e.g. commit
 # 2ed5b31) and marks it "TBD" in the current one, noting that Apple "reduces
-# the amount of threadgroup memory bandwidth". 64 B/cycle is the half of the
-# 128 B/cycle of AMD and Nvidia cores in the same table.
+# the amount of threadgroup memory bandwidth" (the same table gives 128 B/cycle
+# for AMD and Nvidia cores).
 TG_BYTES_PER_CORE_CYCLE = 64.0
 
 # L1 data-cache bandwidth per core-cycle ("On-Core Data BW/Cycle 64 B", Apple
 # 7/8, [MB] "On-Chip Memory" table) and the global cache line size ("Global
-# Cache Line 128 B", same table). Apple 9: ASSUMED unchanged.
+# Cache Line 128 B", same table). Apple 9: ASSUMED unchanged. ASSUMED: every
+# line an instruction touches costs a whole line of that bandwidth (no
+# partial-line transfers), so an instruction that uses half of each line it
+# touches costs twice its bytes.
 L1_BYTES_PER_CORE_CYCLE = 64.0
 CACHE_LINE_BYTES = 128
 

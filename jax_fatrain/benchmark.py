@@ -30,6 +30,10 @@ fresh subprocess (``python -m jax_fatrain.benchmark --_single ...``) that import
 creates the inputs and compiles, then records a baseline and runs the call once;
 the figure is the growth of the process' peak resident set size over that baseline.
 See :func:`_single` for the details.
+
+``--metal-model`` runs something else: our Metal kernels and MLX's steel attention
+forward through the MSL emulator with cost counters, and a lower-bound cost model of
+named Apple GPUs over those counters (:mod:`jax_fatrain.metal_benchmark`).
 """
 
 from __future__ import annotations
@@ -528,7 +532,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="implementation= given to jax_fatrain.dot_product_attention for "
                  "the 'ours' column (default cpu)")
   p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--heads", type=int, default=None, help="default 8 (--metal-model: 1)")
   p.add_argument("--repeats", type=int, default=3, help="timed calls per cell (min 3)")
   p.add_argument("--fwd-only", action="store_true", help="skip forward+backward rows")
   p.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -540,7 +544,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--xla-max-seq-len", type=int, default=None,
                  help="skip XLA cells with T above this (the slowest ones)")
   p.add_argument("--_single", default=None, help=argparse.SUPPRESS)
+  mm = p.add_argument_group(
+      "--metal-model", "count our Metal kernels and MLX's steel attention forward in the MSL "
+      "emulator and model their time on Apple GPUs (defaults: T=1024,4096, D=64,128,256, "
+      "bf16, one head, impls ours,mlx; a model, not a measurement)")
+  mm.add_argument("--metal-model", action="store_true",
+                  help="run the emulator comparison instead of the CPU timings")
+  mm.add_argument("--json", default=None, help="save the records to this JSON file")
+  mm.add_argument("--plot", default=None, help="save a plot to this file (needs matplotlib)")
+  mm.add_argument("--sample", default="8",
+                  help="threadgroups run per dispatch: a count (default 8), a fraction "
+                  "such as 0.25, or 'all'; counters are scaled to the whole grid")
+  mm.add_argument("--gpus", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                  default=None, help="comma-separated GPU names of jax_fatrain.metal_model "
+                  "(default M1,M2 Max,M3 Max,M4 Max)")
   args = p.parse_args(argv)
+  if args.metal_model:
+    args.seq_lens = args.seq_lens or [1024, 4096]
+    args.dtypes = args.dtypes or ["bfloat16"]
+    args.heads = args.heads or 1
+    if args.impls == list(IMPLS):
+      args.impls = ["ours", "mlx"]
+  args.heads = args.heads or 8
   if args.quick:
     args.seq_lens = args.seq_lens or [512]
     args.head_dims = args.head_dims or [64]
@@ -560,6 +585,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args._single is not None:
     print(json.dumps(_single(json.loads(args._single))), flush=True)
     return {}
+  if args.metal_model:
+    from jax_fatrain import metal_benchmark  # pylint: disable=import-outside-toplevel
+    try:
+      return {"records": metal_benchmark.main(args)}
+    except metal_benchmark.Unavailable as e:
+      sys.exit(f"--metal-model: {e}")
 
   status = available_impls()
   impls = [i for i in IMPLS if i in args.impls and status.get(i) is None]

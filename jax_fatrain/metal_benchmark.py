@@ -1,0 +1,496 @@
+"""Our Metal kernels against MLX's steel attention, counted by the MSL emulator.
+
+``python -m jax_fatrain.benchmark --metal-model [--json FILE] [--plot FILE]``
+runs, in one process and on the same problems, our forward and
+forward+backward (``implementation="metal_emulated"``) and MLX's steel
+attention forward, all through the MSL emulator with cost counters recording
+(:mod:`jax_fatrain.metal_profile`). Nothing is timed: the emulator counts, per
+dispatch, simdgroup matrix multiply-accumulates, device bytes and the cache
+lines they touch, threadgroup-memory bytes, barriers and races, and
+:mod:`jax_fatrain.metal_model` turns the counts into a modelled lower-bound
+time on named Apple GPUs. Those times are a MODEL, not measurements.
+
+The emulator is slow (every GPU thread is a CPU fiber), so by default each
+dispatch runs a stratified sample of its threadgroups (``--sample``: a count
+per dispatch, or a fraction) and the counters are scaled to the whole grid;
+the sampled fraction is in every record. A sampled run's outputs are
+incomplete, which does not change the counts: the kernels' loads, stores,
+matrix operations and barriers do not depend on the values.
+
+Records (``--json``): one per (implementation, pass, problem) with the fields
+``implementation`` ("ours"/"mlx"), ``pass`` ("fwd"/"fwd+bwd"), ``dtype``,
+``head_dim``, ``seq_len``, ``causal``, ``flops`` (FlashAttention convention:
+4·B·N·T·S·D forward, halved when causal, x3.5 forward+backward),
+``device_bytes`` (requested by lanes, read + written), ``coalescing``
+(device bytes / (128-byte lines touched x 128)), ``threadgroup_bytes`` (read +
+written), ``mma``, ``barriers``, ``races``, ``sampled_fraction`` and
+``modelled_seconds`` ({GPU: seconds}), plus the per-dispatch counters and
+model terms under ``dispatches``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from jax_fatrain import metal_model
+
+MODEL_NOTE = ("modelled_seconds: lower bounds from jax_fatrain.metal_model (a model over "
+              "emulator counters), not measurements")
+
+class Unavailable(RuntimeError):
+  """A part the comparison needs is missing from this build or installation."""
+
+
+# Counter keys summed over a pass's dispatches.
+_SUMMED = ("simdgroup_mma", "device_bytes_read", "device_bytes_written", "device_lines64",
+           "device_lines128", "tg_bytes_read", "tg_bytes_written", "barriers", "races",
+           "threadgroups_executed", "threadgroups_total")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One attention problem: [B, T, N, D] queries, keys and values, T = S."""
+
+  seq_len: int
+  head_dim: int
+  causal: bool
+  dtype: str = "bfloat16"
+  batch: int = 1
+  heads: int = 1
+
+  def flops(self, pass_: str) -> float:
+    f = 4.0 * self.batch * self.heads * self.seq_len * self.seq_len * self.head_dim
+    if self.causal:
+      f /= 2
+    return f * 3.5 if pass_ == "fwd+bwd" else f
+
+  @property
+  def itemsize(self) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+
+  def label(self) -> str:
+    return f"T={self.seq_len} D={self.head_dim} {'causal' if self.causal else 'full'}"
+
+
+def compulsory_bytes(kernel: str, p: Problem) -> int | None:
+  """Bytes a dispatch must move to or from DRAM at least once (its operands).
+
+  From the kernel's role, which its name says: our forward reads Q, K, V and
+  writes O and the float32 logsumexp L; compute-D reads O and dO and writes
+  float32 Delta; dQ reads Q, K, V, dO, L, Delta and writes dQ; dK/dV reads the
+  same and writes dK and dV; MLX's attention forward reads Q, K, V and writes
+  O. None for a kernel of unknown role (the model then has no DRAM term).
+  """
+  tensor = p.batch * p.heads * p.seq_len * p.head_dim * p.itemsize
+  rows = p.batch * p.heads * p.seq_len * 4  # one float32 per query row
+  if kernel.startswith("flash_attn_train_fwd"):
+    return 4 * tensor + rows
+  if kernel.startswith("flash_attn_train_bwd_compute_d"):
+    return 2 * tensor + rows
+  if kernel.startswith("flash_attn_train_bwd_dq"):
+    return 5 * tensor + 2 * rows
+  if kernel.startswith("flash_attn_train_bwd_dkdv"):
+    return 6 * tensor + 2 * rows
+  if "attention" in kernel:  # MLX's steel attention forward
+    return 4 * tensor
+  return None
+
+
+def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[str, Any]],
+              gpus: Sequence[str], seconds: float | None = None) -> dict[str, Any]:
+  """One record from a pass's per-dispatch counters (see the module docstring)."""
+  if not dispatches:
+    raise ValueError(f"{impl} {pass_} {p.label()}: no dispatch was recorded")
+  ds = []
+  for d in dispatches:
+    d = dict(d)
+    if d.get("dram_bytes") is None:
+      cb = compulsory_bytes(str(d.get("kernel", "")), p)
+      if cb is not None:
+        d["dram_bytes"] = cb
+    est = {g: metal_model.dispatch_time(d, g) for g in gpus}
+    d["modelled_seconds"] = {g: e.seconds for g, e in est.items()}
+    d["modelled_bound"] = {g: e.bound for g, e in est.items()}
+    d["modelled_terms"] = {g: e.terms for g, e in est.items()}
+    ds.append(d)
+  tot = {k: sum(float(d.get(k, 0) or 0) for d in ds) for k in _SUMMED}
+  device_bytes = tot["device_bytes_read"] + tot["device_bytes_written"]
+  lines_bytes = tot["device_lines128"] * 128
+  flops = p.flops(pass_)
+  reports = [r for d in ds for r in (d.get("race_reports") or [])]
+  return {
+      "implementation": impl,
+      "pass": pass_,
+      "dtype": p.dtype,
+      "batch": p.batch,
+      "heads": p.heads,
+      "head_dim": p.head_dim,
+      "seq_len": p.seq_len,
+      "causal": p.causal,
+      "flops": flops,
+      "device_bytes": device_bytes,
+      "device_bytes_per_flop": device_bytes / flops,
+      "device_lines128": tot["device_lines128"],
+      "device_lines64": tot["device_lines64"],
+      "coalescing": device_bytes / lines_bytes if lines_bytes else None,
+      "threadgroup_bytes": tot["tg_bytes_read"] + tot["tg_bytes_written"],
+      "peak_threadgroup_bytes": max(int(d.get("peak_tg_bytes", 0) or 0) for d in ds),
+      "mma": tot["simdgroup_mma"],
+      "barriers": tot["barriers"],
+      "races": int(tot["races"]),
+      "race_reports": reports[:5],
+      "threadgroups_executed": tot["threadgroups_executed"],
+      "threadgroups_total": tot["threadgroups_total"],
+      "sampled_fraction": (tot["threadgroups_executed"] / tot["threadgroups_total"]
+                           if tot["threadgroups_total"] else None),
+      "modelled_seconds": {g: sum(d["modelled_seconds"][g] for d in ds) for g in gpus},
+      # Per GPU, the term that sets the most modelled time over the pass's dispatches.
+      "modelled_bound": {g: max(metal_model.TERMS, key=lambda t, g=g: sum(
+          d["modelled_seconds"][g] for d in ds if d["modelled_bound"][g] == t))
+                         for g in gpus},
+      "model_note": MODEL_NOTE,
+      "emulator_seconds": seconds,
+      "dispatches": ds,
+  }
+
+
+# ---------------------------------------------------------------------------
+# Running the kernels
+# ---------------------------------------------------------------------------
+
+
+def _profile():
+  try:
+    return importlib.import_module("jax_fatrain.metal_profile")
+  except ImportError as e:
+    raise Unavailable(
+        "the emulator's counters API (jax_fatrain.metal_profile) is not available in this "
+        f"build: {e}") from e
+
+
+def run_ours(p: Problem, sample, passes: Sequence[str]) -> tuple[list[dict], list[dict], float]:
+  """Our forward's and backward's dispatch records and the emulator's seconds.
+
+  ``metal_profile.run_problem``: the forward once, then (for "fwd+bwd") the
+  backward, whose O and L come from the CPU implementation when sampling (a
+  sampled forward leaves them incomplete).
+  """
+  mp = _profile()
+  t0 = time.perf_counter()
+  launches = mp.run_problem(seq_len=p.seq_len, head_dim=p.head_dim, batch=p.batch,
+                            q_heads=p.heads, kv_heads=p.heads, dtype=p.dtype, causal=p.causal,
+                            backward="fwd+bwd" in passes, sample=sample)
+  seconds = time.perf_counter() - t0
+  fwd = [d for d in launches if d.get("target") == "forward"]
+  bwd = [d for d in launches if d.get("target") == "backward"]
+  return fwd, bwd, seconds
+
+
+_MLX_MODULES = ("jax_fatrain.metal_reference", "jax_fatrain._mlx_reference")
+
+
+def mlx_runner() -> tuple[Any, str | None]:
+  """(module, None) for MLX's attention on the emulator, or (None, why not)."""
+  errors = []
+  for name in _MLX_MODULES:
+    try:
+      mod = importlib.import_module(name)
+    except ImportError as e:
+      errors.append(f"{name}: {e}")
+      continue
+    if hasattr(mod, "mlx_attention_forward"):
+      return mod, None
+    errors.append(f"{name} has no mlx_attention_forward")
+  return None, "MLX's steel attention on the emulator is not available (" + "; ".join(errors) + ")"
+
+
+def mlx_supports(mod, p: Problem) -> bool:
+  """Whether MLX's runner has a kernel for this problem."""
+  try:
+    mod.mlx_kernel_name(p.dtype, p.head_dim)
+  except (ValueError, KeyError):
+    return False
+  return True
+
+
+def run_mlx(mod, p: Problem, sample) -> tuple[list[dict], float]:
+  """MLX's forward dispatch record(s) and the emulator's seconds."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  dt = {"bfloat16": ml_dtypes.bfloat16}.get(p.dtype, p.dtype)
+  shape = (p.batch, p.heads, p.seq_len, p.head_dim)  # MLX's layout
+  q, k, v = (rng.standard_normal(shape, dtype=np.float32).astype(dt) for _ in range(3))
+  kwargs = {}
+  if sample is not None:
+    if "sample" not in inspect.signature(mod.mlx_attention_forward).parameters:
+      raise Unavailable("MLX's runner cannot sample threadgroups; pass --sample all")
+    kwargs["sample"] = sample
+  counters: dict[str, Any] = {}
+  t0 = time.perf_counter()
+  mod.mlx_attention_forward(q, k, v, scale=1.0 / math.sqrt(p.head_dim), causal=p.causal,
+                            counters=counters, **kwargs)
+  seconds = time.perf_counter() - t0
+  if not counters:
+    raise Unavailable("MLX's runner returned no counters")
+  counters.setdefault("kernel", mod.mlx_kernel_name(p.dtype, p.head_dim))
+  return [counters], seconds
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def _fmt_us(s: float | None) -> str:
+  return "-" if s is None else f"{s * 1e6:.1f}"
+
+
+def _fmt_x(a: float | None, b: float | None) -> str:
+  if a is None or b is None or not b:
+    return "-"
+  return f"{a / b:.2f}x"
+
+
+def _key(r: Mapping[str, Any]) -> tuple:
+  return (r["seq_len"], r["head_dim"], r["causal"], r["dtype"])
+
+
+def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
+  """(header, rows): one row per record."""
+  header = ["impl", "pass", "T", "D", "causal", "B/FLOP", "coalesc", "TG MB", "MMA M",
+            "barriers", "races", "sampled", f"{gpus[0]} bound"] + [f"{g} us" for g in gpus]
+  rows = []
+  for r in records:
+    rows.append([
+        r["implementation"], r["pass"], str(r["seq_len"]), str(r["head_dim"]),
+        "yes" if r["causal"] else "no",
+        f"{r['device_bytes_per_flop']:.4f}",
+        "-" if r["coalescing"] is None else f"{r['coalescing']:.2f}",
+        f"{r['threadgroup_bytes'] / 1e6:.1f}",
+        f"{r['mma'] / 1e6:.2f}",
+        f"{r['barriers']:.0f}",
+        str(r["races"]),
+        "-" if r["sampled_fraction"] is None else f"{r['sampled_fraction']:.3f}",
+        r["modelled_bound"][gpus[0]],
+    ] + [_fmt_us(r["modelled_seconds"].get(g)) for g in gpus])
+  return header, rows
+
+
+def build_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
+  """(header, rows): per problem, ours/MLX forward and our fwd+bwd / our fwd."""
+  by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
+  keys = sorted({_key(r) for r in records})
+  header = (["T", "D", "causal", "B/FLOP ours/mlx", "coalesc ours/mlx"]
+            + [f"fwd {g} ours/mlx" for g in gpus]
+            + [f"fwd+bwd/fwd {g}" for g in gpus])
+  rows = []
+  for key in keys:
+    ours, mlx, full = (by.get(("ours", "fwd", key)), by.get(("mlx", "fwd", key)),
+                       by.get(("ours", "fwd+bwd", key)))
+    row = [str(key[0]), str(key[1]), "yes" if key[2] else "no"]
+    row.append(_fmt_x(ours and ours["device_bytes_per_flop"], mlx and mlx["device_bytes_per_flop"]))
+    row.append(_fmt_x(ours and ours["coalescing"], mlx and mlx["coalescing"]))
+    row += [_fmt_x(ours and ours["modelled_seconds"][g], mlx and mlx["modelled_seconds"][g])
+            for g in gpus]
+    row += [_fmt_x(full and full["modelled_seconds"][g], ours and ours["modelled_seconds"][g])
+            for g in gpus]
+    rows.append(row)
+  return header, rows
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+            for i, h in enumerate(header)]
+  fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+  return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def save_json(records: Sequence[Mapping[str, Any]], path: str) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(list(records), f, indent=1, default=float)
+    f.write("\n")
+
+
+def _matplotlib():
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise Unavailable("--plot needs matplotlib (pip install matplotlib)") from e
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -> None:
+  """Ratios ours/MLX of the modelled forward time, and modelled times per GPU."""
+  plt = _matplotlib()
+
+  by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
+  keys = sorted({_key(r) for r in records})
+  labels = [f"T={k[0]}\nD={k[1]}\n{'causal' if k[2] else 'full'}" for k in keys]
+  x = np.arange(len(keys))
+  ncols = 2
+  nrows = 1 + (len(gpus) + ncols - 1) // ncols
+  fig = plt.figure(figsize=(max(8.0, 1.1 * len(keys) * ncols), 3.2 * nrows))
+  grid = fig.add_gridspec(nrows, ncols)
+
+  ax = fig.add_subplot(grid[0, :])
+  width = 0.8 / max(1, len(gpus))
+  plotted = False
+  for i, g in enumerate(gpus):
+    vals = []
+    for k in keys:
+      ours, mlx = by.get(("ours", "fwd", k)), by.get(("mlx", "fwd", k))
+      vals.append(ours["modelled_seconds"][g] / mlx["modelled_seconds"][g]
+                  if ours and mlx and mlx["modelled_seconds"][g] else np.nan)
+    plotted |= not all(np.isnan(vals))
+    ax.bar(x + (i - (len(gpus) - 1) / 2) * width, vals, width, label=g)
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.set_xticks(x, labels, fontsize=7)
+  ax.set_ylabel("ours / MLX")
+  ax.set_title("Modelled forward time, ours / MLX (a model, not a measurement)")
+  if plotted:
+    ax.legend(fontsize=7)
+  else:
+    ax.text(0.5, 0.5, "no MLX records", transform=ax.transAxes, ha="center")
+
+  series = [("ours", "fwd"), ("mlx", "fwd"), ("ours", "fwd+bwd")]
+  width = 0.8 / len(series)
+  for j, g in enumerate(gpus):
+    ax = fig.add_subplot(grid[1 + j // ncols, j % ncols])
+    for i, (impl, pass_) in enumerate(series):
+      vals = [by[(impl, pass_, k)]["modelled_seconds"][g] * 1e6 if (impl, pass_, k) in by
+              else np.nan for k in keys]
+      ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=f"{impl} {pass_}")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_ylabel("modelled us")
+    ax.set_title(f"{g}: modelled lower-bound time", fontsize=9)
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------
+
+
+def parse_sample(s: str | None):
+  """``--sample``: "all" (None), an int (threadgroups per dispatch) or a fraction."""
+  if s is None or s == "all":
+    return None
+  if "." in s or "e" in s.lower():
+    f = float(s)
+    if not 0 < f <= 1:
+      raise ValueError(f"--sample fraction must be in (0, 1], got {s}")
+    return f
+  n = int(s)
+  if n < 1:
+    raise ValueError(f"--sample count must be >= 1, got {s}")
+  return n
+
+
+def check_available(impls: Sequence[str]):
+  """Raises Unavailable unless every part ``impls`` needs is there; MLX's runner or None."""
+  _profile()
+  if "mlx" not in impls:
+    return None
+  mlx, why = mlx_runner()
+  if mlx is None:
+    raise Unavailable(why + "; pass --impls ours to run our kernels alone")
+  fetch = getattr(mlx, "fetch_mlx_kernels", None)
+  if callable(fetch):
+    try:
+      fetch()
+    except RuntimeError as e:  # MlxUnavailable: no network, no pip, wrong hash
+      raise Unavailable(f"MLX's kernel headers are not available: {e}; pass --impls ours to "
+                        "run our kernels alone") from e
+  return mlx
+
+
+def run(problems: Sequence[Problem], *, impls: Sequence[str] = ("ours", "mlx"),
+        passes: Sequence[str] = ("fwd", "fwd+bwd"), sample=8,
+        gpus: Sequence[str] = metal_model.DEFAULT_GPUS,
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+        ) -> list[dict[str, Any]]:
+  """Runs every (implementation, pass, problem); returns the records."""
+  mlx = check_available(impls)
+  records = []
+  t_start = time.perf_counter()
+  for n, p in enumerate(problems, 1):
+    done = []
+    if "ours" in impls:
+      fwd, bwd, t = run_ours(p, sample, passes)
+      if "fwd" in passes:
+        records.append(summarize("ours", "fwd", p, fwd, gpus, t if len(passes) == 1 else None))
+      if "fwd+bwd" in passes:
+        records.append(summarize("ours", "fwd+bwd", p, fwd + bwd, gpus, t))
+      done.append(f"ours {t:.1f}s")
+    if mlx is not None and "fwd" in passes:
+      if mlx_supports(mlx, p):
+        launches, t = run_mlx(mlx, p, sample)
+        records.append(summarize("mlx", "fwd", p, launches, gpus, t))
+        done.append(f"mlx {t:.1f}s")
+      else:
+        done.append("mlx: no kernel")
+    log(f"[{n}/{len(problems)} {time.perf_counter() - t_start:.0f}s] {p.dtype} {p.label()}: "
+        + ", ".join(done))
+  return records
+
+
+def main(args) -> list[dict[str, Any]]:
+  """``python -m jax_fatrain.benchmark --metal-model``: prints, saves, plots."""
+  gpus = list(args.gpus or metal_model.DEFAULT_GPUS)
+  for g in gpus:
+    metal_model.gpu(g)
+  causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
+  problems = [Problem(seq_len=t, head_dim=d, causal=c, dtype=dt, batch=args.batch,
+                      heads=args.heads)
+              for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
+              for c in causal]
+  impls = [i for i in args.impls if i in ("ours", "mlx")]
+  passes = ["fwd"] if args.fwd_only else ["fwd", "fwd+bwd"]
+  sample = parse_sample(args.sample)
+  check_available(impls)  # fail now, not after a long run
+  if args.plot:
+    _matplotlib()
+  print(f"Metal kernels through the MSL emulator, B={args.batch}, {args.heads} query and kv "
+        f"head(s), T=S, sample={args.sample} threadgroups per dispatch "
+        "(a count, a fraction or all; counters scaled to the whole grid)")
+  print("\n".join(metal_model.describe(gpus)))
+  sys.stdout.flush()
+  t0 = time.perf_counter()
+  records = run(problems, impls=impls, passes=passes, sample=sample, gpus=gpus)
+  wall = time.perf_counter() - t0
+  header, rows = build_table(records, gpus)
+  print()
+  print(format_table(header, rows))
+  print("B/FLOP: device bytes requested per FLOP; coalesc: device bytes / (128-byte lines "
+        "touched x 128); TG MB: threadgroup-memory bytes read + written; MMA M: millions of "
+        "8x8x8 simdgroup multiply-accumulates; barriers: threadgroup barriers executed, summed "
+        "over threadgroups; bound: the model's term that sets most of the time (compute, "
+        "threadgroup, device, dram); <GPU> us: modelled lower bound (a model, not a "
+        "measurement)")
+  if "mlx" in impls or "fwd+bwd" in passes:
+    header, rows = build_ratios(records, gpus)
+    print()
+    print(format_table(header, rows))
+  print(f"total time {wall:.0f} s")
+  if args.json:
+    save_json(records, args.json)
+    print(f"saved {len(records)} records to {args.json}")
+  if args.plot:
+    plot(records, gpus, args.plot)
+    print(f"saved the plot to {args.plot}")
+  return records

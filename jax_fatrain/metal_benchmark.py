@@ -22,7 +22,10 @@ Records (``--json``): one per (implementation, pass, problem) with the fields
 ``head_dim``, ``seq_len``, ``causal``, ``flops`` (FlashAttention convention:
 4·B·N·T·S·D forward, halved when causal, x3.5 forward+backward),
 ``device_bytes`` (requested by lanes, read + written), ``coalescing``
-(device bytes / (128-byte lines touched x 128)), ``threadgroup_bytes`` (read +
+(device bytes / (128-byte lines touched x 128), lines counted per simdgroup
+and synchronisation interval, i.e. once a compiler has merged each lane's
+contiguous accesses into vector accesses; ``coalescing_per_instruction``
+counts them per access as the source issues it), ``threadgroup_bytes`` (read +
 written), ``mma``, ``barriers``, ``races``, ``sampled_fraction`` and
 ``modelled_seconds`` ({GPU: seconds}), plus the per-dispatch counters and
 model terms under ``dispatches``.
@@ -52,8 +55,8 @@ class Unavailable(RuntimeError):
 
 # Counter keys summed over a pass's dispatches.
 _SUMMED = ("simdgroup_mma", "device_bytes_read", "device_bytes_written", "device_lines64",
-           "device_lines128", "tg_bytes_read", "tg_bytes_written", "barriers", "races",
-           "threadgroups_executed", "threadgroups_total")
+           "device_lines128", "device_lines128_merged", "tg_bytes_read", "tg_bytes_written",
+           "barriers", "races", "threadgroups_executed", "threadgroups_total")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,8 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
     ds.append(d)
   tot = {k: sum(float(d.get(k, 0) or 0) for d in ds) for k in _SUMMED}
   device_bytes = tot["device_bytes_read"] + tot["device_bytes_written"]
-  lines_bytes = tot["device_lines128"] * 128
+  lines_bytes = (tot["device_lines128_merged"] or tot["device_lines128"]) * 128
+  instr_lines_bytes = tot["device_lines128"] * 128
   flops = p.flops(pass_)
   reports = [r for d in ds for r in (d.get("race_reports") or [])]
   return {
@@ -141,7 +145,10 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
       "device_bytes_per_flop": device_bytes / flops,
       "device_lines128": tot["device_lines128"],
       "device_lines64": tot["device_lines64"],
+      "device_lines128_merged": tot["device_lines128_merged"],
       "coalescing": device_bytes / lines_bytes if lines_bytes else None,
+      "coalescing_per_instruction": (device_bytes / instr_lines_bytes
+                                     if instr_lines_bytes else None),
       "threadgroup_bytes": tot["tg_bytes_read"] + tot["tg_bytes_written"],
       "peak_threadgroup_bytes": max(int(d.get("peak_tg_bytes", 0) or 0) for d in ds),
       "mma": tot["simdgroup_mma"],

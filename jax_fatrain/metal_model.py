@@ -183,7 +183,9 @@ def dispatch_time(counters: Mapping[str, Any], g: str | AppleGPU,
   ``counters`` is one dispatch's record from ``metal_profile.record`` (counters
   already scaled to the whole grid where the dispatch was sampled): the keys
   used are ``simdgroup_mma``, ``tg_bytes_read``, ``tg_bytes_written``,
-  ``device_lines128``, ``threadgroups_total`` (``threadgroups_executed`` when
+  ``device_lines128_merged`` (the lines a simdgroup touches per synchronisation
+  interval, i.e. after a compiler merges each lane's contiguous accesses into
+  vector accesses; ``device_lines128`` where it is absent), ``threadgroups_total`` (``threadgroups_executed`` when
   the total is absent) and the optional ``dram_bytes`` (compulsory DRAM
   traffic; the ``dram`` term is 0 without it). ``dtype`` is the element type
   of the simdgroup matrices (``"float16"`` selects the FP16 matrix rate; any
@@ -199,7 +201,8 @@ def dispatch_time(counters: Mapping[str, Any], g: str | AppleGPU,
                  / (g.matrix_fma_per_core_cycle(dtype) * core_hz),
       "threadgroup": (_get(counters, "tg_bytes_read") + _get(counters, "tg_bytes_written"))
                      / (g.tg_bytes_per_core_cycle * core_hz),
-      "device": _get(counters, "device_lines128") * g.cache_line_bytes
+      "device": (_get(counters, "device_lines128_merged") or _get(counters, "device_lines128"))
+                * g.cache_line_bytes
                 / (g.l1_bytes_per_core_cycle * core_hz),
       "dram": _get(counters, "dram_bytes") / (g.dram_gb_s * 1e9),
   }
@@ -229,7 +232,7 @@ def describe(gpus: Iterable[str] = DEFAULT_GPUS) -> list[str]:
       f"({MATRIX_FMA_PER_CORE_CYCLE_F32} FMA/core-cycle float, measured on M1/M2, assumed on "
       "M3/M4)",
       f"  threadgroup = TG bytes / {TG_BYTES_PER_CORE_CYCLE:.0f} B/core-cycle (assumed); "
-      f"device = lines128 x {CACHE_LINE_BYTES} B / {L1_BYTES_PER_CORE_CYCLE:.0f} B/core-cycle "
+      f"device = merged lines128 x {CACHE_LINE_BYTES} B / {L1_BYTES_PER_CORE_CYCLE:.0f} B/core-cycle "
       "(L1); dram = compulsory bytes / memory bandwidth",
   ]
   for name in gpus:

@@ -15,12 +15,14 @@ typedef long fatrain_abi_i64;
 #define FATRAIN_ABI_BEGIN
 #define FATRAIN_ABI_END
 #define FATRAIN_ABI_CONST constant constexpr
+#define FATRAIN_ABI_FN constexpr
 #else
 #include <cstdint>
 typedef int64_t fatrain_abi_i64;
 #define FATRAIN_ABI_BEGIN namespace fatrain::metal_abi {
 #define FATRAIN_ABI_END }
 #define FATRAIN_ABI_CONST inline constexpr
+#define FATRAIN_ABI_FN inline constexpr
 #endif
 
 // ---------------------------------------------------------------------------
@@ -86,15 +88,15 @@ FATRAIN_ABI_CONST int bwd_block_q(int /*head_dim*/) { return 32; }
 // dK and dV of 8 keys x bwd_dkdv_cols head-dim columns in registers; 16-bit
 // inputs stage K and V in threadgroup memory (64 columns per simdgroup),
 // float32 keeps its K and V columns in registers (32 columns per simdgroup).
-FATRAIN_ABI_CONST int bwd_dkdv_simdgroups(int /*head_dim*/, int /*elem_bytes*/) { return 8; }
-FATRAIN_ABI_CONST int bwd_dkdv_cols(int /*head_dim*/, int elem_bytes) {
+FATRAIN_ABI_FN int bwd_dkdv_simdgroups(int /*head_dim*/, int /*elem_bytes*/) { return 8; }
+FATRAIN_ABI_FN int bwd_dkdv_cols(int /*head_dim*/, int elem_bytes) {
   return elem_bytes == 4 ? 32 : 64;
 }
-FATRAIN_ABI_CONST int bwd_block_kv(int head_dim, int elem_bytes) {
+FATRAIN_ABI_FN int bwd_block_kv(int head_dim, int elem_bytes) {
   return 8 * bwd_dkdv_simdgroups(head_dim, elem_bytes) * bwd_dkdv_cols(head_dim, elem_bytes) /
          head_dim;
 }
-FATRAIN_ABI_CONST int bwd_dkdv_block_q(int head_dim, int /*elem_bytes*/) {
+FATRAIN_ABI_FN int bwd_dkdv_block_q(int head_dim, int /*elem_bytes*/) {
   return head_dim == 64 ? 16 : 8;
 }
 

@@ -187,6 +187,12 @@ std::string validate(const Problem& p) {
   if (p.window_left > int_max || p.window_right > int_max) {
     return pre + "local window too large";
   }
+  for (const Strides* s : {&p.q, &p.k, &p.v, &p.o}) {
+    if (s->batch % 4 != 0 || s->head % 4 != 0 || s->seq % 4 != 0) {
+      return pre + "Q/K/V/O strides must be multiples of 4 elements (the kernels load "
+                   "4-element vectors)";
+    }
+  }
   if (p.mask == MaskKind::kAdditive && p.mask_dtype != p.dtype) {
     return pre + std::string("an additive mask must have the dtype of Q (") + dtype_name(p.dtype) +
            "), got " + dtype_name(p.mask_dtype);
@@ -285,8 +291,9 @@ std::string plan_backward(const Problem& p, Plan* plan) {
 
   // dK/dV: its own tiles (per head dim and element size), hence its own
   // alignment constants.
-  const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
-  const int dkdv_bq = abi::bwd_dkdv_block_q(d, es), dkdv_bkv = abi::bwd_block_kv(d, es);
+  const int dkdv_d = int(p.head_dim), dkdv_es = int(dtype_size(p.dtype));
+  const int dkdv_bq = abi::bwd_dkdv_block_q(dkdv_d, dkdv_es);
+  const int dkdv_bkv = abi::bwd_block_kv(dkdv_d, dkdv_es);
   Dispatch dkdv;
   dkdv.kernel = variant("bwd_dkdv", p);
   add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % dkdv_bkv == 0, &dkdv);
@@ -297,7 +304,7 @@ std::string plan_backward(const Problem& p, Plan* plan) {
     dkdv.bindings.push_back(buffer(i, r));
   }
   set_size(dkdv.grid, ceil_div(p.kv_len, dkdv_bkv), p.kv_heads, p.batch);
-  set_size(dkdv.threadgroup, 32, abi::bwd_dkdv_simdgroups(d, es), 1);
+  set_size(dkdv.threadgroup, 32, abi::bwd_dkdv_simdgroups(dkdv_d, dkdv_es), 1);
   plan->dispatches.push_back(std::move(dkdv));
   return "";
 }

@@ -86,6 +86,10 @@ struct dptr {
   dptr(T* p_, const BufferInfo* info_) : p(p_), info(info_) {}
   template <class U, class = std::enable_if_t<std::is_convertible<U*, T*>::value>>
   dptr(const dptr<U>& other) : p(other.p), info(other.info) {}
+  // MSL's explicit pointer casts between element types, e.g. a vector load
+  // through `(const device half4*)p`; accesses are checked for the new size.
+  template <class U, std::enable_if_t<!std::is_convertible<U*, T*>::value, int> = 0>
+  explicit dptr(const dptr<U>& other) : p(reinterpret_cast<T*>(other.p)), info(other.info) {}
 
   // Bounds check; when counting, records the access (a store if T is not
   // const: kernels read through const pointers and write through the others).

@@ -81,10 +81,9 @@ def test_kernel_variant(case):
 
 
 def test_aligned_lengths_use_unguarded_paths():
-  # q_len % 32 == 0 and kv_len % 32 == 0: align_Q / align_K are true (the
-  # dK/dV kernel's key tile at D = 64 is 32 keys for float32, 64 for bf16).
+  # q_len % 32 == 0 and kv_len % 32 == 0: align_Q / align_K are true.
   _check(Case(q_len=64, kv_len=96, q_heads=4, kv_heads=1, is_causal=True))
-  _check(Case(q_len=32, kv_len=64, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
+  _check(Case(q_len=32, kv_len=32, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
 
 
 def test_seed_api_bnth_layout():

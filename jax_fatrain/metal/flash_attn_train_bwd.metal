@@ -197,17 +197,19 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 //
 // K and V: 16-bit inputs stage the threadgroup's BKV keys in threadgroup
 // memory once (W = 64, so 32 accumulator floats per lane); float32 inputs
-// keep each simdgroup's 8 x W slice of K and V in registers (W = 32: 16
-// accumulator + 16 K/V floats per lane), because staging them would leave no
-// threadgroup memory for the query tiles at D = 256.
+// pass them through the tile buffers into registers, each simdgroup keeping
+// its 8 x W slice (W = 32: 16 accumulator + 16 K/V floats per lane), because
+// staged f32 K and V would leave no threadgroup memory for the query tiles
+// at D = 256.
 //
-// Staging: every thread loads a contiguous run of D-contiguous elements of Q
-// and dO (rows x D, lanes consecutive along the row: coalesced), issued
-// before the current tile's math and stored to threadgroup memory after it;
-// with two buffers (where 32 KiB allow) the stores go to the other buffer and
-// one barrier per tile suffices (two with the partial-score exchange). Rows
-// are padded by 16 bytes so that 8x8 fragment reads, plain or transposed,
-// fall in distinct banks.
+// Staging: threads move 4-element vectors, consecutive lanes on consecutive
+// vectors along the head dim (whole cache lines per simdgroup load). A query
+// tile's loads are issued before the previous tile's math and stored to
+// threadgroup memory after it; with two buffers (where 32 KiB allow) the
+// stores go to the other buffer and one barrier per tile suffices (two with
+// the partial-score exchange). Rows are padded by 16 bytes so that 8x8
+// fragment reads, plain or transposed, fall in distinct banks. dK and dV
+// leave through threadgroup memory as vector stores.
 // ---------------------------------------------------------------------------
 
 // 8x8 float fragment from a row-major threadgroup tile: element (r, c) =

@@ -82,8 +82,8 @@ def test_kernel_variant(case):
 
 def test_aligned_lengths_use_unguarded_paths():
   # Lengths that are multiples of every kernel's tiles, so align_Q / align_K
-  # are true (flash_attn_abi.h: at most 32 query rows, 64 keys for the 16-bit
-  # dK/dV kernel at D = 64).
+  # are true (flash_attn_abi.h: at most 32 query rows, 32 keys for the
+  # dK/dV kernel).
   _check(Case(q_len=64, kv_len=96, q_heads=4, kv_heads=1, is_causal=True))
   _check(Case(q_len=32, kv_len=64, dtype=jnp.bfloat16, bias_shape=(B, N, T, S)))
   # D = 128 (16-bit: 32-key forward tiles, 16-key dQ tiles) and f32 D = 256

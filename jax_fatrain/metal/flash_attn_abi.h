@@ -111,7 +111,9 @@ FATRAIN_ABI_FN int dq_block_k(int head_dim, int elem_bytes) {
 // dK and dV of 8 keys x bwd_dkdv_cols head-dim columns in registers; 16-bit
 // inputs stage K and V in threadgroup memory (64 columns per simdgroup),
 // float32 keeps its K and V columns in registers (32 columns per simdgroup).
-FATRAIN_ABI_FN int bwd_dkdv_simdgroups(int /*head_dim*/, int /*elem_bytes*/) { return 8; }
+FATRAIN_ABI_FN int bwd_dkdv_simdgroups(int head_dim, int elem_bytes) {
+  return head_dim == 64 && elem_bytes == 2 ? 4 : 8;
+}
 FATRAIN_ABI_FN int bwd_dkdv_cols(int /*head_dim*/, int elem_bytes) {
   return elem_bytes == 4 ? 32 : 64;
 }

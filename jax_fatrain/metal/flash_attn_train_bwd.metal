@@ -301,17 +301,19 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 //
 // K and V: 16-bit inputs stage the threadgroup's BKV keys in threadgroup
 // memory once (W = 64, so 32 accumulator floats per lane); float32 inputs
-// keep each simdgroup's 8 x W slice of K and V in registers (W = 32: 16
-// accumulator + 16 K/V floats per lane), because staging them would leave no
-// threadgroup memory for the query tiles at D = 256.
+// pass them through the tile buffers into registers, each simdgroup keeping
+// its 8 x W slice (W = 32: 16 accumulator + 16 K/V floats per lane), because
+// staged f32 K and V would leave no threadgroup memory for the query tiles
+// at D = 256.
 //
-// Staging: every thread loads a contiguous run of D-contiguous elements of Q
-// and dO (rows x D, lanes consecutive along the row: coalesced), issued
-// before the current tile's math and stored to threadgroup memory after it;
-// with two buffers (where 32 KiB allow) the stores go to the other buffer and
-// one barrier per tile suffices (two with the partial-score exchange). Rows
-// are padded by 16 bytes so that 8x8 fragment reads, plain or transposed,
-// fall in distinct banks.
+// Staging: threads move 4-element vectors, consecutive lanes on consecutive
+// vectors along the head dim (whole cache lines per simdgroup load). A query
+// tile's loads are issued before the previous tile's math and stored to
+// threadgroup memory after it; with two buffers (where 32 KiB allow) the
+// stores go to the other buffer and one barrier per tile suffices (two with
+// the partial-score exchange). Rows are padded by 16 bytes so that 8x8
+// fragment reads, plain or transposed, fall in distinct banks. dK and dV
+// leave through threadgroup memory as vector stores.
 // ---------------------------------------------------------------------------
 
 // 8x8 float fragment from a row-major threadgroup tile: element (r, c) =
@@ -329,33 +331,64 @@ inline void dkdv_load_frag_t(thread frag_t& f, const threadgroup T* src, int ld,
   f.thread_elements()[1] = float(src[(fc + 1) * ld + fr]);
 }
 
-// This thread's share of one query tile: RUN D-contiguous elements of Q and
-// of dO (row `row`, columns col .. col + RUN), and one of L * log2(e) (rows
-// 0 .. BQ-1 on threads 0 .. BQ-1) or Delta (threads BQ .. 2 BQ - 1).
-template <typename T, int RUN>
+// 4-element vectors of the input type: device loads and stores move 8 (16-bit)
+// or 16 (f32) bytes per lane, consecutive lanes consecutive vectors along the
+// head dim. Row starts are 4-element aligned (the plan requires strides that
+// are multiples of 4).
+template <typename T> struct DkdvVec4;
+template <> struct DkdvVec4<bfloat> { typedef bfloat4 type; };
+template <> struct DkdvVec4<half> { typedef half4 type; };
+template <> struct DkdvVec4<float> { typedef float4 type; };
+
+// Rows [row0, row0 + ROWS) x D of a device matrix (row stride `stride`) into
+// dst[ROWS][LD]; rows >= limit (when guarded) are zeros, never left
+// uninitialised. Vector v = i * NT + tid is row v / (D / 4), columns
+// (v % (D / 4)) * 4 .. + 3.
+template <typename T, int ROWS, int D, int LD, int NT>
+inline void dkdv_stage_rows(threadgroup T* dst, const device T* src, long stride, int row0,
+                            int limit, bool guard, int tid) {
+  typedef typename DkdvVec4<T>::type V;
+  constexpr int kVecs = ROWS * D / 4;
+  static_assert(kVecs % NT == 0, "rows must split evenly over the threads");
+  for (int i = 0; i < kVecs / NT; ++i) {
+    const int v = i * NT + tid;
+    const int row = v / (D / 4);
+    const int col = (v % (D / 4)) * 4;
+    V x = V(T(0.0f));
+    if (!guard || row0 + row < limit) x = *((const device V*)(src + (long(row0 + row) * stride + col)));
+    for (int e = 0; e < 4; ++e) dst[row * LD + col + e] = x[e];
+  }
+}
+
+// This thread's share of one query tile, loaded before the current tile's
+// math and stored to threadgroup memory after it: NV vectors of Q and of dO,
+// and one L * log2(e) (threads 0 .. BQ-1) or Delta (threads BQ .. 2 BQ - 1).
+template <typename T, int NV>
 struct DkdvTileRun {
-  T q[RUN];
-  T dout[RUN];
+  typename DkdvVec4<T>::type q[NV];
+  typename DkdvVec4<T>::type dout[NV];
   float ld;
 };
 
-template <typename T, int D, int BQ, int RUN>
-inline void dkdv_fetch_tile(thread DkdvTileRun<T, RUN>& r, const device T* Q, const device T* dO,
+template <typename T, int D, int BQ, int NV, int NT>
+inline void dkdv_fetch_tile(thread DkdvTileRun<T, NV>& r, const device T* Q, const device T* dO,
                             const device float* L, const device float* Delta,
                             constant AttnParams* params, int b, int h, int q0, int tid_tg,
                             bool guard_rows) {
+  typedef typename DkdvVec4<T>::type V;
   const int ql = params->ql;
-  const int row = tid_tg / (D / RUN);
-  const int col = (tid_tg % (D / RUN)) * RUN;
-  const int q = q0 + row;
-  const bool in = !guard_rows || q < ql;
-  const long qoff = long(b) * params->q_strides[0] + long(h) * params->q_strides[1] +
-                    long(q) * params->q_strides[2] + col;
-  const long ooff = long(b) * params->o_strides[0] + long(h) * params->o_strides[1] +
-                    long(q) * params->o_strides[2] + col;
-  for (int e = 0; e < RUN; ++e) {
-    r.q[e] = in ? Q[qoff + e] : T(0.0f);
-    r.dout[e] = in ? dO[ooff + e] : T(0.0f);
+  const long qbase = long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
+  const long obase = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
+  for (int i = 0; i < NV; ++i) {
+    const int v = i * NT + tid_tg;
+    const int q = q0 + v / (D / 4);
+    const int col = (v % (D / 4)) * 4;
+    r.q[i] = V(T(0.0f));
+    r.dout[i] = V(T(0.0f));
+    if (!guard_rows || q < ql) {
+      r.q[i] = *((const device V*)(Q + (qbase + long(q) * params->q_strides[2] + col)));
+      r.dout[i] = *((const device V*)(dO + (obase + long(q) * params->o_strides[2] + col)));
+    }
   }
   r.ld = 0.0f;
   if (tid_tg < 2 * BQ) {
@@ -369,14 +402,17 @@ inline void dkdv_fetch_tile(thread DkdvTileRun<T, RUN>& r, const device T* Q, co
   }
 }
 
-template <typename T, int D, int BQ, int RUN, int LDQ>
-inline void dkdv_store_tile(thread const DkdvTileRun<T, RUN>& r, threadgroup T* qs,
+template <typename T, int D, int BQ, int NV, int NT, int LDQ>
+inline void dkdv_store_tile(thread const DkdvTileRun<T, NV>& r, threadgroup T* qs,
                             threadgroup T* dos, threadgroup float* lds, int tid_tg) {
-  const int row = tid_tg / (D / RUN);
-  const int col = (tid_tg % (D / RUN)) * RUN;
-  for (int e = 0; e < RUN; ++e) {
-    qs[row * LDQ + col + e] = r.q[e];
-    dos[row * LDQ + col + e] = r.dout[e];
+  for (int i = 0; i < NV; ++i) {
+    const int v = i * NT + tid_tg;
+    const int row = v / (D / 4);
+    const int col = (v % (D / 4)) * 4;
+    for (int e = 0; e < 4; ++e) {
+      qs[row * LDQ + col + e] = r.q[i][e];
+      dos[row * LDQ + col + e] = r.dout[i][e];
+    }
   }
   if (tid_tg < 2 * BQ) lds[tid_tg] = r.ld;
 }
@@ -412,9 +448,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int QF = BQ / 8;    // query fragments per tile
   constexpr bool kKVInTg = ES == 2;
   constexpr int LD = D + 16 / ES;  // padded row of a staged tile
-  constexpr int RUN = BQ * D / NT;  // staged elements per thread per tensor
+  constexpr int NV = BQ * D / (4 * NT);  // staged 4-element vectors per thread per tensor
   static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
-  static_assert(RUN * NT == BQ * D && D % RUN == 0 && 2 * BQ <= NT, "dK/dV staging shape");
+  static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 2 * BQ <= NT, "dK/dV staging shape");
 
   // Threadgroup memory: K, V (16-bit only), one or two Q/dO/L/Delta tile
   // buffers, the partial-score exchange (DS > 1).
@@ -435,6 +471,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup T tile_s[kTileAlloc];
   threadgroup float tile_f[kTileFloatAlloc];
   threadgroup float ex_s[kExAlloc];
+  // K, V at the start (f32: through the tile buffers) and dK, dV at the end
+  // pass through the K/V buffer (16-bit) or the tile buffers (f32).
+  static_assert((kKVInTg ? kKVAlloc : kTileAlloc) >= 2 * BKV * LD, "dK/dV staging buffer");
+  threadgroup T* kv_stage = kKVInTg ? &kv_s[0] : &tile_s[0];
 
   const int b = int(tid.z);
   const int h_kv = int(tid.y);
@@ -455,34 +495,21 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   const long kss = params->k_strides[2];
   const long vss = params->v_strides[2];
 
-  // K and V of this threadgroup (16-bit: staged) or of this simdgroup's
-  // 8 keys x W columns (float32: registers; A operands, row = key).
+  // K and V of the threadgroup's keys, staged with coalesced vector loads.
+  // 16-bit: they stay there; float32: each simdgroup copies its 8 keys x W
+  // columns into registers (A operands, row = key) and frees the buffer.
+  dkdv_stage_rows<T, BKV, D, LD, NT>(kv_stage, K + kbase, kss, kt0, kl, !align_K, tid_tg);
+  dkdv_stage_rows<T, BKV, D, LD, NT>(kv_stage + BKV * LD, V + vbase, vss, kt0, kl, !align_K,
+                                     tid_tg);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   frag_t Kr[kKVInTg ? 1 : WF];
   frag_t Vr[kKVInTg ? 1 : WF];
-  if constexpr (kKVInTg) {
-    constexpr int KRUN = 8;  // 16 bytes per thread and row segment
-    constexpr int kPasses = BKV * D / (NT * KRUN);
-    static_assert(kPasses * NT * KRUN == BKV * D, "K/V staging shape");
-    for (int p = 0; p < kPasses; ++p) {
-      const int idx = p * NT + tid_tg;
-      const int row = idx / (D / KRUN);
-      const int col = (idx % (D / KRUN)) * KRUN;
-      const int key = kt0 + row;
-      const bool in = align_K || key < kl;
-      for (int e = 0; e < KRUN; ++e) {
-        kv_s[row * LD + col + e] = in ? K[kbase + long(key) * kss + col + e] : T(0.0f);
-        kv_s[(BKV + row) * LD + col + e] = in ? V[vbase + long(key) * vss + col + e] : T(0.0f);
-      }
-    }
-  } else {
-    const bool key_in = align_K || my_key < kl;
+  if constexpr (!kKVInTg) {
     for (int dd = 0; dd < WF; ++dd) {
-      for (int j = 0; j < 2; ++j) {
-        const int col = c0 + dd * 8 + fc + j;
-        Kr[dd].thread_elements()[j] = key_in ? float(K[kbase + long(my_key) * kss + col]) : 0.0f;
-        Vr[dd].thread_elements()[j] = key_in ? float(V[vbase + long(my_key) * vss + col]) : 0.0f;
-      }
+      dkdv_load_frag(Kr[dd], kv_stage + ks * 8 * LD + c0 + dd * 8, LD, fr, fc);
+      dkdv_load_frag(Vr[dd], kv_stage + (BKV + ks * 8) * LD + c0 + dd * 8, LD, fr, fc);
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   frag_t dKf[WF];
@@ -526,11 +553,11 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   const threadgroup T* Ks = kv_s + ks * 8 * LD + c0;
   const threadgroup T* Vs = kv_s + (BKV + ks * 8) * LD + c0;
 
-  DkdvTileRun<T, RUN> run;
+  DkdvTileRun<T, NV> run;
   if (n_items > 0) {
-    dkdv_fetch_tile<T, D, BQ, RUN>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first, tid_tg,
+    dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first, tid_tg,
                                    !align_Q);
-    dkdv_store_tile<T, D, BQ, RUN, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+    dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -549,7 +576,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     const bool has_next = it + 1 < n_items;
     if (has_next) {
       const int gn = (it + 1) / n_tiles;
-      dkdv_fetch_tile<T, D, BQ, RUN>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
+      dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
                                      q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg, !align_Q);
     }
 
@@ -641,27 +668,48 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       // closing barrier.
       if (has_next) {
         threadgroup T* nq = tile_s + (buf ^ 1) * kTileElems;
-        dkdv_store_tile<T, D, BQ, RUN, LD>(run, nq, nq + BQ * LD,
+        dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, nq, nq + BQ * LD,
                                            tile_f + (buf ^ 1) * kTileFloats, tid_tg);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     } else {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the tile
       if (has_next) {
-        dkdv_store_tile<T, D, BQ, RUN, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+        dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 
-  // Every key of the kv head is written once (keys past k_limit get zeros).
-  if (align_K || my_key < kl) {
-    const float scale = params->scale;
-    for (int dd = 0; dd < WF; ++dd) {
-      for (int j = 0; j < 2; ++j) {
-        const int col = c0 + dd * 8 + fc + j;
-        dK[kbase + long(my_key) * kss + col] = T(dKf[dd].thread_elements()[j] * scale);
-        dV[vbase + long(my_key) * vss + col] = T(dVf[dd].thread_elements()[j]);
+  // dK (scaled) and dV through threadgroup memory, then coalesced vector
+  // stores; every key of the kv head is written once (keys past k_limit get
+  // zeros). The loop (or the staging, if it ran no tile) ended with a barrier
+  // after the last reads of the buffer.
+  const float scale = params->scale;
+  for (int dd = 0; dd < WF; ++dd) {
+    for (int j = 0; j < 2; ++j) {
+      const int e = (ks * 8 + fr) * LD + c0 + dd * 8 + fc + j;
+      kv_stage[e] = T(dKf[dd].thread_elements()[j] * scale);
+      kv_stage[BKV * LD + e] = T(dVf[dd].thread_elements()[j]);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  {
+    typedef typename DkdvVec4<T>::type V4;
+    constexpr int kVecs = BKV * D / 4;
+    static_assert(kVecs % NT == 0, "dK/dV store shape");
+    for (int i = 0; i < kVecs / NT; ++i) {
+      const int v = i * NT + tid_tg;
+      const int row = v / (D / 4);
+      const int col = (v % (D / 4)) * 4;
+      const int key = kt0 + row;
+      if (align_K || key < kl) {
+        const threadgroup T* dk_in = kv_stage + row * LD + col;
+        const threadgroup T* dv_in = dk_in + BKV * LD;
+        *((device V4*)(dK + (kbase + long(key) * kss + col))) =
+            V4(dk_in[0], dk_in[1], dk_in[2], dk_in[3]);
+        *((device V4*)(dV + (vbase + long(key) * vss + col))) =
+            V4(dv_in[0], dv_in[1], dv_in[2], dv_in[3]);
       }
     }
   }

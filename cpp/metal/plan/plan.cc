@@ -305,7 +305,7 @@ std::string plan_backward(const Problem& p, Plan* plan) {
     dkdv.bindings.push_back(buffer(i, r));
   }
   set_size(dkdv.grid, ceil_div(p.kv_len, dkdv_bkv), p.kv_heads, p.batch);
-  set_size(dkdv.threadgroup, 32, abi::bwd_dkdv_simdgroups(dkdv_d, dkdv_es), 1);
+  set_size(dkdv.threadgroup, 32, abi::bwd_dkdv_simdgroups(d, es), 1);
   plan->dispatches.push_back(std::move(dkdv));
   return "";
 }

@@ -48,7 +48,7 @@ MMA_FMAS = 8 * 8 * 8
 # ---------------------------------------------------------------------------
 # Per-core rates shared by the Apple GPU families below.
 #
-# [MB] Philip Turner, "metal-benchmarks", README, commit dc2adc6 (2024-09-22),
+# [MB] Philip Turner, "metal-benchmarks", README, revision of 2024-09-22,
 #      https://github.com/philipturner/metal-benchmarks -- microbenchmarks of
 #      the M1/M2 (Apple 7/8) GPU cores.
 # ---------------------------------------------------------------------------
@@ -64,8 +64,8 @@ MATRIX_FMA_PER_CORE_CYCLE_F16 = 102.5
 MATRIX_FMA_PER_CORE_CYCLE_F32 = 101.7
 
 # Threadgroup-memory bandwidth per core-cycle: ASSUMED 64 bytes. [MB] listed
-# "Shared BW/Cycle 64 B" for Apple 7/8 in its earlier revisions (e.g. commit
-# 2ed5b31) and marks it "TBD" in the current one, noting that Apple "reduces
+# "Shared BW/Cycle 64 B" for Apple 7/8 in its earlier revisions and marks it
+# "TBD" in the current one, noting that Apple "reduces
 # the amount of threadgroup memory bandwidth" (the same table gives 128 B/cycle
 # for AMD and Nvidia cores).
 TG_BYTES_PER_CORE_CYCLE = 64.0

@@ -56,7 +56,7 @@ _COMPILED = [(what, re.compile(p, re.IGNORECASE)) for what, p in FORBIDDEN]
 _HEX = r"(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}"
 _HASH = re.compile(
     rf"\b(commit|commits|fixed in|since|on|at|in|from|to|of|kernels of|head|see)\s+\(?{_HEX}\b"
-    rf"|\({_HEX}\b|(?<![0-9a-z]){_HEX}\)", re.IGNORECASE)
+    rf"|\({_HEX}\b|(?<![0-9a-z.]){_HEX}\)", re.IGNORECASE)
 
 
 def _tracked_files() -> list[str]:

@@ -36,7 +36,8 @@ run transforms_errors tests/test_transforms.py tests/test_errors.py \
   -k "cuda or none_picks or dq_mode"
 run shared_rest tests -k "cuda and not compiles" --ignore "$backend" \
   --ignore tests/test_attention.py --ignore tests/test_transforms.py \
-  --ignore tests/test_errors.py --ignore tests/test_metal_emulator.py
+  --ignore tests/test_errors.py --ignore tests/test_metal_emulator.py \
+  --ignore tests/test_metal_profile.py  # the emulator's tests (the GPU build leaves it out)
 wait
 
 status=0

@@ -133,11 +133,17 @@ def test_op_fills_in_config_defaults_each_time_it_traces():
 
   q = jnp.ones((1, 8, 2, 16), jnp.float32)
   kv = jnp.ones((1, 8, 1, 16), jnp.float32)
+  traced = set()
   for mode in (False, True, False):
     default["mode"] = mode
     seen.clear()
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
-    assert seen and set(seen) == {mode}, (mode, seen)
+    # A mode traced before may come from JAX's own trace cache (jax >= 0.12
+    # keeps it per stage callable, which _op caches per config); a new mode
+    # must be traced, and never with another mode's config.
+    assert set(seen) <= {mode}, (mode, seen)
+    assert seen or mode in traced, (mode, seen)
+    traced.add(mode)
 
 
 def test_none_picks_the_best_implementation_for_the_default_backend():

@@ -60,12 +60,18 @@ def result(shape, dtype, like) -> jax.ShapeDtypeStruct:
   cotangents ("manual axis types do not match").
   """
   aval = jax.typeof(like)
-  manual = getattr(aval, "manual_axis_type", None)
-  if manual is None or not manual.varying:
+  if hasattr(aval, "manual_axis_type"):
+    manual = aval.manual_axis_type
+    varying = {"manual_axis_type": manual} if manual is not None and manual.varying else None
+  else:
+    # jax < 0.10 calls the same thing `vma`: the frozenset of varying axes.
+    vma = getattr(aval, "vma", None)
+    varying = {"vma": vma} if vma else None
+  if varying is None:
     return jax.ShapeDtypeStruct(shape, dtype)
   # The declared axes must belong to the (abstract) mesh of the shard_map.
   sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=manual)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, **varying)
 
 
 def lse_result(q, config: AttentionConfig) -> jax.ShapeDtypeStruct:

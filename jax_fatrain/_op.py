@@ -90,12 +90,10 @@ def available_implementations() -> tuple[str, ...]:
   return tuple(sorted(_IMPLEMENTATIONS))
 
 
-def resolve_implementation(name: str | None, dtype=None, head_dim: int | None = None
-                           ) -> Implementation:
-  """Maps ``implementation=`` to an Implementation, or raises ValueError.
-
-  For None, the query's dtype and head dim (when given) choose too.
-  """
+def _choose(name: str | None, dtype=None, head_dim: int | None = None
+            ) -> tuple[Implementation, str]:
+  """(implementation, why it is the one) for ``implementation=name``; raises
+  ValueError for a name that is unknown or not available here."""
   if name is None:
     backend = jax.default_backend()
     # On an NVIDIA GPU our CUDA kernels where they are built (JAX calls the
@@ -106,23 +104,61 @@ def resolve_implementation(name: str | None, dtype=None, head_dim: int | None = 
     # on tensor cores (not measured against each other).
     if backend == "gpu" and "cuda" in _IMPLEMENTATIONS and _cuda.gpu_present():
       if dtype is None or _cuda.has_tensor_core_kernels(dtype, head_dim):
-        return _IMPLEMENTATIONS["cuda"]
-      return _IMPLEMENTATIONS["xla"]
+        problem = ("" if dtype is None else
+                   f", with tensor-core kernels for {jnp.dtype(dtype).name} "
+                   f"head dim {head_dim}")
+        return (_IMPLEMENTATIONS["cuda"],
+                f"jax's default backend is an NVIDIA GPU and the cuda extension is built"
+                f"{problem}")
+      return (_IMPLEMENTATIONS["xla"],
+              f"jax's default backend is an NVIDIA GPU, but the cuda extension has no "
+              f"tensor-core kernels for {jnp.dtype(dtype).name} head dim {head_dim}, "
+              "so XLA's composite (its matrix products on tensor cores) runs instead")
     # On a Mac with a Metal device, "metal" (its handlers live on XLA's cpu
     # platform too); elsewhere the CPU kernels.
-    for candidate in ("metal", "cpu"):
+    for candidate, what in (("metal", "the Metal extension is built and an Apple GPU "
+                             "is present"),
+                            ("cpu", "the CPU extension is built")):
       impl = _IMPLEMENTATIONS.get(candidate)
       if impl is not None and backend in impl.platforms:
-        return impl
-    return _IMPLEMENTATIONS["xla"]
+        return impl, f"jax's default backend is {backend} and {what}"
+    unavailable = _unavailable_reasons()
+    missing = "cuda" if backend == "gpu" else "cpu"
+    detail = f" ({missing}: {unavailable[missing]})" if missing in unavailable else ""
+    return (_IMPLEMENTATIONS["xla"],
+            f"jax's default backend is {backend} and no extension of ours runs there"
+            f"{detail}, so the pure-JAX composite runs")
   if name in _IMPLEMENTATIONS:
-    return _IMPLEMENTATIONS[name]
+    return _IMPLEMENTATIONS[name], "requested explicitly"
   known = sorted(set(_IMPLEMENTATIONS) | set(_unavailable_reasons()))
   why = _unavailable_reasons().get(name)
   detail = (f"implementation {name!r} is not available: {why}" if why else
             f"unknown implementation {name!r} (known: {', '.join(known)})")
   raise ValueError(f"{detail}. Available here: "
                    f"{', '.join(available_implementations())} (or None for the best one).")
+
+
+def resolve_implementation(name: str | None, dtype=None, head_dim: int | None = None
+                           ) -> Implementation:
+  """Maps ``implementation=`` to an Implementation, or raises ValueError.
+
+  For None, the query's dtype and head dim (when given) choose too.
+  """
+  return _choose(name, dtype, head_dim)[0]
+
+
+def explain_implementation(name: str | None = None, dtype=None,
+                           head_dim: int | None = None) -> tuple[str, str]:
+  """(implementation name, one-sentence reason) for ``implementation=name``.
+
+  With ``name=None`` this is the implementation that
+  ``dot_product_attention(..., implementation=None)`` runs for a query of
+  ``dtype`` and ``head_dim`` (when given; on a GPU they decide between our
+  kernels and XLA's) and why it is the best one here. Raises ValueError, like
+  ``dot_product_attention``, for a name that is unknown or not available.
+  """
+  impl, reason = _choose(name, dtype, head_dim)
+  return impl.name, reason
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from jax_fatrain._api import (
     flash_attn_train_fwd,
 )
 from jax_fatrain._flax import flax_attention_fn
-from jax_fatrain._registry import available_implementations
+from jax_fatrain._registry import available_implementations, explain_implementation
 
 
 def cpu_isa() -> str:
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "available_implementations",
     "cpu_isa",
+    "explain_implementation",
     "dot_product_attention",
     "flax_attention_fn",
     "flash_attn_train_bwd",

@@ -37,34 +37,115 @@ def _ours_implementation() -> str:
 
 _TINY = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--d-model", "32",
          "--heads", "2", "--head-dim", "64", "--layers", "1", "--sample-chars", "8",
-         "--no-progress"]
+         "--timing-reps", "2", "--no-progress"]
 
 
-def test_demo_smoke():
+def _is_png(path) -> tuple[int, int]:
+  """(width, height) of the PNG at ``path``; fails if it is not one."""
+  data = open(path, "rb").read()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+  assert data[12:16] == b"IHDR" and data.rstrip(b"\0").endswith(b"IEND\xaeB`\x82")
+  from matplotlib import image  # decodes the whole file
+  pixels = image.imread(path)
+  assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+  assert pixels.std() > 0  # not a blank canvas
+  return pixels.shape[1], pixels.shape[0]
+
+
+def test_demo_smoke(tmp_path, capsys):
+  """The default (automatic) implementation, both runs, the timing and the plot."""
   from jax_fatrain import demo
-  impl = _ours_implementation()
-  result = demo.main(_TINY + ["--implementation", impl])
+  plot = tmp_path / "demo.png"
+  result = demo.main(_TINY + ["--plot", str(plot)])
+  assert result["config"]["implementation"] is None
   assert result["config"]["kv_heads"] == 1  # grouped-query attention by default
+  want = jax_fatrain.explain_implementation(None, jnp.float32, 64)
+  assert (result["implementation"], result["implementation_reason"]) == want
+  out = capsys.readouterr().out
+  assert f"jax_fatrain implementation {want[0]!r} (chosen automatically: {want[1]})" in out
   for key in ("ours", "reference"):
     losses = result[f"losses_{key}"]
-    assert len(losses) == 3
+    assert len(losses) == 3 and len(result[f"step_times_{key}"]) == 3
     assert all(math.isfinite(x) for x in losses)
     assert math.isfinite(result[f"valid_loss_{key}"])
     assert result[f"step_time_{key}"] > 0
+    assert result[f"attention_time_{key}"] > 0
+    assert result[f"attention_share_{key}"] == pytest.approx(
+        result[f"attention_time_{key}"] / result[f"step_time_{key}"])
   # Same initial parameters and batches: the curves agree to float32 rounding.
   assert result["max_abs_loss_diff"] < 1e-3
   assert result["rel_loss_diff_end"] < 1e-3
-  assert result["step_time_ratio"] > 0
+  assert result["step_time_ratio"] > 0 and result["attention_time_ratio"] > 0
+  assert "attention fwd+bwd alone (1 layer x [2, 32, 2 (kv 1), 64], causal): ours " in out
+  assert "of the step)" in out
   assert isinstance(result["sample"], str) and len(result["sample"]) >= 8
+  assert result["plot"] == str(plot) and f"plot: {plot}" in out
+  width, height = _is_png(plot)
+  assert width > height
 
 
-def test_demo_no_reference_bfloat16():
+def test_demo_no_reference_bfloat16(tmp_path, monkeypatch):
   from jax_fatrain import demo
+  monkeypatch.chdir(tmp_path)
   result = demo.main(_TINY + ["--no-reference", "--dtype", "bfloat16",
                               "--implementation", _ours_implementation(),
-                              "--sample-chars", "0"])
+                              "--sample-chars", "0", "--no-plot"])
   assert all(math.isfinite(x) for x in result["losses_ours"])
   assert "losses_reference" not in result and "sample" not in result
+  assert "attention_time_reference" not in result and result["attention_time_ours"] > 0
+  assert "plot" not in result and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", jax_fatrain.available_implementations()
+                         if _IMPORT_ERROR is None else ())
+def test_demo_runs_every_available_implementation(name, tmp_path, monkeypatch):
+  from jax_fatrain import demo
+  monkeypatch.chdir(tmp_path)
+  # Tiny enough for metal_emulated, which interprets the Metal kernels.
+  result = demo.main(["--steps", "2", "--seq-len", "16", "--batch-size", "1",
+                      "--d-model", "32", "--heads", "2", "--head-dim", "32", "--layers", "1",
+                      "--sample-chars", "0", "--timing-reps", "1", "--no-reference",
+                      "--no-progress", "--plot", "", "--implementation", name])
+  assert result["implementation"] == name
+  assert result["implementation_reason"] == "requested explicitly"
+  assert all(math.isfinite(x) for x in result["losses_ours"])
+  assert "plot" not in result and not list(tmp_path.iterdir())
+
+
+def test_demo_implementation_argument():
+  from jax_fatrain import demo
+  assert demo.parse_args([]).implementation is None
+  assert demo.parse_args(["--implementation", "auto"]).implementation is None
+  for name in jax_fatrain.available_implementations():
+    assert demo.parse_args(["--implementation", name]).implementation == name
+  assert demo.parse_args(["--no-plot"]).plot == ""
+  assert demo.parse_args([]).plot == "jax_fatrain_demo.png"
+
+
+def test_demo_rejects_an_unknown_implementation(capsys):
+  from jax_fatrain import demo
+  with pytest.raises(SystemExit) as exc:
+    demo.main(["--implementation", "bogus"])
+  assert exc.value.code == 2
+  err = capsys.readouterr().err
+  assert "--implementation: unknown implementation 'bogus'" in err
+  assert "Available here: " + ", ".join(jax_fatrain.available_implementations()) in err
+
+
+def test_demo_rotary_positions_depend_on_distance_only():
+  from jax_fatrain import demo
+  q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+  k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+  length = 12
+  rq = demo.rotate(jnp.broadcast_to(q, (1, length, 1, 16)))[0, :, 0]
+  rk = demo.rotate(jnp.broadcast_to(k, (1, length, 1, 16)))[0, :, 0]
+  scores = rq @ rk.T  # [query position, key position]
+  np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q), rtol=1e-5)
+  np.testing.assert_allclose(scores[0, 0], jnp.vdot(q, k), rtol=1e-5)
+  for d in (1, 3):
+    diagonal = jnp.diagonal(scores, offset=d)
+    np.testing.assert_allclose(diagonal, diagonal[0], rtol=1e-4, atol=1e-5)
+  assert abs(float(scores[0, 1] - scores[0, 0])) > 1e-3  # the position matters
 
 
 def test_demo_corpus_ships_with_package():

@@ -27,7 +27,7 @@ The default sizes (sequences of 1024 characters, two layers) make attention a la
 part of a training step, so the step times show what a faster attention buys.
 
 The training text, ``jax_fatrain/data/corpus.txt``, ships with the package. It is a
-synthetic corpus written by ``jax_fatrain/data/make_corpus.py`` from small
+synthetic corpus written by ``tools/make_corpus.py`` from small
 deterministic grammars (simple sentences with agreement, counting stories, integer
 arithmetic, the order of days and months); it contains no third-party text.
 """

@@ -80,7 +80,7 @@ struct State {
   std::string init_error;
   MTL::Device* device = nullptr;
   MTL::CommandQueue* queue = nullptr;
-  MTL::Library* library = nullptr;
+  MTL::Library* kernels = nullptr;  // the compiled kernel library
   std::unordered_map<std::string, MTL::ComputePipelineState*> pipelines;
   StagingPool staging;
 };
@@ -107,7 +107,7 @@ MTL::ComputePipelineState* pipeline(State& s, const mp::Dispatch& d, std::string
     values->setConstantValue(&v, MTL::DataTypeBool, NS::UInteger(index));
   }
   NS::Error* error = nullptr;
-  MTL::Function* function = s.library->newFunction(ns_string(d.kernel), values, &error);
+  MTL::Function* function = s.kernels->newFunction(ns_string(d.kernel), values, &error);
   values->release();
   if (function == nullptr) {
     *err = "kernel " + d.kernel + " not found or not specialisable: " + describe(error);
@@ -207,18 +207,18 @@ std::string initialize(const std::string& source, const std::string& metallib_pa
   if (s.queue == nullptr) return s.init_error = "could not create a Metal command queue";
   NS::Error* error = nullptr;
   if (!metallib_path.empty()) {
-    s.library = s.device->newLibrary(ns_string(metallib_path), &error);
+    s.kernels = s.device->newLibrary(ns_string(metallib_path), &error);
   }
-  if (s.library == nullptr) {
+  if (s.kernels == nullptr) {
     MTL::CompileOptions* options = MTL::CompileOptions::alloc()->init();
     options->setLanguageVersion(MTL::LanguageVersion3_1);
     // The kernels rely on IEEE infinities (fully masked rows: L = -inf).
     options->setFastMathEnabled(false);
     error = nullptr;
-    s.library = s.device->newLibrary(ns_string(source), options, &error);
+    s.kernels = s.device->newLibrary(ns_string(source), options, &error);
     options->release();
   }
-  if (s.library == nullptr) {
+  if (s.kernels == nullptr) {
     return s.init_error = "compiling the Metal kernels failed: " + describe(error);
   }
   return s.init_error = "";

@@ -88,7 +88,9 @@ struct Global {
   Counters counters;
   Fault library, pipeline, execution;
   std::string device_model = "apple8";  // "apple8", "apple6" or "none"
+  bool device_chosen = false;            // MTLCreateSystemDefaultDevice has run
   std::vector<std::string> pipeline_keys;   // every pipeline created, in order
+  std::vector<uintptr_t> no_copy_addresses; // memory wrapped by no-copy buffers, in order
   long language_version = -1;               // of the last newLibraryWithSource
   int fast_math = -1;
 };
@@ -861,7 +863,14 @@ const MethodTable& device_methods() {
                record_finding("newBufferWithBytesNoCopy with a deallocator block: the stand-in "
                               "cannot call blocks");
              }
-             COUNT(buffers_no_copy);
+             {
+               Global& g = global();
+               std::lock_guard<std::mutex> lock(g.mutex);
+               ++g.counters.buffers_no_copy;
+               if (g.no_copy_addresses.size() < 4096) {
+                 g.no_copy_addresses.push_back(reinterpret_cast<uintptr_t>(pointer));
+               }
+             }
              return new Buffer(static_cast<char*>(pointer), length, false);
            })},
       },
@@ -951,6 +960,7 @@ STANDIN_API MTL::Device* MTLCreateSystemDefaultDevice() {
     {
       std::lock_guard<std::mutex> lock(g.mutex);
       model = g.device_model;
+      g.device_chosen = true;
     }
     if (model == "none") return nullptr;
     COUNT(devices);
@@ -973,7 +983,7 @@ STANDIN_API void MTLRemoveDeviceObserver(const NS::Object*) {
 }
 
 // A JSON object: {"counters": {...}, "live_objects": {...}, "findings": [...],
-// "pipelines": [...], "language_version": n, "fast_math": 0/1/-1}. Valid until
+// "pipelines": [...], "no_copy_addresses": [...], "language_version": n, "fast_math": 0/1/-1}. Valid until
 // the next call on this thread.
 STANDIN_API const char* fatrain_metal_standin_report() {
   using namespace standin;
@@ -992,6 +1002,10 @@ STANDIN_API const char* fatrain_metal_standin_report() {
     s << "}, \"pipelines\": [";
     for (size_t i = 0; i < g.pipeline_keys.size(); ++i) {
       s << (i ? ", " : "") << json_string(g.pipeline_keys[i]);
+    }
+    s << "], \"no_copy_addresses\": [";
+    for (size_t i = 0; i < g.no_copy_addresses.size(); ++i) {
+      s << (i ? ", " : "") << g.no_copy_addresses[i];
     }
     s << "], \"language_version\": " << g.language_version << ", \"fast_math\": " << g.fast_math;
   }
@@ -1020,6 +1034,7 @@ STANDIN_API void fatrain_metal_standin_reset() {
     std::lock_guard<std::mutex> lock(g.mutex);
     g.counters = Counters();
     g.pipeline_keys.clear();
+    g.no_copy_addresses.clear();
   }
   clear_findings();
 }
@@ -1053,7 +1068,7 @@ STANDIN_API int fatrain_metal_standin_set_device(const char* model) {
   if (m != "apple8" && m != "apple6" && m != "none") return -1;
   Global& g = global();
   std::lock_guard<std::mutex> lock(g.mutex);
-  if (g.counters.devices > 0) return -1;
+  if (g.device_chosen) return -1;
   g.device_model = m;
   return 0;
 }

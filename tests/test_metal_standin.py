@@ -1,0 +1,327 @@
+"""The macOS Metal host, unmodified, executed on Linux through the Metal stand-in.
+
+``cpp/metal/host/executor.cc`` and ``cpp/ffi/metal_ffi.cc`` are built against
+the real metal-cpp headers and linked with ``tests/metal_standin`` (an
+Objective-C runtime and Metal objects whose GPU is the MSL emulator) into the
+``_metal_ffi`` extension, which then serves ``implementation="metal"``:
+
+* the shared suite, one case per kernel variant and the rows that see no key
+  run through ``metal`` and agree bitwise with ``metal_emulated`` (same
+  kernels, same plan, another executor), and with jax.nn;
+* page-aligned operands are bound without a copy, others through staging;
+* pipelines are cached per kernel and function-constant values;
+* failures of library compilation, pipeline creation and command execution
+  reach Python as errors with Metal's text, and the process goes on working;
+* host bugs planted into a copy of the executor fail these checks.
+
+After every test the stand-in must have no findings (what Metal's API
+validation would abort on, messages to released objects, objects
+autoreleased with no pool) and no command buffer or encoder left alive.
+Skipped only where the stand-in cannot be built (not Linux x86-64, or no
+clang and none installable, or metal-cpp not downloadable), saying why.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fatrain
+from attention_cases import Case, make_inputs
+from checks import assert_matches_reference, reference_results, results
+from metal_standin import standin
+
+import test_attention
+import test_metal_emulator
+
+B, N, T, S = "B", "N", "T", "S"
+TESTS = Path(__file__).resolve().parent
+
+
+def _build_or_skip(plant=None) -> Path:
+  try:
+    return standin.build(plant)
+  except standin.Unavailable as e:
+    pytest.skip(f"the Metal stand-in cannot be built here: {e}")
+
+
+@pytest.fixture(scope="module")
+def metal():
+  ext = _build_or_skip()
+  module = standin.use(ext)
+  assert module.IMPORT_ERROR is None, module.IMPORT_ERROR
+  yield module
+  standin.restore()
+
+
+@pytest.fixture(autouse=True)
+def clean_stand_in(metal):
+  standin.reset()
+  yield
+  report = standin.report()
+  assert report["findings"] == [], report["findings"]
+  live = report["live_objects"]
+  for kind in ("MTLCommandBuffer", "MTLComputeCommandEncoder", "MTLFunction",
+               "MTLFunctionConstantValues", "MTLCompileOptions", "NSAutoreleasePool", "NSError"):
+    assert live.get(kind, 0) == 0, (kind, live)
+  # The staging pool keeps at most 32 buffers.
+  assert live.get("MTLBuffer", 0) <= 32, live
+
+
+def check_against_emulated(case: Case) -> None:
+  """``metal`` (the host through the stand-in) equals ``metal_emulated`` bitwise,
+  and matches jax.nn."""
+  x = make_inputs(case, seed=zlib.crc32(case.id.encode()))
+  got = results(case, x, "metal")
+  want = results(case, x, "metal_emulated")
+  for name, a, b in zip(("out", "lse"), got[:2], want[:2]):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+  for name, a, b in zip("qkvb", got[2], want[2]):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"d{name}"
+  assert_matches_reference(case, x, got, reference_results(case, x))
+
+
+@pytest.mark.parametrize("case", test_attention.CASES, ids=lambda c: c.id)
+def test_shared_suite(case):
+  check_against_emulated(case)
+
+
+@pytest.mark.parametrize("case", test_metal_emulator._VARIANTS, ids=lambda c: c.id)  # pylint: disable=protected-access
+def test_kernel_variant(case):
+  check_against_emulated(case)
+
+
+def test_host_compiles_library_as_packaged():
+  """One library, from the packaged source, with IEEE semantics (fast math off)."""
+  check_against_emulated(Case(q_len=9, kv_len=9, q_heads=1, kv_heads=1))
+  report = standin.report()
+  # Compile options of the one library this process built.
+  assert report["fast_math"] == 0
+  assert report["language_version"] == (3 << 16) + 1  # MTLLanguageVersion3_1
+
+
+def _page_aligned(shape, dtype, offset=0):
+  page = os.sysconf("SC_PAGESIZE")
+  nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  raw = np.empty(nbytes + 2 * page, np.uint8)
+  start = (-raw.ctypes.data) % page + offset
+  a = raw[start:start + nbytes].view(dtype).reshape(shape)
+  a[...] = np.random.default_rng(int(np.prod(shape)) + offset).standard_normal(shape)
+  return a
+
+
+@pytest.mark.parametrize("offset", [0, 64], ids=["page_aligned", "unaligned"])
+def test_operands_bound_without_copy_only_when_page_aligned(offset):
+  # [1, 64, 4, 64] float32: 64 KiB, a whole number of pages.
+  host = [_page_aligned((1, 64, 4, 64), np.float32, offset) for _ in range(3)]
+  q, k, v = (jax.device_put(a) for a in host)
+  pointers = {a.unsafe_buffer_pointer() for a in (q, k, v)}
+  assert pointers == {a.ctypes.data for a in host}  # jax keeps the numpy memory
+  standin.reset()
+  out = jax_fatrain.dot_product_attention(q, k, v, implementation="metal")
+  report = standin.report()
+  wrapped = set(report["no_copy_addresses"])
+  if offset == 0:
+    assert pointers <= wrapped, (pointers, wrapped)
+    assert report["counters"]["bindings_no_copy"] >= 3
+  else:
+    assert not pointers & wrapped
+    assert report["counters"]["bindings_allocated"] >= 3  # staged copies
+  want = jax_fatrain.dot_product_attention(q, k, v, implementation="metal_emulated")
+  assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+
+
+def _created_pipelines(fn) -> list[str]:
+  standin.reset()
+  fn()
+  return standin.report()["pipelines"]
+
+
+def test_pipeline_cache_keys_on_function_constants():
+  # A variant no other test runs: float16, head dim 128, a window.
+  base = Case(q_len=24, kv_len=24, head_dim=128, dtype=jnp.float16, window=(6, 2))
+  x = make_inputs(base, seed=5)
+
+  def forward(causal):
+    return lambda: jax_fatrain.dot_product_attention(
+        x.q, x.k, x.v, local_window_size=(6, 2), is_causal=causal, implementation="metal")
+  first = _created_pipelines(forward(False))
+  assert len(first) == 1 and first[0].startswith("flash_attn_train_fwd_f16_d128|")
+  assert _created_pipelines(forward(False)) == []  # the same problem: cached
+  causal = _created_pipelines(forward(True))  # differs only in do_causal (301)
+  assert len(causal) == 1
+  assert causal[0] == first[0].replace("|301=0", "|301=1")
+  out = jax.block_until_ready(forward(False)())
+  want = jax_fatrain.dot_product_attention(x.q, x.k, x.v, local_window_size=(6, 2),
+                                           implementation="metal_emulated")
+  assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+
+
+def test_pipeline_failure_is_an_error_and_the_process_goes_on():
+  # A variant no other test runs, so its pipeline is not cached yet.
+  case = Case(q_len=12, kv_len=20, head_dim=256, dtype=jnp.float16, kv_lengths=True, q_heads=2,
+              kv_heads=1)
+  x = make_inputs(case, seed=9)
+
+  def run():
+    return jax.block_until_ready(jax_fatrain.dot_product_attention(
+        x.q, x.k, x.v, key_value_seq_lengths=x.kv_lengths, implementation="metal"))
+  standin.fail("pipeline", "Compiler encountered an internal error (injected)")
+  with pytest.raises(Exception, match=r"pipeline for flash_attn_train_fwd_f16_d256.*"
+                                      r"Compiler encountered an internal error \(injected\)"):
+    run()
+  assert standin.report()["counters"]["pipeline_failures"] == 1
+  out = run()  # nothing was cached by the failure
+  want = jax_fatrain.dot_product_attention(x.q, x.k, x.v, key_value_seq_lengths=x.kv_lengths,
+                                           implementation="metal_emulated")
+  assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+
+
+def test_execution_failure_is_an_error_and_the_process_goes_on():
+  case = Case(q_len=16, kv_len=16)
+  x = make_inputs(case, seed=2)
+
+  def run():
+    return jax.block_until_ready(
+        jax_fatrain.dot_product_attention(x.q, x.k, x.v, implementation="metal"))
+  message = ("Execution of the command buffer was aborted due to an error during execution. "
+             "Caused GPU Timeout Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout) "
+             "(injected)")
+  standin.fail("execution", message)
+  with pytest.raises(Exception, match=r"the Metal command buffer failed: Execution of the "
+                                      r"command buffer was aborted.*\(injected\)"):
+    run()
+  assert standin.report()["counters"]["failed_command_buffers"] == 1
+  out = run()
+  want = jax_fatrain.dot_product_attention(x.q, x.k, x.v, implementation="metal_emulated")
+  assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+
+
+def test_concurrent_calls():
+  """XLA runs FFI calls on its own threads; each has its autorelease pool."""
+  cases = [Case(q_len=20 + i, kv_len=30, is_causal=i % 2 == 0) for i in range(4)]
+  inputs = [make_inputs(c, seed=i) for i, c in enumerate(cases)]
+
+  def run(impl, c, x):
+    return np.asarray(jax_fatrain.dot_product_attention(
+        x.q, x.k, x.v, is_causal=c.is_causal, implementation=impl))
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    got = list(pool.map(lambda cx: run("metal", *cx), zip(cases, inputs)))
+  for c, x, g in zip(cases, inputs, got):
+    assert g.tobytes() == run("metal_emulated", c, x).tobytes()
+
+
+# ---------------------------------------------------------------------------
+# In fresh processes: what happens once per process (device, library).
+# ---------------------------------------------------------------------------
+def _in_fresh_process(ext: Path, device: str, body: str) -> dict:
+  script = textwrap.dedent(f"""
+      import json, os, sys
+      sys.path[:0] = [{str(TESTS)!r}]
+      os.environ.setdefault("JAX_FATRAIN_POISON_OUTPUTS", "1")
+      from metal_standin import standin
+      metal = standin.use(__import__("pathlib").Path({str(ext)!r}), device={device!r})
+      import jax, jax.numpy as jnp, numpy as np
+      import jax_fatrain
+      result = {{}}
+  """) + body + "\nprint('RESULT ' + json.dumps(result))\n"
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=600, cwd=TESTS)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+_TRY_METAL = textwrap.dedent("""
+    q = jnp.ones((1, 8, 1, 64), jnp.float32)
+    def attempt():
+      try:
+        jax.block_until_ready(jax_fatrain.dot_product_attention(q, q, q, implementation="metal"))
+        return "ok"
+      except Exception as e:
+        return str(e)
+    result["first"] = attempt()
+    result["second"] = attempt()
+    result["cpu_after"] = float(jax_fatrain.dot_product_attention(
+        q, q, q, implementation="cpu").sum())
+    result["report"] = standin.report()
+""")
+
+
+def test_library_compile_failure(metal):
+  ext = standin.build()
+  r = _in_fresh_process(ext, "apple8", textwrap.dedent("""
+      standin.fail("library", "program_source:12:5: error: use of undeclared identifier 'x' (injected)")
+  """) + _TRY_METAL)
+  for attempt in ("first", "second"):  # the library is compiled once per process
+    assert "jax_fatrain metal: compiling the Metal kernels failed: program_source:12:5: " \
+           "error: use of undeclared identifier 'x' (injected)" in r[attempt], r
+  assert r["cpu_after"] == 8 * 64
+  assert r["report"]["counters"]["library_failures"] == 1
+  assert r["report"]["findings"] == []
+
+
+def test_library_source_must_be_the_packaged_one(metal):
+  ext = standin.build()
+  r = _in_fresh_process(ext, "apple8", textwrap.dedent("""
+      packaged = metal.kernel_source
+      metal.kernel_source = lambda: packaged().replace("threadgroup_barrier", "threadgroup_barier", 1)
+  """) + _TRY_METAL)
+  assert "compiling the Metal kernels failed: the source differs from the one this " \
+         "stand-in's library was built from, at line" in r["first"], r
+  assert "threadgroup_barier" in r["first"]
+
+
+@pytest.mark.parametrize("device,reason", [
+    ("apple6", "is not an Apple7+ (M1 or newer) GPU with Metal 3"),
+    ("none", "no Metal device (MTLCreateSystemDefaultDevice returned nil)"),
+])
+def test_unsupported_device_makes_metal_unavailable(metal, device, reason):
+  ext = standin.build()
+  r = _in_fresh_process(ext, device, textwrap.dedent("""
+      result["available"] = jax_fatrain.available_implementations()
+      result["import_error"] = metal.IMPORT_ERROR
+  """) + _TRY_METAL)
+  assert "metal" not in r["available"] and reason in r["import_error"], r
+  assert "implementation 'metal' is not available" in r["first"] and reason in r["first"], r
+  assert r["cpu_after"] == 8 * 64
+
+
+# ---------------------------------------------------------------------------
+# Planted host bugs must fail the checks above.
+# ---------------------------------------------------------------------------
+# The cases each planted bug runs: one of them must fail check_against_emulated.
+_PLANTED_CASES = {
+    "q_index": [Case(q_len=20, kv_len=20)],
+    "causal_constant": [Case(q_len=20, kv_len=24, is_causal=True)],
+    "no_copy_back": [Case(q_len=20, kv_len=20)],
+    # Two problems that differ only in a function constant (do_causal).
+    "pipeline_key": [Case(q_len=20, kv_len=24), Case(q_len=20, kv_len=24, is_causal=True)],
+}
+
+
+@pytest.mark.parametrize("plant", sorted(standin.PLANTED))
+def test_planted_host_bug_is_caught(metal, plant):
+  assert set(_PLANTED_CASES) == set(standin.PLANTED)
+  ext = _build_or_skip(plant)
+  r = _in_fresh_process(ext, "apple8", textwrap.dedent(f"""
+      import test_metal_standin as t
+      result["failures"] = []
+      for case in t._PLANTED_CASES[{plant!r}]:
+        try:
+          t.check_against_emulated(case)
+        except Exception as e:
+          result["failures"].append(type(e).__name__ + ": " + str(e)[:400])
+  """))
+  assert r["failures"], f"planted bug {plant!r} passed every check"

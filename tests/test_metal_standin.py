@@ -18,7 +18,8 @@ After every test the stand-in must have no findings (what Metal's API
 validation would abort on, messages to released objects, objects
 autoreleased with no pool) and no command buffer or encoder left alive.
 Skipped only where the stand-in cannot be built (not Linux x86-64, or no
-clang and none installable, or metal-cpp not downloadable), saying why.
+clang and none installable, or metal-cpp not downloadable), saying why; with
+JAX_FATRAIN_REQUIRE_METAL_STANDIN=1 (set by CI) that is a failure instead.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _build_or_skip(plant=None) -> Path:
   try:
     return standin.build(plant)
   except standin.Unavailable as e:
+    if os.environ.get("JAX_FATRAIN_REQUIRE_METAL_STANDIN") == "1":
+      pytest.fail(f"JAX_FATRAIN_REQUIRE_METAL_STANDIN=1 but the Metal stand-in cannot be "
+                  f"built: {e}")
     pytest.skip(f"the Metal stand-in cannot be built here: {e}")
 
 

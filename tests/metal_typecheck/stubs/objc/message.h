@@ -1,4 +1,5 @@
-// Type-check stub (Linux): message-send entry points used by metal-cpp.
+// Linux stand-in for Apple's header: the message-send entry points metal-cpp
+// uses (tests/metal_standin/objc_msgsend_x86_64.S implements them).
 #pragma once
 #include <objc/runtime.h>
 #ifdef __cplusplus

@@ -1,5 +1,5 @@
-// Type-check stub (Linux): just the Objective-C runtime declarations
-// metal-cpp uses. Not Apple's header; never linked.
+// Linux stand-in for Apple's header: just the Objective-C runtime
+// declarations metal-cpp uses. tests/metal_standin implements them.
 #pragma once
 #include <stddef.h>
 #include <stdint.h>

@@ -96,6 +96,13 @@ def check_against_emulated(case: Case) -> None:
   assert_matches_reference(case, x, got, reference_results(case, x))
 
 
+def test_stand_in_reports_api_misuse():
+  """Each misuse of the Metal API is reported, so that "no findings" means something."""
+  failures, log = standin.selftest()
+  assert failures == 0, log
+  assert log.count("\nok ") + log.startswith("ok ") >= 14, log
+
+
 @pytest.mark.parametrize("case", test_attention.CASES, ids=lambda c: c.id)
 def test_shared_suite(case):
   check_against_emulated(case)
@@ -104,15 +111,6 @@ def test_shared_suite(case):
 @pytest.mark.parametrize("case", test_metal_emulator._VARIANTS, ids=lambda c: c.id)  # pylint: disable=protected-access
 def test_kernel_variant(case):
   check_against_emulated(case)
-
-
-def test_host_compiles_library_as_packaged():
-  """One library, from the packaged source, with IEEE semantics (fast math off)."""
-  check_against_emulated(Case(q_len=9, kv_len=9, q_heads=1, kv_heads=1))
-  report = standin.report()
-  # Compile options of the one library this process built.
-  assert report["fast_math"] == 0
-  assert report["language_version"] == (3 << 16) + 1  # MTLLanguageVersion3_1
 
 
 def _page_aligned(shape, dtype, offset=0):
@@ -263,6 +261,18 @@ _TRY_METAL = textwrap.dedent("""
 """)
 
 
+def test_host_compiles_library_once_with_ieee_math(metal):
+  """One library per process, from the packaged source, MSL 3.1, fast math off
+  (fully masked rows need IEEE infinities)."""
+  r = _in_fresh_process(standin.build(), "apple8", _TRY_METAL)
+  assert r["first"] == r["second"] == "ok", r
+  report = r["report"]
+  assert report["counters"]["libraries_from_source"] == 1
+  assert report["counters"]["libraries_from_file"] == 0  # no metallib on Linux
+  assert report["fast_math"] == 0
+  assert report["language_version"] == (3 << 16) + 1  # MTLLanguageVersion3_1
+
+
 def test_library_compile_failure(metal):
   ext = standin.build()
   r = _in_fresh_process(ext, "apple8", textwrap.dedent("""
@@ -310,6 +320,7 @@ _PLANTED_CASES = {
     "q_index": [Case(q_len=20, kv_len=20)],
     "causal_constant": [Case(q_len=20, kv_len=24, is_causal=True)],
     "no_copy_back": [Case(q_len=20, kv_len=20)],
+    "no_barrier": [Case(q_len=20, kv_len=20)],
     # Two problems that differ only in a function constant (do_causal).
     "pipeline_key": [Case(q_len=20, kv_len=24), Case(q_len=20, kv_len=24, is_causal=True)],
 }

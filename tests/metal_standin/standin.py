@@ -68,6 +68,9 @@ PLANTED = {
     "no_copy_back": ("cpp/metal/host/executor.cc",
                      "if (st.output) std::memcpy(st.host, st.buffer->contents(), st.bytes);",
                      "if (st.output && false) std::memcpy(st.host, st.buffer->contents(), st.bytes);"),
+    # No memory barrier between the dispatches of the backward.
+    "no_barrier": ("cpp/metal/host/executor.cc",
+                   "if (i > 0) enc->memoryBarrier(MTL::BarrierScopeBuffers);", ""),
     # Pipelines cached by kernel name alone, whatever the function constants.
     "pipeline_key": ("cpp/metal/host/executor.cc",
                      'for (auto [index, value] : d.constants) key += "|" + std::to_string(index) '
@@ -260,6 +263,8 @@ def build(plant: str | None = None, *, verbose: bool = False) -> Path:
        ROOT / "cpp/ffi/metal_ffi.cc", host_sources["cpp/ffi/metal_ffi.cc"]),
       ("metal_standin", [clangxx] + cflags + emu_inc + ["-I", str(HERE)],
        HERE / "metal_standin.cc", None),
+      ("standin_selftest", [clangxx] + cflags + ["-I", str(HERE)], HERE / "standin_selftest.cc",
+       None),
       ("objc_runtime", [clangxx] + cflags + ["-I", str(HERE)], HERE / "objc_runtime.cc", None),
       ("objc_msgsend", [cxx, "-c"], HERE / "objc_msgsend_x86_64.S", None),
   ]
@@ -365,6 +370,14 @@ def report() -> dict:
 def reset() -> None:
   """Clears counters, the pipeline list and findings."""
   _lib.fatrain_metal_standin_reset()
+
+
+def selftest() -> tuple[int, str]:
+  """(failures, log) of the stand-in's own checks (standin_selftest.cc)."""
+  _lib.fatrain_metal_standin_selftest.restype = ctypes.c_char_p
+  text = _lib.fatrain_metal_standin_selftest().decode()
+  first, _, log = text.partition("\n")
+  return int(first.split()[1]), log
 
 
 def fail(what: str, message: str, times: int = 1) -> None:

@@ -1,0 +1,176 @@
+// Self-test of the Metal stand-in: misuses of the Metal API, made through
+// metal-cpp as a host would, must each be reported (a finding, a failed
+// command buffer or an NSError), so that "no findings" after a test means
+// something. Reached from Python as fatrain_metal_standin_selftest().
+
+#include <Foundation/Foundation.hpp>
+#include <Metal/Metal.hpp>
+
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "objc_runtime.h"
+
+// The built-in library's source text (library_source.S, NUL-terminated).
+extern "C" const char fatrain_standin_library_source[];
+
+namespace {
+
+struct SelfTest {
+  std::string log;
+  int failures = 0;
+
+  // Runs `misuse` and expects a finding that contains `phrase`.
+  void expect_finding(const char* name, const char* phrase, const std::function<void()>& misuse) {
+    standin::clear_findings();
+    misuse();
+    const std::vector<std::string> found = standin::findings();
+    bool ok = false;
+    for (const std::string& f : found) ok = ok || f.find(phrase) != std::string::npos;
+    note(ok, name, found.empty() ? "no finding" : found.front());
+  }
+
+  void note(bool ok, const char* name, const std::string& detail) {
+    failures += ok ? 0 : 1;
+    log += std::string(ok ? "ok " : "FAILED ") + name + ": " + detail + "\n";
+  }
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const char* fatrain_metal_standin_selftest() {
+  thread_local std::string out;
+  SelfTest t;
+  NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
+  MTL::Device* device = MTL::CreateSystemDefaultDevice();
+  if (device == nullptr) {
+    out = "FAILED no device\n";
+    return out.c_str();
+  }
+  MTL::CommandQueue* queue = device->newCommandQueue();
+  const uint32_t word = 0;
+
+  t.expect_finding("commit twice", "already committed", [&] {
+    MTL::CommandBuffer* cb = queue->commandBuffer();
+    cb->commit();
+    cb->commit();
+  });
+
+  t.expect_finding("encoder used after endEncoding", "after endEncoding", [&] {
+    MTL::CommandBuffer* cb = queue->commandBuffer();
+    MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder();
+    enc->endEncoding();
+    enc->setBytes(&word, sizeof word, 0);
+    cb->commit();
+    cb->waitUntilCompleted();
+    t.note(cb->status() == MTL::CommandBufferStatusError, "  ... fails the command buffer",
+           cb->error() != nullptr ? cb->error()->localizedDescription()->utf8String() : "no error");
+  });
+
+  t.expect_finding("commit before endEncoding", "had not called endEncoding", [&] {
+    MTL::CommandBuffer* cb = queue->commandBuffer();
+    cb->computeCommandEncoder();
+    cb->commit();
+  });
+
+  t.expect_finding("wait on an uncommitted command buffer", "never committed",
+                   [&] { queue->commandBuffer()->waitUntilCompleted(); });
+
+  t.expect_finding("unaligned no-copy buffer", "page-aligned", [&] {
+    std::vector<char> memory(3 * 65536);
+    MTL::Buffer* b = device->newBuffer(memory.data() + 1, 65536, MTL::ResourceStorageModeShared,
+                                       nullptr);
+    t.note(b == nullptr, "  ... returns nil", b == nullptr ? "nil" : "a buffer");
+  });
+
+  t.expect_finding("setBytes over 4 KiB", "at most 4096 bytes", [&] {
+    std::vector<char> big(8192);
+    MTL::CommandBuffer* cb = queue->commandBuffer();
+    MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder();
+    enc->setBytes(big.data(), big.size(), 0);
+    enc->endEncoding();
+  });
+
+  t.expect_finding("dispatch with no pipeline", "no compute pipeline state", [&] {
+    MTL::CommandBuffer* cb = queue->commandBuffer();
+    MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder();
+    enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 1, 1));
+    enc->endEncoding();
+  });
+
+  // A pipeline of the built-in library, for the dispatch checks below.
+  NS::Error* error = nullptr;
+  MTL::Library* library = nullptr;
+  {
+    MTL::CompileOptions* options = MTL::CompileOptions::alloc()->init();
+    library = device->newLibrary(NS::String::string(fatrain_standin_library_source,
+                                                    NS::UTF8StringEncoding),
+                                 options, &error);
+    options->release();
+  }
+  MTL::ComputePipelineState* pso = nullptr;
+  if (library != nullptr) {
+    MTL::FunctionConstantValues* values = MTL::FunctionConstantValues::alloc()->init();
+    MTL::Function* missing = library->newFunction(
+        NS::String::string("flash_attn_train_fwd_f32_d64", NS::UTF8StringEncoding), values, &error);
+    const std::string text = error != nullptr ? error->localizedDescription()->utf8String() : "";
+    t.note(missing == nullptr && text.find("with no value") != std::string::npos,
+           "function constant without a value", text.empty() ? "no error" : text);
+    MTL::Function* f = library->newFunction(
+        NS::String::string("flash_attn_train_bwd_compute_d_f32", NS::UTF8StringEncoding), values,
+        &error);
+    values->release();
+    if (f != nullptr) {
+      pso = device->newComputePipelineState(f, &error);
+      f->release();
+    }
+  }
+  t.note(pso != nullptr, "a pipeline of the built-in library",
+         pso != nullptr || error == nullptr ? "" : error->localizedDescription()->utf8String());
+  if (pso != nullptr) {
+    t.expect_finding("too many threads per threadgroup", "threads per threadgroup", [&] {
+      MTL::CommandBuffer* cb = queue->commandBuffer();
+      MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder();
+      enc->setComputePipelineState(pso);
+      enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 64, 1));
+      enc->endEncoding();
+    });
+    t.expect_finding("shared buffer without a barrier", "with no memoryBarrier", [&] {
+      MTL::Buffer* shared = device->newBuffer(4096, MTL::ResourceStorageModeShared);
+      MTL::CommandBuffer* cb = queue->commandBuffer();
+      MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder(MTL::DispatchTypeConcurrent);
+      enc->setComputePipelineState(pso);
+      enc->setBuffer(shared, 0, 13);
+      enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 1, 1));
+      enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 1, 1));
+      enc->endEncoding();
+      cb->commit();
+      shared->release();
+    });
+    pso->release();
+  }
+  if (library != nullptr) library->release();
+
+  t.expect_finding("message to a released object", "sent to a deallocated", [&] {
+    MTL::CompileOptions* options = MTL::CompileOptions::alloc()->init();
+    options->release();
+    options->setFastMathEnabled(false);
+  });
+
+  t.expect_finding("unknown selector", "unrecognized selector", [&] {
+    // maxThreadsPerThreadgroup returns MTL::Size through objc_msgSend_stret.
+    (void)device->maxThreadsPerThreadgroup();
+  });
+
+  t.expect_finding("autorelease with no pool", "no pool in place", [&] {
+    std::thread([] { NS::String::string("leaked", NS::UTF8StringEncoding); }).join();
+  });
+
+  queue->release();
+  pool->release();
+  standin::clear_findings();
+  out = "failures " + std::to_string(t.failures) + "\n" + t.log;
+  return out.c_str();
+}

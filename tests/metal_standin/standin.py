@@ -43,6 +43,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from jax_fatrain._msl_standalone import _hash as _digest  # pylint: disable=protected-access
+from jax_fatrain._msl_standalone import cache_root
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STUBS = ROOT / "tests" / "metal_typecheck" / "stubs"
@@ -85,20 +88,6 @@ class Unavailable(RuntimeError):
 
 class BuildError(RuntimeError):
   """A step of the build failed; the message has the command and its output."""
-
-
-def cache_root() -> Path:
-  env = os.environ.get("JAX_FATRAIN_CACHE")
-  return Path(env) if env else Path.home() / ".cache" / "jax_fatrain"
-
-
-def _digest(*parts: bytes | str) -> str:
-  h = hashlib.sha256()
-  for p in parts:
-    b = p.encode() if isinstance(p, str) else p
-    h.update(len(b).to_bytes(8, "little"))
-    h.update(b)
-  return h.hexdigest()
 
 
 def _run(cmd: list[str], what: str, **kw) -> str:

@@ -100,7 +100,7 @@ def test_stand_in_reports_api_misuse():
   """Each misuse of the Metal API is reported, so that "no findings" means something."""
   failures, log = standin.selftest()
   assert failures == 0, log
-  assert log.count("\nok ") + log.startswith("ok ") >= 14, log
+  assert log.count("\nok ") + log.startswith("ok ") >= 17, log
 
 
 @pytest.mark.parametrize("case", test_attention.CASES, ids=lambda c: c.id)

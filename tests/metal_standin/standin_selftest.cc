@@ -38,11 +38,57 @@ struct SelfTest {
   }
 };
 
+// The message-send trampolines against the x86-64 calling convention: more
+// integer and floating-point arguments than registers, structs passed in
+// memory, a double result (objc_msgSend_fpret) and a struct result returned
+// through memory (objc_msgSend_stret), and messages to nil.
+double probe_arguments(void*, SEL, int64_t a, int64_t b, int64_t c, int64_t d, int64_t e,
+                       double x0, double x1, double x2, double x3, double x4, double x5,
+                       double x6, double x7, double x8, MTL::Size size, int32_t last) {
+  return double(a + 2 * b + 3 * c + 4 * d + 5 * e) +
+         (x0 + 2 * x1 + 3 * x2 + 4 * x3 + 5 * x4 + 6 * x5 + 7 * x6 + 8 * x7 + 9 * x8) +
+         double(size.width * 100 + size.height * 10 + size.depth) + last * 1000.0;
+}
+
+MTL::Size probe_struct_result(void*, SEL, MTL::Size in, NS::UInteger add) {
+  return MTL::Size(in.width + add, in.height + add, in.depth + add);
+}
+
+// metal-cpp's message send, as its wrappers use it (protected in NS::Object).
+struct Send : NS::Object {
+  using NS::Object::sendMessage;
+};
+
+void check_trampolines(SelfTest& t) {
+  static const standin::MethodTable table(
+      "ABIProbe",
+      {{"probeArguments", standin::imp(&probe_arguments)},
+       {"probeStructResult", standin::imp(&probe_struct_result)}},
+      &standin::root_methods());
+  auto* probe = new standin::Object(&table);
+  const double got = Send::sendMessage<double>(
+      probe, standin::sel("probeArguments"), int64_t(1), int64_t(2), int64_t(3), int64_t(4),
+      int64_t(5), 0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, MTL::Size(7, 8, 9), int32_t(-3));
+  const double want = probe_arguments(nullptr, nullptr, 1, 2, 3, 4, 5, 0.5, 1.5, 2.5, 3.5, 4.5,
+                                      5.5, 6.5, 7.5, 8.5, MTL::Size(7, 8, 9), -3);
+  t.note(got == want, "objc_msgSend_fpret with 14 arguments and a struct",
+         std::to_string(got) + " (want " + std::to_string(want) + ")");
+  const MTL::Size r = Send::sendMessage<MTL::Size>(probe, standin::sel("probeStructResult"),
+                                                         MTL::Size(1, 2, 3), NS::UInteger(10));
+  t.note(r.width == 11 && r.height == 12 && r.depth == 13, "objc_msgSend_stret",
+         std::to_string(r.width) + "," + std::to_string(r.height) + "," + std::to_string(r.depth));
+  const double nil_double = Send::sendMessage<double>(nullptr, standin::sel("probeArguments"));
+  const NS::UInteger nil_int = Send::sendMessage<NS::UInteger>(nullptr, standin::sel("length"));
+  t.note(nil_double == 0.0 && nil_int == 0, "messages to nil return 0", "");
+  probe->release();
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const char* fatrain_metal_standin_selftest() {
   thread_local std::string out;
   SelfTest t;
+  check_trampolines(t);
   NS::AutoreleasePool* pool = NS::AutoreleasePool::alloc()->init();
   MTL::Device* device = MTL::CreateSystemDefaultDevice();
   if (device == nullptr) {

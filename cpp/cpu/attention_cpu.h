@@ -33,7 +33,8 @@ struct ParallelFor {
   void (*run)(void* self, int64_t count, void (*body)(void* context, int64_t i),
               void* context) = nullptr;
   void* self = nullptr;
-  // Number of worker threads, used only to size per-thread scratch.
+  // Number of worker threads: sizes per-thread scratch and picks the
+  // backward's form (attention_cpu_impl.h: use_fused_backward).
   int64_t num_threads = 1;
 };
 ParallelFor serial_parallel_for();

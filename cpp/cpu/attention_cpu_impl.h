@@ -923,6 +923,105 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   free(buf);
 }
 
+// One (batch, kv head) slice in a single pass: for each key tile and each
+// query tile of the slice's query heads, S, P, dP and dS are computed once and
+// feed all three gradients, five tile products in all (the two-pass form
+// recomputes S and dP for dQ: seven). dQ of the slice's G query heads stays in
+// an f32 accumulator of G x T x D floats until the end. Each slice owns its
+// dQ, dK and dV rows, so no atomics; the sums run in the two-pass order (key
+// tiles ascending for dQ; query heads, then query tiles, for dK and dV).
+static void bwd_fused(BwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  const BackwardOperands& op = *s.bop;
+  int64_t b = idx / g.KH, kh = idx % g.KH;
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ * BK + BQ);
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* dQ = buf;
+  float* dK = dQ + g.G * g.Tp * Dp;
+  float* dV = dK + BK * Dp;
+  float* St = dV + BK * Dp;
+  float* dPt = St + BK * BQ;
+  float* dS = dPt + BK * BQ;
+  float* brow = dS + BQ * BK;
+  memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dp) * 4);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  for (int64_t kt = 0; kt < g.ntk; ++kt) {
+    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+    const float* Kh = s.Kp + (idx * g.Sp + j0) * Dp;
+    const float* Vh = s.Vp + (idx * g.Sp + j0) * Dp;
+    memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+    for (int64_t gi = 0; gi < g.G; ++gi) {
+      int64_t n = kh * g.G + gi, qh = b * g.N + n;
+      const float* Lb = s.Lb + qh * g.Tp;
+      const float* Dr = s.Drow + qh * g.Tp;
+      int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
+      int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+      for (int64_t qt = 0; qt < g.ntq; ++qt) {
+        int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
+        int cls = classify(g, i0, ni, j0, nj, nc, ncq, te, se);
+        if (cls == 0) continue;
+        gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ, 0);
+        gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ, 0);
+        for (int64_t r = 0; r < nj; ++r) {
+          int64_t j = j0 + r;
+          float* srow = St + r * BQ;
+          float* dprow = dPt + r * BQ;
+          const float* bp = nullptr;
+          if (g.bias) {
+            bias_gather(g, bbase + j * g.bstr[3] + i0 * g.bstr[2], g.bstr[2], ni, brow);
+            for (int64_t c = ni; c < ncq; ++c) brow[c] = 0.0f;
+            bp = brow;
+          }
+          int64_t lo = 1, hi = 0;
+          if (j < se) {
+            lo = col_lo(g, j) - i0;
+            hi = col_hi(g, j, te) - i0;
+          }
+          prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
+                   g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
+                   ni);
+          for (int64_t c = 0; c < ncq; c += W) {
+            vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
+            st(srow + c, p);
+            st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
+          }
+        }
+        gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp, 1);
+        gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp, 1);
+        // dQ[i0.., :] += dS . K, with dS (queries x keys) transposed out of dPt.
+        for (int64_t r = 0; r < ni; ++r)
+          for (int64_t c = 0; c < nj; ++c) dS[r * BK + c] = dPt[c * BQ + r];
+        gemm(ni, Dp, nj, dS, BK, Kh, Dp, dQ + (gi * g.Tp + i0) * Dp, Dp, 1);
+      }
+    }
+    for (int64_t r = 0; r < nj; ++r) {
+      store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
+      store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
+    }
+  }
+  for (int64_t gi = 0; gi < g.G; ++gi) {
+    int64_t n = kh * g.G + gi;
+    for (int64_t t = 0; t < g.T; ++t)
+      store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, dQ + (gi * g.Tp + t) * Dp, g.scale);
+  }
+  free(buf);
+}
+
+// The fused single pass (five products per tile pair, one work item per
+// (batch, kv head)) or the two passes (seven, with q tiles and kv tiles as
+// items): the fused pass when its coarse items still keep the threads about
+// as busy, i.e. rounds x 5 <= items x 7 / threads.
+static bool use_fused_backward(const Geo& g, int64_t threads) {
+  int64_t items = g.B * g.KH;
+  int64_t t = imax(1, threads);
+  int64_t rounds = (items + t - 1) / t;
+  return rounds * 5 * t <= items * 7;
+}
+
 // Bias gradient item: owns dbias[b', n', t-range, s-range] (see entry point).
 struct BiasGradState {
   BwdState* s;
@@ -1084,8 +1183,12 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   void* handle = nullptr;
   const char* err = backward_common(s, parallel, true, &handle);
   if (!err) {
-    run_items<BwdState, bwd_pass1>(parallel, g.B * g.N * g.ntq, s);
-    if (!s.fail) run_items<BwdState, bwd_pass2>(parallel, g.B * g.KH * g.ntk, s);
+    if (use_fused_backward(g, parallel.num_threads)) {
+      run_items<BwdState, bwd_fused>(parallel, g.B * g.KH, s);
+    } else {
+      run_items<BwdState, bwd_pass1>(parallel, g.B * g.N * g.ntq, s);
+      if (!s.fail) run_items<BwdState, bwd_pass2>(parallel, g.B * g.KH * g.ntk, s);
+    }
     if (s.fail) err = kOom;
   }
   scratch_give(handle);

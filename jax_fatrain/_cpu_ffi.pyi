@@ -7,3 +7,6 @@ def registrations() -> dict[str, Any]:
 
 def selected_isa() -> str:
   """The instruction set the CPU kernels dispatch to on this machine."""
+
+def fma_peak_gflops(threads: int = 0, seconds: float = 0.2) -> float:
+  """This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all)."""

@@ -17,7 +17,14 @@ of ``sum(out * cotangent)`` with respect to q, k and v; in PyTorch
 Timing: JAX functions are compiled ahead of time (never timed); the first call is an
 untimed warm-up unless it took a second or more, in which case it counts as a sample;
 then calls are timed until there are at least ``--repeats`` samples (more, up to 50,
-while they add up to less than 0.3 s) and the median is reported. The full default
+while they add up to less than 0.3 s) and the median is reported. Order: each round
+measures every cell of the implementations other than XLA, the one measured first
+rotating from cell to cell and from round to round, and XLA's cells after all of
+them (XLA's large allocations slow the runs of whatever comes next); with
+``--rounds R`` the grid is measured R times and each cell reports its median, and
+``--json`` keeps every round, so the spread of a ratio across rounds shows the noise.
+The run also measures this machine's float32 FMA peak (a vector FMA loop on every
+core, from the cpu extension) and reports each implementation's share of it. The full default
 grid (72 rows) is long on a small machine: on 2 cores expect 15 minutes or more,
 most of it in the T=4096 rows, where XLA is the slowest (``--xla-max-seq-len 2048``
 skips XLA's cells there; ``--seq-lens``/``--head-dims``/``--dtypes`` narrow the grid).
@@ -72,10 +79,15 @@ class Case:
   mode: str  # "fwd" or "fwd+bwd"
   B: int = 1
   N: int = 8
+  KH: int = 0  # kv heads (GQA); 0: N
 
   @property
   def S(self) -> int:
     return self.T
+
+  @property
+  def kv_heads(self) -> int:
+    return self.KH or self.N
 
   @property
   def flops(self) -> float:
@@ -87,7 +99,8 @@ class Case:
     return f
 
   def label(self) -> str:
-    return (f"T={self.T} D={self.D} {'causal' if self.causal else 'full'} "
+    gqa = f" GQA {self.N}:{self.kv_heads}" if self.kv_heads != self.N else ""
+    return (f"T={self.T} D={self.D}{gqa} {'causal' if self.causal else 'full'} "
             f"{self.dtype} {self.mode}")
 
 
@@ -99,8 +112,10 @@ class Case:
 def _numpy_inputs(case: Case, seed: int = 0):
   """q, k, v, cotangent as float32 numpy arrays in BTNH layout."""
   rng = np.random.default_rng(seed)
-  shape = (case.B, case.T, case.N, case.D)
-  return [rng.standard_normal(shape, dtype=np.float32) for _ in range(4)]
+  q_shape = (case.B, case.T, case.N, case.D)
+  kv_shape = (case.B, case.S, case.kv_heads, case.D)
+  return [rng.standard_normal(shape, dtype=np.float32)
+          for shape in (q_shape, kv_shape, kv_shape, q_shape)]
 
 
 def _jax_attention(impl: str) -> Callable:
@@ -154,10 +169,11 @@ def _make_torch(case: Case, seed: int = 0):
   # BTNH numpy -> BNTH torch (contiguous).
   q, k, v, ct = (torch.from_numpy(x).transpose(1, 2).contiguous().to(dtype)
                  for x in _numpy_inputs(case, seed))
+  gqa = {"enable_gqa": True} if case.kv_heads != case.N else {}
   if case.mode == "fwd":
     def call(q, k, v):
       with torch.no_grad():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
     args = (q, k, v)
     to_numpy = lambda out: out.transpose(1, 2).float().numpy()
   else:
@@ -166,7 +182,7 @@ def _make_torch(case: Case, seed: int = 0):
     def call(q, k, v, ct):
       for x in (q, k, v):
         x.grad = None
-      out = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+      out = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
       out.backward(ct)
       return q.grad, k.grad, v.grad
     args = (q, k, v, ct)
@@ -415,10 +431,13 @@ def _rel_err(a, b) -> str:
 
 
 def build_rows(cases: Sequence[Case], impls: Sequence[str],
-               results: dict[tuple[Case, str], Measurement], memory: bool):
+               results: dict[tuple[Case, str], Measurement], memory: bool,
+               peak: float | None = None):
   header = ["T", "D", "causal", "dtype", "pass"]
   header += [f"{i} ms" for i in impls]
   header += [f"{i} GFLOP/s" for i in impls]
+  if peak and "ours" in impls:
+    header.append("ours % of peak")
   others = [i for i in impls if i != "ours"] if "ours" in impls else []
   header += [f"{o}/ours" for o in others]
   if memory:
@@ -431,6 +450,9 @@ def build_rows(cases: Sequence[Case], impls: Sequence[str],
     row = [str(c.T), str(c.D), "yes" if c.causal else "no", c.dtype, c.mode]
     row += [_fmt_ms(ms[i]) for i in impls]
     row += [_fmt_gflops(c, ms[i]) for i in impls]
+    if peak and "ours" in impls:
+      m = ms["ours"]
+      row.append("-" if m is None or m.seconds is None else f"{100 * c.flops / m.seconds / 1e9 / peak:.0f}%")
     row += [_fmt_ratio(ms[o], ms["ours"]) for o in others]
     if memory:
       row += [_fmt_mem(ms[i]) for i in impls]
@@ -533,7 +555,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "the 'ours' column (default cpu)")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=None, help="default 8 (--metal-model: 1)")
+  p.add_argument("--kv-heads", type=int, default=None,
+                 help="key/value heads (GQA when fewer than --heads; default --heads)")
   p.add_argument("--repeats", type=int, default=3, help="timed calls per cell (min 3)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="measure the whole grid this many times and report each cell's median "
+                 "(the JSON keeps every round; ratios' spread across rounds shows noise)")
   p.add_argument("--fwd-only", action="store_true", help="skip forward+backward rows")
   p.add_argument("--markdown", action="store_true", help="print a Markdown table")
   mem = p.add_mutually_exclusive_group()
@@ -550,8 +577,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       "bf16, one head, impls ours,mlx; a model, not a measurement)")
   mm.add_argument("--metal-model", action="store_true",
                   help="run the emulator comparison instead of the CPU timings")
-  mm.add_argument("--json", default=None, help="save the records to this JSON file")
-  mm.add_argument("--plot", default=None, help="save a plot to this file (needs matplotlib)")
+  p.add_argument("--json", default=None, help="save the records to this JSON file")
+  p.add_argument("--plot", default=None, help="save a plot to this file (needs matplotlib)")
   mm.add_argument("--sample", default="8",
                   help="threadgroups run per dispatch: a count (default 8), a fraction "
                   "such as 0.25, or 'all'; counters are scaled to the whole grid")
@@ -574,6 +601,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args.head_dims = args.head_dims or [64, 128, 256]
   args.dtypes = args.dtypes or ["float32", "bfloat16"]
   args.repeats = max(3, args.repeats)
+  args.rounds = max(1, args.rounds)
+  if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+    p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
   return args
 
 
@@ -596,13 +626,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   impls = [i for i in IMPLS if i in args.impls and status.get(i) is None]
   causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
   modes = ["fwd"] if args.fwd_only else list(MODES)
-  cases = [Case(T=t, D=d, causal=c, dtype=dt, mode=m, B=args.batch, N=args.heads)
+  cases = [Case(T=t, D=d, causal=c, dtype=dt, mode=m, B=args.batch, N=args.heads,
+                KH=args.kv_heads or 0)
            for dt in args.dtypes for d in args.head_dims for t in args.seq_lens
            for c in causal for m in modes]
 
   env = describe_environment(impls, status)
   print("\n".join(env))
-  print(f"B={args.batch} N={args.heads} (q and kv heads), T=S, layout BTNH (torch BNTH), "
+  print(f"B={args.batch} N={args.heads} q heads, {args.kv_heads or args.heads} kv heads, "
+        "T=S, layout BTNH (torch BNTH), "
         f"causal = top-left; times are medians of >= {args.repeats} timed calls after "
         "warm-up, in ms")
   print("GFLOP/s: fwd = 4*B*N*T*S*D (halved if causal), fwd+bwd = 3.5 x fwd; "
@@ -624,18 +656,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print("no implementation available")
     return {"header": [], "rows": []}
 
-  results: dict[tuple[Case, str], Measurement] = {}
+  # Order: every round measures the cells of all implementations but XLA, the
+  # implementation measured first rotating from cell to cell and round to
+  # round, then XLA's cells last, so that XLA's large allocations never sit
+  # between another implementation's runs (they slow the next runs of the
+  # others). Each cell's time is the median over rounds.
+  peak = fma_peak()
+  print(f"float32 FMA peak of this machine (a vector FMA loop on every core): "
+        f"{peak:.0f} GFLOP/s" if peak else "float32 FMA peak: not measured (no cpu extension)")
+  sys.stdout.flush()
+  samples: dict[tuple[Case, str], list[Measurement]] = {}
   t_start = time.perf_counter()
-  for n, case in enumerate(cases, 1):
-    parts = []
-    for impl in impls:
+  first = [i for i in impls if i != "xla"]
+  last = ["xla"] if "xla" in impls else []
+  for r in range(args.rounds):
+    order = [(n, case, impl) for n, case in enumerate(cases)
+             for impl in _rotated(first, n + r)]
+    order += [(n, case, "xla") for n, case in enumerate(cases) for _ in last]
+    for n, case, impl in order:
       if impl == "xla" and args.xla_max_seq_len and case.T > args.xla_max_seq_len:
-        results[(case, impl)] = Measurement(skipped="T above --xla-max-seq-len")
+        m = Measurement(skipped="T above --xla-max-seq-len")
       else:
-        results[(case, impl)] = measure(impl, case, args.repeats)
-      parts.append(f"{impl} {_fmt_ms(results[(case, impl)])}")
-    print(f"[{n}/{len(cases)} {time.perf_counter() - t_start:.0f}s] {case.label()}: "
-          + ", ".join(parts) + " ms", file=sys.stderr, flush=True)
+        m = measure(impl, case, args.repeats)
+      samples.setdefault((case, impl), []).append(m)
+      print(f"[round {r + 1}/{args.rounds} {time.perf_counter() - t_start:.0f}s] "
+            f"{case.label()}: {impl} {_fmt_ms(m)} ms", file=sys.stderr, flush=True)
+  results = {key: _median(ms) for key, ms in samples.items()}
 
   if args.memory:
     jobs = [(case, impl) for case in cases for impl in impls
@@ -648,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         m = results[futures[fut]]
         m.peak_mb, m.mem_error = fut.result()
 
-  header, rows = build_rows(cases, impls, results, args.memory)
+  header, rows = build_rows(cases, impls, results, args.memory, peak)
   print()
   print(format_table(header, rows, args.markdown))
   errors = [f"  {impl} {case.label()}: {m.error or m.mem_error}"
@@ -656,8 +702,101 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if errors:
     print("errors:\n" + "\n".join(errors))
   print(f"total time {time.perf_counter() - t_start:.0f} s")
-  return {"header": header, "rows": rows, "impls": impls,
+  record = _record(args, env, peak, cases, impls, samples, results)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(record, f, indent=1)
+    print(f"wrote {args.json}")
+  if args.plot:
+    _plot(record, args.plot)
+    print(f"wrote {args.plot}")
+  return {"header": header, "rows": rows, "impls": impls, "fma_peak_gflops": peak,
           "results": {(c.label(), i): m.seconds for (c, i), m in results.items()}}
+
+
+def _rotated(items: list[str], k: int) -> list[str]:
+  if not items:
+    return []
+  k %= len(items)
+  return items[k:] + items[:k]
+
+
+def _median(ms: list[Measurement]) -> Measurement:
+  timed = [m for m in ms if m.seconds is not None]
+  if not timed:
+    return ms[-1]
+  out = dataclasses.replace(timed[-1])
+  out.seconds = statistics.median(m.seconds for m in timed)
+  return out
+
+
+def fma_peak() -> float | None:
+  """This machine's float32 FMA rate on all cores, from the cpu extension's loop."""
+  try:
+    from jax_fatrain import _cpu_ffi  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return float(_cpu_ffi.fma_peak_gflops(0, 0.3))
+
+
+def _record(args, env, peak, cases, impls, samples, results) -> dict:
+  """Everything measured, for --json and --plot."""
+  rows = []
+  for c in cases:
+    row = {"T": c.T, "S": c.S, "D": c.D, "B": c.B, "N": c.N, "KH": c.kv_heads,
+           "causal": c.causal, "dtype": c.dtype, "pass": c.mode, "gflop": c.flops / 1e9,
+           "seconds": {}, "rounds": {}, "gflops": {}, "ratio_to_ours": {}}
+    for i in impls:
+      m = results.get((c, i))
+      row["rounds"][i] = [x.seconds for x in samples.get((c, i), [])]
+      if m is not None and m.seconds is not None:
+        row["seconds"][i] = m.seconds
+        row["gflops"][i] = c.flops / m.seconds / 1e9
+    ours = row["seconds"].get("ours")
+    for i in impls:
+      if i != "ours" and ours and i in row["seconds"]:
+        per_round = [a / b for a, b in zip(row["rounds"][i], row["rounds"]["ours"])
+                     if a is not None and b is not None]
+        row["ratio_to_ours"][i] = {"median": row["seconds"][i] / ours,
+                                   "min": min(per_round, default=None),
+                                   "max": max(per_round, default=None)}
+    rows.append(row)
+  return {"command": "python -m jax_fatrain.benchmark " + " ".join(sys.argv[1:]),
+          "date": time.strftime("%Y-%m-%d"), "environment": env,
+          "fma_peak_gflops": peak, "impls": list(impls), "rounds": args.rounds, "rows": rows}
+
+
+def _plot(record: dict, path: str) -> None:
+  """GFLOP/s against T, one line per implementation, a panel per (D, dtype, causal, pass)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  keys = sorted({(r["dtype"], r["pass"], r["D"], r["causal"]) for r in record["rows"]})
+  cols = min(4, len(keys))
+  nrows = (len(keys) + cols - 1) // cols
+  fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+  for ax, key in zip(axes.flat, keys):
+    rows = sorted((r for r in record["rows"]
+                   if (r["dtype"], r["pass"], r["D"], r["causal"]) == key), key=lambda r: r["T"])
+    for impl in record["impls"]:
+      pts = [(r["T"], r["gflops"][impl]) for r in rows if impl in r["gflops"]]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=impl)
+    if record.get("fma_peak_gflops"):
+      ax.axhline(record["fma_peak_gflops"], color="gray", linestyle="--", linewidth=0.8,
+                 label="f32 FMA peak")
+    dtype, mode, d, causal = key
+    ax.set_title(f"{dtype} {mode} D={d} {'causal' if causal else 'full'}", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("T")
+    ax.set_ylabel("GFLOP/s")
+    ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(keys):]:
+    ax.axis("off")
+  fig.suptitle(f"{record['command']}  ({record['date']})", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <vector>
+
 namespace fatrain::cpu {
 
 #define FATRAIN_DECLARE_ISA(isa)                                                           \
@@ -25,6 +30,7 @@ namespace fatrain::cpu {
                                  const ParallelFor&);                                      \
   const char* attention_bias_grad(const AttentionProblem&, const BiasGradOperands&,       \
                                   const ParallelFor&);                                     \
+  double fma_loop(int64_t iters);                                                          \
   }
 FATRAIN_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
@@ -235,6 +241,35 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
   if (op.dbias == nullptr) return "jax_fatrain cpu: dbias is null";
   const ParallelFor pf = usable(parallel);
   FATRAIN_DISPATCH(attention_bias_grad, problem, op, pf)
+}
+
+namespace {
+double fma_loop(int64_t iters) { FATRAIN_DISPATCH(fma_loop, iters) }
+}  // namespace
+
+double fma_peak_gflops(int threads, double seconds) {
+  if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  // Calibrate on one thread, then run every thread for about `seconds`.
+  int64_t iters = 1 << 16;
+  for (;;) {
+    auto t0 = std::chrono::steady_clock::now();
+    fma_loop(iters);
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > 0.02 || iters > (int64_t(1) << 40)) {
+      iters = std::max<int64_t>(iters, int64_t(double(iters) * seconds / std::max(dt, 1e-9)));
+      break;
+    }
+    iters *= 4;
+  }
+  std::vector<double> flops(threads);
+  std::vector<std::thread> workers;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int t = 0; t < threads; ++t) workers.emplace_back([&, t] { flops[t] = fma_loop(iters); });
+  for (auto& w : workers) w.join();
+  double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double total = 0;
+  for (double f : flops) total += f;
+  return total / dt / 1e9;
 }
 
 }  // namespace fatrain::cpu

@@ -59,4 +59,9 @@ const char* attention_bias_grad(const AttentionProblem& problem,
 // ("avx512", "avx2", "baseline"), for benchmarks and bug reports.
 const char* selected_isa();
 
+// This machine's float32 FMA rate in GFLOP/s with the selected ISA's vectors:
+// `threads` threads (0: one per hardware thread) each running independent
+// vector FMAs for about `seconds`. What the benchmark compares kernels with.
+double fma_peak_gflops(int threads, double seconds);
+
 }  // namespace fatrain::cpu

@@ -1227,4 +1227,31 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
   return err;
 }
 
+// Floating-point operations done by `iters` rounds of 12 independent vector
+// FMAs (enough in flight to fill the FMA units): fma_peak_gflops' loop. An
+// empty asm "reads and writes" the 12 accumulators in vector registers after
+// every round, so the compiler keeps them there and can neither fold nor
+// shorten the loop.
+double fma_loop(int64_t iters) {
+  vf r0 = bc(1.000f), r1 = bc(1.001f), r2 = bc(1.002f), r3 = bc(1.003f), r4 = bc(1.004f),
+     r5 = bc(1.005f), r6 = bc(1.006f), r7 = bc(1.007f), r8 = bc(1.008f), r9 = bc(1.009f),
+     r10 = bc(1.010f), r11 = bc(1.011f);
+  const vf m = bc(0.9999999f), a = bc(1e-7f);
+  for (int64_t it = 0; it < iters; ++it) {
+    r0 = r0 * m + a; r1 = r1 * m + a; r2 = r2 * m + a; r3 = r3 * m + a;
+    r4 = r4 * m + a; r5 = r5 * m + a; r6 = r6 * m + a; r7 = r7 * m + a;
+    r8 = r8 * m + a; r9 = r9 * m + a; r10 = r10 * m + a; r11 = r11 * m + a;
+#if defined(__x86_64__)
+    __asm__ volatile("" : "+x"(r0), "+x"(r1), "+x"(r2), "+x"(r3), "+x"(r4), "+x"(r5),
+                     "+x"(r6), "+x"(r7), "+x"(r8), "+x"(r9), "+x"(r10), "+x"(r11));
+#elif defined(__aarch64__)
+    __asm__ volatile("" : "+w"(r0), "+w"(r1), "+w"(r2), "+w"(r3), "+w"(r4), "+w"(r5),
+                     "+w"(r6), "+w"(r7), "+w"(r8), "+w"(r9), "+w"(r10), "+w"(r11));
+#endif
+  }
+  volatile float sink = hsum(r0 + r1 + r2 + r3 + r4 + r5 + r6 + r7 + r8 + r9 + r10 + r11);
+  (void)sink;
+  return double(iters) * 12 * W * 2;
+}
+
 }  // namespace fatrain::cpu::FATRAIN_ISA

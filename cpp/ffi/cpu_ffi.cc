@@ -163,4 +163,11 @@ NB_MODULE(_cpu_ffi, m) {
   });
   m.def("selected_isa", []() { return std::string(fatrain::cpu::selected_isa()); },
         "The instruction set the CPU kernels dispatch to on this machine.");
+  m.def("fma_peak_gflops",
+        [](int threads, double seconds) {
+          nb::gil_scoped_release release;
+          return fatrain::cpu::fma_peak_gflops(threads, seconds);
+        },
+        nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
+        "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all).");
 }

@@ -156,6 +156,9 @@ const char* validate_problem(const AttentionProblem& p) {
   if (elems > 1e17) return "jax_fatrain cpu: problem too large";
   if (const char* e = check_score_tensor(p.bias, p, "bias", false)) return e;
   if (const char* e = check_score_tensor(p.mask, p, "mask", true)) return e;
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
+    return "jax_fatrain cpu: q_segment_ids and kv_segment_ids must be given together";
+  if (p.q_segment_ids != nullptr) return "jax_fatrain cpu: segment ids are not supported yet";
   return nullptr;
 }
 

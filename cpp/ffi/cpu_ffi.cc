@@ -56,13 +56,16 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                        ffi::Buffer<ffi::S32> q_lengths,
                        ffi::Buffer<ffi::S32> kv_lengths,
+                       ffi::Buffer<ffi::S32> q_segment_ids,
+                       ffi::Buffer<ffi::S32> kv_segment_ids,
                        ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> lse, Attributes attrs) {
   namespace glue = fatrain::ffi_glue;
   fatrain::AttentionProblem problem;
   fatrain::ForwardOperands ops;
   FATRAIN_RETURN_IF_ERROR(glue::BuildProblem(attrs, q, k, v, bias, mask, q_lengths,
-                                             kv_lengths, fatrain::cpu::validate_problem,
+                                             kv_lengths, q_segment_ids, kv_segment_ids,
+                                             fatrain::cpu::validate_problem,
                                              &problem, &ops.q, &ops.k, &ops.v));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectSameAs("output", *o, "query", q));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectLse(*lse, problem));
@@ -78,7 +81,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                         ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o,
+                        ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o,
                         ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk,
@@ -86,7 +91,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   namespace glue = fatrain::ffi_glue;
   glue::BackwardInputs in;
   FATRAIN_RETURN_IF_ERROR(glue::ReadBackwardInputs(
-      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      o, lse, d_o,
       fatrain::cpu::validate_problem, &in));
   fatrain::BackwardOperands ops;
   ops.q = in.q; ops.k = in.k; ops.v = in.v; ops.o = in.o; ops.d_o = in.d_o;
@@ -102,14 +108,17 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
 ffi::Error BiasGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                         ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o,
+                        ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o,
                         ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dbias, Attributes attrs) {
   namespace glue = fatrain::ffi_glue;
   if (!attrs.has_bias) return Status("the bias gradient needs a bias");
   glue::BackwardInputs in;
   FATRAIN_RETURN_IF_ERROR(glue::ReadBackwardInputs(
-      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      o, lse, d_o,
       fatrain::cpu::validate_problem, &in));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectBiasGradient(*dbias, bias));
   fatrain::BiasGradOperands ops;

@@ -7,3 +7,10 @@ def registrations() -> dict[str, Any]:
 
 def selected_isa() -> str:
   """The instruction set the CPU kernels dispatch to on this machine."""
+
+def tile_visits(reset: bool = False) -> dict[str, int]:
+  """Tiles each pass has computed so far ("forward", "backward_dq",
+  "backward_dkdv", "bias_grad"); reset=True also sets the counts to zero."""
+
+def tile_sizes() -> tuple[int, int]:
+  """(query rows, keys) per tile of the CPU kernels."""

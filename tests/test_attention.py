@@ -13,7 +13,7 @@ from attention_cases import IMPLEMENTATIONS, Case, make_inputs, reference, relat
 from checks import assert_matches_reference, reference_results, results
 
 B, N, T, S = "B", "N", "T", "S"
-SEGMENT_IDS = ("xla",)
+SEGMENT_IDS = ("xla", "cpu")
 
 CASES = [
     Case(),
@@ -44,13 +44,13 @@ CASES = [
     # Packed sequences (segment ids; attention_cases.SEGMENT_KINDS), each
     # long enough for documents to cross the tiles of every kernel.
     Case(q_len=150, kv_len=150, q_heads=4, kv_heads=1, is_causal=True, segments="sorted"),
-    Case(q_len=70, kv_len=90, segments="unsorted", bias_shape=(B, N, T, S)),
+    Case(q_len=70, kv_len=90, segments="unsorted", bias_shape=(B, N, T, S), q_lengths=True),
     Case(q_len=45, kv_len=45, q_heads=2, kv_heads=2, window=(5, 3), segments="one"),
-    Case(q_len=40, kv_len=33, is_causal=True, segments="each"),
+    Case(q_len=40, kv_len=33, is_causal=True, segments="each", kv_lengths=True),
     Case(q_len=100, kv_len=100, q_heads=2, kv_heads=1, is_causal=True, dtype=jnp.bfloat16,
          segments="padding"),
     Case(q_len=130, kv_len=130, batch=1, q_heads=2, kv_heads=1, head_dim=128,
-         window=(40, 0), mask_shape=(B, 1, T, S), q_lengths=True, segments="sorted"),
+         window=(40, 0), mask_shape=(B, 1, T, S), segments="sorted"),
     Case(q_len=80, kv_len=96, q_heads=8, kv_heads=2, head_dim=256, dtype=jnp.bfloat16,
          segments="sorted", bias_shape=(1, N, 1, S)),
 ]

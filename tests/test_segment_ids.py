@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 
 import jax_fatrain
-from attention_cases import (Case, jax_nn_kwargs, make_inputs,
+from attention_cases import (IMPLEMENTATIONS, Case, jax_nn_kwargs, make_inputs,
                              relative_error, segment_ids)
 
-IMPLEMENTATIONS = ("xla",)
 Q = jnp.ones((2, 8, 4, 16), jnp.float32)
 KV = jnp.ones((2, 10, 2, 16), jnp.float32)
 QS = jnp.zeros((2, 8), jnp.int32)
@@ -180,3 +179,57 @@ def test_flax_adapter_passes_segment_ids(implementation):
   for got in (per_call, bound):
     assert got.shape == q.shape
     assert relative_error(got.reshape(want.shape), want) < 1e-4
+
+
+def _visited_tile_pairs(visible: np.ndarray, tq: int, tk: int) -> int:
+  """(query tile, key tile) pairs with at least one visible element, summed
+  over batch and heads; visible is bool [B, N, T, S]."""
+  b, n, t, s = visible.shape
+  pad = np.zeros((b, n, -(-t // tq) * tq, -(-s // tk) * tk), bool)
+  pad[:, :, :t, :s] = visible
+  tiles = pad.reshape(b, n, pad.shape[2] // tq, tq, pad.shape[3] // tk, tk)
+  return int(tiles.any(axis=(3, 5)).sum())
+
+
+@pytest.mark.parametrize("layout", ["aligned", "unaligned", "unsorted"])
+def test_cpu_skips_the_tiles_segment_ids_rule_out(layout):
+  """The tile-visit counters of the CPU kernels: a causal pack of documents
+  visits exactly the tiles that hold a visible element (about 1/k of dense
+  causal for k documents) in the forward and both backward passes; unsorted
+  ids, whose tiles all share ids, skip nothing the causal mask keeps."""
+  from jax_fatrain._backends import cpu as _cpu
+  tq, tk = _cpu.tile_sizes()
+  t, n, kh = 512, 4, 2
+  rng = np.random.default_rng(0)
+  if layout == "aligned":        # 4 documents of 128 tokens: 2 tiles each
+    ids = np.repeat(np.arange(4, dtype=np.int32), 128)[None]
+  elif layout == "unaligned":    # documents crossing tile boundaries
+    ids = np.repeat(np.arange(5, dtype=np.int32), [100, 37, 150, 125, 100])[None]
+  else:
+    ids = rng.integers(0, 3, (1, t)).astype(np.int32)
+  case = Case(batch=1, q_len=t, kv_len=t, q_heads=n, kv_heads=kh, is_causal=True)
+  x = make_inputs(case, seed=1)
+  seg = jnp.asarray(ids)
+
+  def loss(q, k, v):
+    out = jax_fatrain.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=seg,
+                                            kv_segment_ids=seg, implementation="cpu")
+    return jnp.sum(out * x.cotangent), out
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+  jax.block_until_ready(grad(x.q, x.k, x.v))   # compile first: nothing counted twice
+  _cpu.tile_visits(reset=True)
+  (dq, dk, dv), out = jax.block_until_ready(grad(x.q, x.k, x.v))
+  visits = _cpu.tile_visits(reset=True)
+
+  causal = np.tril(np.ones((t, t), bool))
+  same = ids[0][:, None] == ids[0][None, :]
+  packed = _visited_tile_pairs(np.broadcast_to(causal & same, (1, n, t, t)), tq, tk)
+  dense = _visited_tile_pairs(np.broadcast_to(causal, (1, n, t, t)), tq, tk)
+  want_visits = dense if layout == "unsorted" else packed
+  assert visits == {"forward": want_visits, "backward_dq": want_visits,
+                    "backward_dkdv": want_visits, "bias_grad": 0}, (visits, packed, dense)
+  if layout == "aligned":
+    assert (packed, dense) == (n * 4 * 3, n * 36)   # 3 of a document's 2x2 tiles
+  want = jax.nn.dot_product_attention(x.q, x.k, x.v, **jax_nn_kwargs(
+      dict(is_causal=True, q_segment_ids=seg, kv_segment_ids=seg)))
+  assert relative_error(out, want) < 1e-4

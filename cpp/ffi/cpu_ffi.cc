@@ -172,4 +172,18 @@ NB_MODULE(_cpu_ffi, m) {
   });
   m.def("selected_isa", []() { return std::string(fatrain::cpu::selected_isa()); },
         "The instruction set the CPU kernels dispatch to on this machine.");
+  m.def("tile_visits", [](bool reset) {
+    int64_t counts[fatrain::cpu::kTileVisitCounters];
+    fatrain::cpu::tile_visits(counts, reset);
+    nb::dict out;
+    out["forward"] = counts[fatrain::cpu::kTileVisitsForward];
+    out["backward_dq"] = counts[fatrain::cpu::kTileVisitsBackwardDq];
+    out["backward_dkdv"] = counts[fatrain::cpu::kTileVisitsBackwardDkDv];
+    out["bias_grad"] = counts[fatrain::cpu::kTileVisitsBiasGrad];
+    return out;
+  }, nb::arg("reset") = false,
+        "Tiles (query tile x key tile pairs) each pass has computed so far (a test tool).");
+  m.def("tile_sizes", []() {
+    return nb::make_tuple(fatrain::cpu::kTileQ, fatrain::cpu::kTileK);
+  }, "(query rows, keys) per tile of the CPU kernels.");
 }

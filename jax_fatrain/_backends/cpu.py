@@ -44,6 +44,19 @@ def selected_isa() -> str:
   return _extension().selected_isa()
 
 
+def tile_visits(reset: bool = False) -> dict[str, int]:
+  """Tiles (query tile x key tile pairs) each pass has computed, process-wide:
+  ``{"forward", "backward_dq", "backward_dkdv", "bias_grad"}``; tiles the
+  kernels skip (masked out by causality, windows, lengths or segment ids) are
+  not counted. ``reset=True`` also sets the counts to zero. A test tool."""
+  return dict(_extension().tile_visits(reset))
+
+
+def tile_sizes() -> tuple[int, int]:
+  """(query rows, keys) per tile of the CPU kernels."""
+  return tuple(_extension().tile_sizes())
+
+
 def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
             kv_segment_ids=None):
   _register_targets()

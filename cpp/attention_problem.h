@@ -58,6 +58,13 @@ struct AttentionProblem {
   // j >= kv_lengths[b] are invisible to every query of that batch.
   const int32_t* q_lengths = nullptr;
   const int32_t* kv_lengths = nullptr;
+  // Optional segment ids of packed sequences ([batch, q_len] and
+  // [batch, kv_len] int32, contiguous; both or neither): query i of batch b
+  // sees key j only if q_segment_ids[b*T + i] == kv_segment_ids[b*S + j].
+  // Any int32 values, in any order; tiles are skipped where the ids of a
+  // query tile and a key tile cannot meet.
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
   ScoreTensor bias;  // additive, added after scaling
   ScoreTensor mask;  // boolean, nonzero = keep
 };

@@ -53,6 +53,36 @@ def _check_lengths(name: str, x, batch: int):
   return x
 
 
+def _check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int,
+                       kv_len: int, unbatched: bool = False):
+  """Packed sequences: int32 ``[B, T]`` and ``[B, S]`` ids, both or neither.
+
+  With ``unbatched`` (a rank-3 query) the ids may be ``[T]`` and ``[S]``.
+  Returns the pair canonicalised to rank 2, or ``(None, None)``.
+  """
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    given, missing = (("q_segment_ids", "kv_segment_ids") if kv_segment_ids is None
+                      else ("kv_segment_ids", "q_segment_ids"))
+    raise ValueError(f"{given} was given without {missing}: pass both (queries attend "
+                     "only to keys with an equal segment id) or neither")
+  if q_segment_ids is None:
+    return None, None
+  out = []
+  for name, x, length, label in (("q_segment_ids", q_segment_ids, q_len, "T"),
+                                 ("kv_segment_ids", kv_segment_ids, kv_len, "S")):
+    x = _as_array(name, x)
+    if x.dtype != jnp.int32:
+      raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if unbatched and x.ndim == 1:
+      x = x[None]
+    want = (batch, length)
+    if x.shape != want:
+      shape = f"[{label}] or [B, {label}]" if unbatched else f"[B, {label}]"
+      raise ValueError(f"{name} must have shape {shape} = {list(want)}, got {x.shape}")
+    out.append(x)
+  return tuple(out)
+
+
 def _window(local_window_size) -> tuple[int, int]:
   if local_window_size is None:
     return -1, -1
@@ -144,7 +174,8 @@ def _prepare(q, k, v, bias, mask, q_lengths, kv_lengths, *, layout: str,
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
-                          implementation=None, return_residual=False):
+                          implementation=None, return_residual=False,
+                          q_segment_ids=None, kv_segment_ids=None):
   """FlashAttention-2 attention with ``jax.nn.dot_product_attention``'s API.
 
   Arguments mean exactly what they mean for ``jax.nn.dot_product_attention``:
@@ -155,6 +186,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   top-left causal masking, ``query_seq_lengths`` / ``key_value_seq_lengths``
   (int32 ``[B]``) padding, and ``local_window_size`` ``(left, right)`` (an
   int means both sides).
+
+  ``q_segment_ids`` ``[B, T]`` and ``kv_segment_ids`` ``[B, S]`` (int32,
+  keyword-only, both or neither; not in ``jax.nn``) describe packed
+  sequences: query i attends to key j only where their ids are equal, on
+  top of every other mask. The ids are compared tile by tile inside the
+  kernels (never materialised as a ``[T, S]`` mask), and key tiles that share
+  no id with a query tile are skipped; sorted ids (documents laid out one
+  after another) skip the most. They get no gradient.
 
   ``implementation``: ``None`` (the best one for the default backend:
   ``"cuda"`` on an NVIDIA GPU where the CUDA extension is built, for
@@ -182,10 +221,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   q, k, v, bias, mask, q_lengths, kv_lengths, impl = _prepare(
       q, k, v, bias, mask, query_seq_lengths, key_value_seq_lengths,
       layout="BTNH", implementation=implementation)
+  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
+                                     q.shape[1], k.shape[1], unbatched=unbatched)
   left, right = _window(local_window_size)
   config = AttentionConfig(scale=_scale(scale, q.shape[-1]), is_causal=bool(is_causal),
                            window_left=left, window_right=right, layout="BTNH")
-  out, lse = _op.attention(q, k, v, bias, mask, q_lengths, kv_lengths, config, impl)
+  out, lse = _op.attention(q, k, v, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
+                           config, impl)
   if unbatched:
     out, lse = out[0], lse[0]
   out = out.reshape(output_shape)
@@ -210,32 +252,44 @@ def _split_bhld_mask(mask):
   return mask, None
 
 
-def flash_attn_train_fwd(q, k, v, mask=None, *, scale, causal, implementation=None):
+def flash_attn_train_fwd(q, k, v, mask=None, *, scale, causal, implementation=None,
+                         q_segment_ids=None, kv_segment_ids=None):
   """The forward in the ``[B, H, L, D]`` layout of mlx_native's ``flash_attn_train.rs``:
   returns ``(o, lse)``.
 
   ``mask`` is additive (floating point) or boolean (True = attend), shaped
   ``[B, H_q, qL, kL]`` or broadcastable to it; ``lse`` is float32
-  ``[B, H_q, qL]`` in natural log. Not differentiable itself: pair it with
-  :func:`flash_attn_train_bwd` (or use :func:`dot_product_attention`).
+  ``[B, H_q, qL]`` in natural log. ``q_segment_ids`` ``[B, qL]`` and
+  ``kv_segment_ids`` ``[B, kL]`` (int32, both or neither) restrict attention
+  to equal ids, as in :func:`dot_product_attention`. Not differentiable
+  itself: pair it with :func:`flash_attn_train_bwd` (or use
+  :func:`dot_product_attention`).
   """
   bias, bool_mask = _split_bhld_mask(mask)
   q, k, v, bias, bool_mask, _, _, impl = _prepare(
       q, k, v, bias, bool_mask, None, None, layout="BNTH",
       implementation=implementation, q_name="q", k_name="k", v_name="v",
       bias_name="mask", mask_name="mask")
+  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
+                                     q.shape[2], k.shape[2])
   config = _bhld_config(q, scale, causal)
-  return _op.stage(impl, "forward", config)(q, k, v, bias, bool_mask, None, None)
+  return _op.stage(impl, "forward", config)(q, k, v, bias, bool_mask, None, None,
+                                            q_seg, kv_seg)
 
 
 def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
-                         implementation=None):
-  """The backward in the ``[B, H, L, D]`` layout: returns ``(dq, dk, dv)``."""
+                         implementation=None, q_segment_ids=None, kv_segment_ids=None):
+  """The backward in the ``[B, H, L, D]`` layout: returns ``(dq, dk, dv)``.
+
+  Takes the forward's ``mask`` and segment ids (the same ones).
+  """
   bias, bool_mask = _split_bhld_mask(mask)
   q, k, v, bias, bool_mask, _, _, impl = _prepare(
       q, k, v, bias, bool_mask, None, None, layout="BNTH",
       implementation=implementation, q_name="q", k_name="k", v_name="v",
       bias_name="mask", mask_name="mask")
+  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
+                                     q.shape[2], k.shape[2])
   o, do = _as_array("o", o), _as_array("do", do)
   for name, x in (("o", o), ("do", do)):
     if x.shape != q.shape or x.dtype != q.dtype:
@@ -248,4 +302,4 @@ def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
                      f"{lse.dtype} {list(lse.shape)}")
   config = _bhld_config(q, scale, causal)
   return _op.stage(impl, "backward", config)(
-      q, k, v, bias, bool_mask, None, None, o, lse, do)
+      q, k, v, bias, bool_mask, None, None, o, lse, do, q_seg, kv_seg)

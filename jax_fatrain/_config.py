@@ -9,6 +9,16 @@ operands in one canonical form and this frozen, hashable config:
   extent of ``[B, N, T, S]`` (never materialised to full size)
 * ``mask``  ``None`` or a bool array of the same kind (True = keep)
 * ``q_lengths`` / ``kv_lengths``  ``None`` or int32 ``[B]``
+* ``q_segment_ids`` / ``kv_segment_ids``  ``None`` (both) or int32 ``[B, T]`` /
+  ``[B, S]``: query i sees key j only where the ids are equal
+
+The three functions of an implementation are
+
+* ``forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, *,
+  q_segment_ids=None, kv_segment_ids=None) -> (o, lse)``
+* ``backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config, *,
+  q_segment_ids=None, kv_segment_ids=None) -> (dq, dk, dv)``
+* ``bias_grad(`` the backward's arguments ``) -> dbias`` (float32, bias' shape)
 
 Implementations return ``lse`` as float32 ``[B, N, T]`` in natural log.
 """

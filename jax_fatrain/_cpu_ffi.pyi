@@ -10,3 +10,10 @@ def selected_isa() -> str:
 
 def fma_peak_gflops(threads: int = 0, seconds: float = 0.2) -> float:
   """This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all)."""
+
+def tile_visits(reset: bool = False) -> dict[str, int]:
+  """Tiles each pass has computed so far ("forward", "backward_dq",
+  "backward_dkdv", "bias_grad"); reset=True also sets the counts to zero."""
+
+def tile_sizes() -> tuple[int, int]:
+  """(query rows, keys) per tile of the CPU kernels."""

@@ -18,6 +18,16 @@ def _flatten_batch(x, batch_shape):
   return jnp.reshape(x, (math.prod(batch_shape),) + x.shape[-3:])
 
 
+def _flatten_ids(x, batch_shape):
+  """Segment ids ``[*batch, length]`` (batch dims possibly 1) -> ``[prod(batch), length]``."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  x = jnp.reshape(x, (1,) * max(0, len(batch_shape) + 1 - x.ndim) + x.shape)
+  x = jnp.broadcast_to(x, tuple(batch_shape) + x.shape[-1:])
+  return jnp.reshape(x, (math.prod(batch_shape),) + x.shape[-1:])
+
+
 def flax_attention_fn(implementation: str | None = None, *,
                       attention: Callable | None = None, **attention_kwargs):
   """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` and
@@ -35,6 +45,13 @@ def flax_attention_fn(implementation: str | None = None, *,
   given ``implementation``; any function with ``jax.nn.dot_product_attention``'s
   signature works (the tests pass jax.nn itself as the reference).
   ``attention_kwargs`` are forwarded on every call.
+
+  Packed sequences: ``q_segment_ids`` ``[batch..., q_length]`` and
+  ``kv_segment_ids`` ``[batch..., kv_length]`` (int32) are taken per call by the
+  returned function, or once for every call through ``attention_kwargs``
+  (Flax's attention modules pass no extra arguments to ``attention_fn``, so a
+  module built with ``flax_attention_fn(q_segment_ids=ids,
+  kv_segment_ids=ids)`` uses that packing on every call).
   """
   if attention is None:
     from jax_fatrain._api import dot_product_attention  # pylint: disable=import-outside-toplevel
@@ -44,7 +61,8 @@ def flax_attention_fn(implementation: str | None = None, *,
 
   def attention_fn(query, key, value, bias=None, mask=None, *, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=True, dtype=None,
-                   precision=None, module=None, is_causal=False, **unused):
+                   precision=None, module=None, is_causal=False, q_segment_ids=None,
+                   kv_segment_ids=None, **unused):
     del broadcast_dropout, dropout_rng, precision  # dropout is off; kernels fix precision
     unused.pop("promote_dtype", None)
     unused.pop("force_fp32_for_softmax", None)  # we always do softmax in float32
@@ -67,12 +85,17 @@ def flax_attention_fn(implementation: str | None = None, *,
 
     batch_shape = query.shape[:-3]
     out_shape = query.shape
+    kwargs = dict(attention_kwargs)
+    if q_segment_ids is not None or kv_segment_ids is not None:
+      kwargs.update(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    for name in ("q_segment_ids", "kv_segment_ids"):
+      if kwargs.get(name) is not None:
+        kwargs[name] = _flatten_ids(kwargs[name], batch_shape)
     if len(batch_shape) != 1:  # the attention API takes exactly one batch dim
       query, key, value = (_flatten_batch(x, batch_shape) for x in (query, key, value))
       bias = _flatten_batch(bias, batch_shape)
       mask = _flatten_batch(mask, batch_shape)
-    out = attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
-                    **attention_kwargs)
+    out = attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal, **kwargs)
     return jnp.reshape(out, out_shape).astype(dtype)
 
   return attention_fn

@@ -7,9 +7,16 @@ backward, bias_grad) with the signatures described in ``_config.py``. This modul
   rule that folds ``vmap``-ed axes into the batch dimension (one kernel launch,
   not a loop; FFI calls have no batching rule of their own), and
 * ties forward and backward together with ``jax.custom_vjp``: the forward
-  saves (q, k, v, bias, mask, lengths, o, lse); the backward calls the backward
-  kernel, and the bias gradient is a separate call that XLA removes when
-  nothing uses it.
+  saves (q, k, v, bias, mask, lengths, segment ids, o, lse); the backward
+  calls the backward kernel, and the bias gradient is a separate call that XLA
+  removes when nothing uses it. Lengths and segment ids are integers and get
+  no cotangent.
+
+A stage callable takes the operands positionally: forward ``(q, k, v, bias,
+mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)``, backward and
+bias_grad ``(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+q_segment_ids, kv_segment_ids)``; the segment ids come last so that an
+implementation takes them as keyword arguments (see ``_config.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from jax_fatrain._registry import Implementation
 # ---------------------------------------------------------------------------
 #
 # Every operand has the batch as its leading axis (q/k/v/o/dO, lse, bias,
-# mask, lengths), so under vmap the rule moves the mapped axis next to it and
+# mask, lengths, segment ids), so under vmap the rule moves the mapped axis next to it and
 # merges the two: [V, B, ...] -> [V*B, ...]. Operands that are not mapped are
 # broadcast along V first, except a bias/mask whose batch dim is 1, which
 # still broadcasts over the merged batch through its zero stride. Outputs are
@@ -117,30 +124,37 @@ def _stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callabl
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def attention(q, k, v, bias, mask, q_lengths, kv_lengths,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def attention(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
               config: AttentionConfig, impl: Implementation):
   """(o, lse) for canonical operands; differentiable in q, k, v and bias."""
-  return stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths)
+  return stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths,
+                                        q_segment_ids, kv_segment_ids)
 
 
-def _attention_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, config, impl):
-  o, lse = stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths)
-  return (o, lse), (q, k, v, bias, mask, q_lengths, kv_lengths, o, lse)
+def _attention_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                   kv_segment_ids, config, impl):
+  o, lse = stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths,
+                                          q_segment_ids, kv_segment_ids)
+  return (o, lse), (q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                    kv_segment_ids, o, lse)
 
 
 def _attention_bwd(config, impl, residuals, cotangents):
-  q, k, v, bias, mask, q_lengths, kv_lengths, o, lse = residuals
+  (q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, o,
+   lse) = residuals
   # The cotangent of lse is ignored: like jax.nn, the residual is returned
   # under stop_gradient (see api.dot_product_attention).
   d_o, _ = cotangents
   d_o = d_o.astype(o.dtype)
-  operands = (q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o)
+  operands = (q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, q_segment_ids,
+              kv_segment_ids)
   dq, dk, dv = stage(impl, "backward", config)(*operands)
   dbias = None
   if bias is not None:
     dbias = stage(impl, "bias_grad", config)(*operands).astype(bias.dtype)
-  return dq, dk, dv, dbias, None, None, None
+  # Integer inputs (mask, lengths, segment ids): no cotangent.
+  return dq, dk, dv, dbias, None, None, None, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -33,7 +33,10 @@ What the per-device function does:
   permuted back. Each ring step calls the unchanged kernels on local blocks.
 * Operands whose dims are broadcast (size 1 bias/mask dims) are replicated on
   those dims; full-size dims follow the batch/head sharding of q; lengths
-  follow the batch sharding. The head dim H is never split.
+  follow the batch sharding; segment ids follow the batch and sequence
+  sharding of q (query ids) and k (key ids), and in ring attention the key
+  ids travel around the ring with their K/V blocks. The head dim H is never
+  split.
 """
 
 from __future__ import annotations
@@ -56,14 +59,28 @@ from jax_fatrain._config import AttentionConfig
 # trace time.
 DISABLED = False
 
-# Operand roles, by position (see _config.py). forward has the first 7.
+# Operand roles, by position (the stage operands of _op.py): forward has the
+# first 7 and then the two segment-id roles, backward and bias_grad all 10 and
+# then the segment ids.
 _ROLES = ("q", "kv", "kv", "bias", "mask", "len", "len", "q", "lse", "q")
+_SEGMENT_ROLES = ("qseg", "kvseg")
 _BIAS, _MASK = 3, 4
+
+
+def _roles(n_operands: int) -> tuple[str, ...]:
+  return _ROLES[:n_operands - 2] + _SEGMENT_ROLES
+
+
+def _call(impl, stage: str, config: AttentionConfig, *operands):
+  """The implementation's stage on stage operands (segment ids last)."""
+  *rest, q_seg, kv_seg = operands
+  return getattr(impl, stage)(*rest, config=config, q_segment_ids=q_seg,
+                              kv_segment_ids=kv_seg)
 
 
 def partitioned(impl, stage: str, config: AttentionConfig) -> Callable:
   """``fn(*operands)`` (None for absent ones) that partitions over a mesh."""
-  plain = functools.partial(getattr(impl, stage), config=config)
+  plain = functools.partial(_call, impl, stage, config)
 
   def call(*operands):
     if DISABLED:
@@ -82,7 +99,7 @@ def _expand(present, dense):
 
 @functools.lru_cache(maxsize=None)
 def _custom(impl, stage: str, config: AttentionConfig, present: tuple[bool, ...]):
-  plain = functools.partial(getattr(impl, stage), config=config)
+  plain = functools.partial(_call, impl, stage, config)
 
   @custom_partitioning
   def fn(*dense):
@@ -138,11 +155,16 @@ def _sharding_rule(stage, config, present, shapes):
 
   maps = []
   bias_map = None
+  roles = _roles(len(full))
   for i, x in enumerate(full):
     if x is None:
       continue
-    role = _ROLES[i]
-    if role == "q":
+    role = roles[i]
+    if role == "qseg":
+      maps.append("b t")
+    elif role == "kvseg":
+      maps.append("b s")
+    elif role == "q":
       maps.append(q_map)
     elif role == "kv":
       maps.append(kv_map)
@@ -300,15 +322,18 @@ def _specs(plan: _Plan, config, present, shapes, stage):
                          None, None)
 
   args = []
+  roles = _roles(len(full))
+  seg_spec = PartitionSpec(_entry(plan.batch), _entry(plan.seq))
   for i, x in enumerate(full):
     if x is None:
       continue
-    role = _ROLES[i]
+    role = roles[i]
     if role in ("bias", "mask"):
       args.append(score_spec(x))
     else:
       args.append({"q": q_spec, "kv": kv_spec, "lse": lse_spec,
-                   "len": PartitionSpec(_entry(plan.batch))}[role])
+                   "len": PartitionSpec(_entry(plan.batch)),
+                   "qseg": seg_spec, "kvseg": seg_spec}[role])
   if stage == "forward":
     results = (q_spec, lse_spec)
   elif stage == "backward":
@@ -368,14 +393,15 @@ def _local(impl, stage, config, plan: _Plan, full_shapes, ops):
                       for x in (ops[1], ops[2]))
 
   if plan.seq and plan.size(plan.seq) > 1:
+    segments = ops[-2:]
     if stage == "forward":
-      out = _ring_forward(impl, config, plan, *ops[:3])
+      out = _ring_forward(impl, config, plan, *ops[:3], *segments)
     elif stage == "backward":
-      out = _ring_backward(impl, config, plan, *ops[:3], *ops[7:10])
+      out = _ring_backward(impl, config, plan, *ops[:3], *ops[7:10], *segments)
     else:  # unreachable: bias is rejected by _make_plan
       raise NotImplementedError("bias gradient with a sharded sequence")
   else:
-    out = getattr(impl, stage)(*ops, config=config)
+    out = _call(impl, stage, config, *ops)
 
   if stage == "backward" and kv_head is not None:
     dq, dk, dv = out
@@ -463,80 +489,98 @@ def _ring_perm(p):
   return [(i, (i + 1) % p) for i in range(p)]
 
 
-def _ring_forward(impl, config, plan, q, k, v):
+def _seg_halves(x):
+  """Halves of [b, t] segment ids (None stays None)."""
+  return (None, None) if x is None else _halves(x, 1)
+
+
+def _ring_forward(impl, config, plan, q, k, v, q_seg=None, kv_seg=None):
   p = plan.size(plan.seq)
   sa, layout, causal = config.seq_axis, config.layout, config.is_causal
   full_cfg = dataclasses.replace(config, is_causal=False)
   perm = _ring_perm(p)
-  fwd = lambda q, k, v, cfg: impl.forward(q, k, v, None, None, None, None, config=cfg)
+
+  def fwd(q, k, v, q_seg, kv_seg, cfg):
+    return impl.forward(q, k, v, None, None, None, None, config=cfg,
+                        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   if causal:
     q, k, v = (_to_zigzag(x, sa, plan) for x in (q, k, v))
+    if q_seg is not None:
+      q_seg, kv_seg = (_to_zigzag(x, 1, plan) for x in (q_seg, kv_seg))
   d = lax.axis_index(plan.seq)
   # Step 0: the device's own kv blocks (the diagonal; with the zig-zag layout a
   # top-left causal mask on the local [d; 2p-1-d] blocks is exactly right).
-  o, lse = fwd(q, k, v, config)
+  o, lse = fwd(q, k, v, q_seg, kv_seg, config)
   o = o.astype(jnp.float32)
-  half = q.shape[sa] // 2
 
+  # Key segment ids (when given) travel with their K/V blocks.
   def body(r, carry):
-    k, v, o, lse = carry
+    k, v, kv_seg, o, lse = carry
     k, v = lax.ppermute(k, plan.seq, perm), lax.ppermute(v, plan.seq, perm)
+    if kv_seg is not None:
+      kv_seg = lax.ppermute(kv_seg, plan.seq, perm)
     if not causal:
-      o, lse = _merge(o, lse, *fwd(q, k, v, full_cfg), layout)
-      return k, v, o, lse
+      o, lse = _merge(o, lse, *fwd(q, k, v, q_seg, kv_seg, full_cfg), layout)
+      return k, v, kv_seg, o, lse
 
     # The kv blocks now held came from device j = d - r (mod p).
     def below(o, lse):   # j < d: all local queries see kv block j (the first half)
       kh, vh = _halves(k, sa)[0], _halves(v, sa)[0]
-      return _merge(o, lse, *fwd(q, kh, vh, full_cfg), layout)
+      return _merge(o, lse, *fwd(q, kh, vh, q_seg, _seg_halves(kv_seg)[0], full_cfg),
+                    layout)
 
     def above(o, lse):   # j > d: only block 2p-1-d sees both kv blocks
       q1 = _halves(q, sa)[1]
-      o_s, lse_s = fwd(q1, k, v, full_cfg)
+      o_s, lse_s = fwd(q1, k, v, _seg_halves(q_seg)[1], kv_seg, full_cfg)
       o0, o1 = _halves(o, sa)
       l0, l1 = _halves(lse, 2)
       o1, l1 = _merge(o1, l1, o_s, lse_s, layout)
       return jnp.concatenate([o0, o1], sa), jnp.concatenate([l0, l1], 2)
 
     o, lse = lax.cond(r <= d, below, above, o, lse)
-    return k, v, o, lse
+    return k, v, kv_seg, o, lse
 
-  del half
-  _, _, o, lse = lax.fori_loop(1, p, body, (k, v, o, lse))
+  _, _, _, o, lse = lax.fori_loop(1, p, body, (k, v, kv_seg, o, lse))
   o = o.astype(q.dtype)
   if causal:
     o, lse = _from_zigzag(o, sa, plan), _from_zigzag(lse, 2, plan)
   return o, lse
 
 
-def _ring_backward(impl, config, plan, q, k, v, o, lse, d_o):
+def _ring_backward(impl, config, plan, q, k, v, o, lse, d_o, q_seg=None, kv_seg=None):
   p = plan.size(plan.seq)
   sa, causal = config.seq_axis, config.is_causal
   full_cfg = dataclasses.replace(config, is_causal=False)
   perm = _ring_perm(p)
   dtypes = (q.dtype, k.dtype, v.dtype)
 
-  def bwd(q, k, v, o, lse, d_o, cfg):
-    grads = impl.backward(q, k, v, None, None, None, None, o, lse, d_o, config=cfg)
+  def bwd(q, k, v, o, lse, d_o, q_seg, kv_seg, cfg):
+    grads = impl.backward(q, k, v, None, None, None, None, o, lse, d_o, config=cfg,
+                          q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     return tuple(g.astype(jnp.float32) for g in grads)
 
   if causal:
     q, k, v, o, d_o = (_to_zigzag(x, sa, plan) for x in (q, k, v, o, d_o))
     lse = _to_zigzag(lse, 2, plan)
+    if q_seg is not None:
+      q_seg, kv_seg = (_to_zigzag(x, 1, plan) for x in (q_seg, kv_seg))
   d = lax.axis_index(plan.seq)
-  dq, dk, dv = bwd(q, k, v, o, lse, d_o, config)
+  dq, dk, dv = bwd(q, k, v, o, lse, d_o, q_seg, kv_seg, config)
 
   def body(r, carry):
-    k, v, dk, dv, dq = carry
-    # dK/dV partial sums travel with their K/V blocks.
+    k, v, kv_seg, dk, dv, dq = carry
+    # dK/dV partial sums (and key segment ids) travel with their K/V blocks.
     k, v, dk, dv = (lax.ppermute(x, plan.seq, perm) for x in (k, v, dk, dv))
+    if kv_seg is not None:
+      kv_seg = lax.ppermute(kv_seg, plan.seq, perm)
     if not causal:
-      dq_s, dk_s, dv_s = bwd(q, k, v, o, lse, d_o, full_cfg)
-      return k, v, dk + dk_s, dv + dv_s, dq + dq_s
+      dq_s, dk_s, dv_s = bwd(q, k, v, o, lse, d_o, q_seg, kv_seg, full_cfg)
+      return k, v, kv_seg, dk + dk_s, dv + dv_s, dq + dq_s
 
     def below(dq, dk, dv):   # j < d: all queries against the first kv half
       kh, vh = _halves(k, sa)[0], _halves(v, sa)[0]
-      dq_s, dk_s, dv_s = bwd(q, kh, vh, o, lse, d_o, full_cfg)
+      dq_s, dk_s, dv_s = bwd(q, kh, vh, o, lse, d_o, q_seg, _seg_halves(kv_seg)[0],
+                             full_cfg)
       (dk0, dk1), (dv0, dv1) = _halves(dk, sa), _halves(dv, sa)
       return (dq + dq_s, jnp.concatenate([dk0 + dk_s, dk1], sa),
               jnp.concatenate([dv0 + dv_s, dv1], sa))
@@ -544,14 +588,14 @@ def _ring_backward(impl, config, plan, q, k, v, o, lse, d_o):
     def above(dq, dk, dv):   # j > d: the second query half against both kv halves
       q1, o1, do1 = (_halves(x, sa)[1] for x in (q, o, d_o))
       l1 = _halves(lse, 2)[1]
-      dq_s, dk_s, dv_s = bwd(q1, k, v, o1, l1, do1, full_cfg)
+      dq_s, dk_s, dv_s = bwd(q1, k, v, o1, l1, do1, _seg_halves(q_seg)[1], kv_seg, full_cfg)
       dq0, dq1 = _halves(dq, sa)
       return jnp.concatenate([dq0, dq1 + dq_s], sa), dk + dk_s, dv + dv_s
 
     dq, dk, dv = lax.cond(r <= d, below, above, dq, dk, dv)
-    return k, v, dk, dv, dq
+    return k, v, kv_seg, dk, dv, dq
 
-  _, _, dk, dv, dq = lax.fori_loop(1, p, body, (k, v, dk, dv, dq))
+  _, _, _, dk, dv, dq = lax.fori_loop(1, p, body, (k, v, kv_seg, dk, dv, dq))
   # One more hop brings each dK/dV accumulator back to the device owning its block.
   dk, dv = lax.ppermute(dk, plan.seq, perm), lax.ppermute(dv, plan.seq, perm)
   if causal:

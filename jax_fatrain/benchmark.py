@@ -38,6 +38,11 @@ creates the inputs and compiles, then records a baseline and runs the call once;
 the figure is the growth of the process' peak resident set size over that baseline.
 See :func:`_single` for the details.
 
+``--packed`` runs something else: packed sequences (``--packed-docs`` documents of
+T / docs tokens each, segment ids, causal, GQA ``--heads`` : ``--kv-heads``), ours
+with segment ids against ours on the same shape with dense causal attention
+(:func:`packed_main`; defaults T=8192, 8 documents, D=128, 8:2 heads, f32).
+
 ``--metal-model`` runs something else: our Metal kernels and MLX's steel attention
 forward through the MSL emulator with cost counters, and a lower-bound cost model of
 named Apple GPUs over those counters (:mod:`jax_fatrain.metal_benchmark`).
@@ -511,6 +516,100 @@ def describe_environment(impls: Sequence[str], status: dict[str, str | None]) ->
 
 
 # ---------------------------------------------------------------------------
+# Packed sequences (--packed)
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedCase:
+  """Causal attention over a pack of ``docs`` documents of T / docs tokens."""
+
+  T: int
+  D: int
+  N: int
+  K: int
+  docs: int
+  dtype: str
+  mode: str
+  B: int = 1
+
+
+def _make_packed(case: PackedCase, packed: bool, implementation: str, seed: int = 0):
+  """(call, args, compile_only) for ours with (packed) or without segment ids."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax_fatrain  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  dtype = jnp.dtype(case.dtype)
+  q, ct = (jnp.asarray(rng.standard_normal((case.B, case.T, case.N, case.D), np.float32),
+                       dtype) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((case.B, case.T, case.K, case.D), np.float32),
+                      dtype) for _ in range(2))
+  ids = jnp.asarray(np.repeat(np.arange(case.docs, dtype=np.int32), -(-case.T // case.docs))
+                    [None, :case.T].repeat(case.B, 0))
+  segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if packed else {}
+
+  def attn(q, k, v):
+    return jax_fatrain.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=implementation, **segments)
+
+  if case.mode == "fwd":
+    fn, args = jax.jit(attn), (q, k, v)
+  else:
+    def loss(q, k, v, ct):
+      return jnp.sum(attn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
+    fn, args = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, ct)
+  compiled = []
+
+  def compile_only():
+    if not compiled:
+      compiled.append(fn.lower(*args).compile())
+
+  def call(*a):
+    compile_only()
+    return jax.block_until_ready(compiled[0](*a))
+
+  return call, args, compile_only
+
+
+def packed_main(args) -> dict[str, Any]:
+  """Ours with segment ids against ours dense causal on one packed shape."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax_fatrain  # pylint: disable=import-outside-toplevel
+  impl = args.ours_implementation
+  t, d = args.seq_lens[0], args.head_dims[0]
+  print(f"python {platform.python_version()}, {platform.machine()}, "
+        f"os.cpu_count()={os.cpu_count()}; jax {jax.__version__}; "
+        f"ours = implementation={impl!r}, cpu_isa={jax_fatrain.cpu_isa()}")
+  print(f"packed: B={args.batch} T=S={t}, {args.packed_docs} documents of "
+        f"{t // args.packed_docs} tokens, causal, D={d}, heads {args.heads}:{args.kv_heads}; "
+        f"'dense' = the same call without segment ids (causal over all T tokens); "
+        f"medians of >= {args.repeats} timed calls, in ms")
+  rows, results = [], {}
+  for dtype in args.dtypes:
+    for mode in (["fwd"] if args.fwd_only else list(MODES)):
+      case = PackedCase(T=t, D=d, N=args.heads, K=args.kv_heads, docs=args.packed_docs,
+                        dtype=dtype, mode=mode, B=args.batch)
+      ms = {}
+      for name, packed in (("dense", False), ("packed", True)):
+        call, cargs, compile_only = _make_packed(case, packed, impl)
+        compile_only()
+        ms[name], _ = time_call(call, cargs, args.repeats)
+        del call, cargs
+        gc.collect()
+        print(f"{dtype} {mode} {name}: {ms[name] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+      results[(dtype, mode)] = ms
+      rows.append([str(t), str(d), f"{args.heads}:{args.kv_heads}", str(args.packed_docs),
+                   dtype, mode, f"{ms['dense'] * 1e3:.1f}", f"{ms['packed'] * 1e3:.1f}",
+                   f"{ms['dense'] / ms['packed']:.2f}x"])
+  header = ["T", "D", "heads", "docs", "dtype", "pass", "dense causal ms", "packed ms",
+            "dense/packed"]
+  print()
+  print(format_table(header, rows, args.markdown))
+  return {"header": header, "rows": rows, "results": results}
+
+
+# ---------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------
 
@@ -571,6 +670,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--xla-max-seq-len", type=int, default=None,
                  help="skip XLA cells with T above this (the slowest ones)")
   p.add_argument("--_single", default=None, help=argparse.SUPPRESS)
+  pk = p.add_argument_group(
+      "--packed", "packed sequences: ours with segment ids vs ours dense causal (defaults: "
+      "T=8192, D=128, 8 documents, 8 query and 2 key/value heads, f32)")
+  pk.add_argument("--packed", action="store_true",
+                  help="run the packed-sequence comparison instead of the CPU timings")
+  pk.add_argument("--packed-docs", type=int, default=8, help="documents per sequence")
+  pk.add_argument("--kv-heads", type=int, default=None, help="default heads / 4")
   mm = p.add_argument_group(
       "--metal-model", "count our Metal kernels and MLX's steel attention forward in the MSL "
       "emulator and model their time on Apple GPUs (defaults: T=1024,4096, D=64,128,256, "
@@ -593,6 +699,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.impls == list(IMPLS):
       args.impls = ["ours", "mlx"]
   args.heads = args.heads or 8
+  if args.packed:
+    args.seq_lens = args.seq_lens or [8192]
+    args.head_dims = args.head_dims or [128]
+    args.dtypes = args.dtypes or ["float32"]
+    args.kv_heads = args.kv_heads or max(1, args.heads // 4)
   if args.quick:
     args.seq_lens = args.seq_lens or [512]
     args.head_dims = args.head_dims or [64]
@@ -615,6 +726,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args._single is not None:
     print(json.dumps(_single(json.loads(args._single))), flush=True)
     return {}
+  if args.packed:
+    return packed_main(args)
   if args.metal_model:
     from jax_fatrain import metal_benchmark  # pylint: disable=import-outside-toplevel
     try:

@@ -2,9 +2,11 @@
 
 Every implementation runs the same cases (tests/test_attention.py). The
 reference is ``jax.nn.dot_product_attention(implementation="xla")`` on inputs
-upcast to float32 (docs/testing.md). Rows that see no key are compared against
-our own convention (zero output, -inf logsumexp, zero gradients) because
-jax.nn returns the mean of ``value`` there.
+upcast to float32 (docs/testing.md); segment ids, which jax.nn does not take,
+become the equivalent materialised boolean mask there (``jax_nn_kwargs``).
+Rows that see no key are compared against our own convention (zero output,
+-inf logsumexp, zero gradients) because jax.nn returns the mean of ``value``
+there.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Case:
   # Masks out every key of one query row (through the boolean mask).
   fully_masked_row: bool = False
   scale: float | None = None
+  # Packed sequences (q_segment_ids / kv_segment_ids), one of SEGMENT_KINDS.
+  segments: str | None = None
 
   @property
   def id(self) -> str:
@@ -95,6 +99,7 @@ class Case:
     if self.kv_lengths: parts.append("kvlen")
     if self.fully_masked_row: parts.append("deadrow")
     if self.scale is not None: parts.append(f"scale{self.scale}")
+    if self.segments: parts.append(f"seg_{self.segments}")
     return "-".join(parts)
 
   def concrete(self, shape):
@@ -113,12 +118,78 @@ class Inputs:
   kv_lengths: jax.Array | None
   cotangent: jax.Array      # random dO, zero on rows that see no key
   live_rows: np.ndarray     # bool [B, T, N]: the row sees at least one key
+  q_segment_ids: jax.Array | None = None    # int32 [B, T]
+  kv_segment_ids: jax.Array | None = None   # int32 [B, S]
 
   def kwargs(self, case: Case):
-    return dict(bias=self.bias, mask=self.mask, scale=case.scale,
-                is_causal=case.is_causal, query_seq_lengths=self.q_lengths,
-                key_value_seq_lengths=self.kv_lengths,
-                local_window_size=case.window)
+    """Keyword arguments of jax_fatrain.dot_product_attention."""
+    kw = dict(bias=self.bias, mask=self.mask, scale=case.scale,
+              is_causal=case.is_causal, query_seq_lengths=self.q_lengths,
+              key_value_seq_lengths=self.kv_lengths,
+              local_window_size=case.window)
+    if self.q_segment_ids is not None:
+      kw.update(q_segment_ids=self.q_segment_ids, kv_segment_ids=self.kv_segment_ids)
+    return kw
+
+
+# Segment-id layouts of packed sequences (Case.segments):
+#   sorted    documents of random lengths one after another (ids 0, 1, ...),
+#             crossing tile boundaries; with T != S the keys are split into
+#             as many documents of other lengths (cross attention of packs)
+#   unsorted  ids drawn at random from {0, 1, 2} for every token
+#   one       a single segment: the same as no segment ids
+#   each      every token its own segment (query i sees key i only)
+#   padding   sorted documents, then a tail of padding whose query id (-1)
+#             differs from its key id (-2): those query rows see no key
+SEGMENT_KINDS = ("sorted", "unsorted", "one", "each", "padding")
+
+
+def _sorted_ids(rng, length: int, documents: int) -> np.ndarray:
+  """Ids 0..documents-1, each a contiguous run of random (>= 1) length."""
+  documents = min(documents, length)
+  cuts = np.sort(rng.choice(np.arange(1, length), documents - 1, replace=False))
+  ids = np.zeros(length, np.int32)
+  ids[cuts] = 1
+  return np.cumsum(ids).astype(np.int32)
+
+
+def segment_ids(kind: str, rng, batch: int, t: int, s: int):
+  """(q_segment_ids [B, T], kv_segment_ids [B, S]) as numpy int32."""
+  q, kv = np.zeros((batch, t), np.int32), np.zeros((batch, s), np.int32)
+  for b in range(batch):
+    if kind == "sorted":
+      docs = int(rng.integers(2, 6))
+      q[b], kv[b] = _sorted_ids(rng, t, docs), _sorted_ids(rng, s, docs)
+      if t == s:
+        kv[b] = q[b]   # self attention of a pack
+    elif kind == "unsorted":
+      q[b], kv[b] = rng.integers(0, 3, t), rng.integers(0, 3, s)
+    elif kind == "one":
+      pass
+    elif kind == "each":
+      q[b], kv[b] = np.arange(t), np.arange(s)
+    elif kind == "padding":
+      docs = int(rng.integers(2, 4))
+      tq, ts = max(1, t - t // 4 - b), max(1, s - s // 4 - b)
+      q[b, :tq], kv[b, :ts] = _sorted_ids(rng, tq, docs), _sorted_ids(rng, ts, docs)
+      if t == s:
+        kv[b, :ts] = q[b, :tq]
+      q[b, tq:], kv[b, ts:] = -1, -2
+    else:
+      raise ValueError(f"unknown segment kind {kind!r}")
+  return q, kv
+
+
+def jax_nn_kwargs(kwargs: dict) -> dict:
+  """``kwargs`` for jax.nn.dot_product_attention: segment ids become the
+  equivalent boolean mask [B, 1, T, S], combined with any mask given."""
+  kwargs = dict(kwargs)
+  q_seg, kv_seg = kwargs.pop("q_segment_ids", None), kwargs.pop("kv_segment_ids", None)
+  if q_seg is not None:
+    same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
+    mask = kwargs.get("mask")
+    kwargs["mask"] = same if mask is None else same & mask
+  return kwargs
 
 
 def make_inputs(case: Case, seed: int) -> Inputs:
@@ -150,15 +221,19 @@ def make_inputs(case: Case, seed: int) -> Inputs:
     q_lengths = jnp.asarray(rng.integers(1, t + 1, size=b), jnp.int32)
   if case.kv_lengths:
     kv_lengths = jnp.asarray(rng.integers(1, s + 1, size=b), jnp.int32)
+  segments = None
+  if case.segments is not None:
+    segments = segment_ids(case.segments, rng, b, t, s)
 
-  visible = visibility(case, mask_np, q_lengths, kv_lengths)   # [B, N, T, S]
+  visible = visibility(case, mask_np, q_lengths, kv_lengths, segments)   # [B, N, T, S]
   live_rows = visible.any(-1).transpose(0, 2, 1)                # [B, T, N]
   cotangent = normal(b, t, n, h) * live_rows[..., None]
+  q_seg, kv_seg = (None, None) if segments is None else (jnp.asarray(x) for x in segments)
   return Inputs(q, k, v, bias, mask, q_lengths, kv_lengths,
-                jnp.asarray(cotangent, case.dtype), live_rows)
+                jnp.asarray(cotangent, case.dtype), live_rows, q_seg, kv_seg)
 
 
-def visibility(case: Case, mask_np, q_lengths, kv_lengths) -> np.ndarray:
+def visibility(case: Case, mask_np, q_lengths, kv_lengths, segments=None) -> np.ndarray:
   b, t, s, n = case.batch, case.q_len, case.kv_len, case.q_heads
   i = np.arange(t)[:, None]
   j = np.arange(s)[None, :]
@@ -174,6 +249,9 @@ def visibility(case: Case, mask_np, q_lengths, kv_lengths) -> np.ndarray:
     vis &= (np.arange(t)[None, :] < np.asarray(q_lengths)[:, None])[:, None, :, None]
   if kv_lengths is not None:
     vis &= (np.arange(s)[None, :] < np.asarray(kv_lengths)[:, None])[:, None, None, :]
+  if segments is not None:
+    q_seg, kv_seg = segments
+    vis &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
   return vis
 
 
@@ -182,7 +260,7 @@ def reference(case: Case, x: Inputs):
   up = lambda a: None if a is None else a.astype(jnp.float32)
   return jax.nn.dot_product_attention(
       up(x.q), up(x.k), up(x.v), implementation="xla", return_residual=True,
-      **{**x.kwargs(case), "bias": up(x.bias)})
+      **jax_nn_kwargs({**x.kwargs(case), "bias": up(x.bias)}))
 
 
 def relative_error(got, want, rows=None) -> float:

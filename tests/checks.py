@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fatrain
-from attention_cases import TOLERANCE, Case, Inputs, relative_error, reference
+from attention_cases import TOLERANCE, Case, Inputs, jax_nn_kwargs, relative_error, reference
 
 
 def _up(a):
@@ -47,7 +47,7 @@ def reference_results(case: Case, x: Inputs):
   """(out, lse, grads) of jax.nn.dot_product_attention on float32 inputs."""
   def ref_attention(q, k, v, **kw):
     return jax.nn.dot_product_attention(_up(q), _up(k), _up(v), implementation="xla",
-                                        **{**kw, "bias": _up(kw["bias"])})
+                                        **jax_nn_kwargs({**kw, "bias": _up(kw["bias"])}))
   out, lse = reference(case, x)
   return out, lse, gradients(ref_attention, case, x)
 

@@ -13,6 +13,7 @@ from attention_cases import IMPLEMENTATIONS, Case, make_inputs, reference, relat
 from checks import assert_matches_reference, reference_results, results
 
 B, N, T, S = "B", "N", "T", "S"
+SEGMENT_IDS = ("xla", "cpu")
 
 CASES = [
     Case(),
@@ -40,12 +41,26 @@ CASES = [
          dtype=jnp.bfloat16),
     Case(q_len=150, kv_len=161, batch=1, q_heads=2, kv_heads=2, head_dim=128,
          mask_shape=(1, 1, T, S), fully_masked_row=True, bias_shape=(B, N, 1, S)),
+    # Packed sequences (segment ids; attention_cases.SEGMENT_KINDS), each
+    # long enough for documents to cross the tiles of every kernel.
+    Case(q_len=150, kv_len=150, q_heads=4, kv_heads=1, is_causal=True, segments="sorted"),
+    Case(q_len=70, kv_len=90, segments="unsorted", bias_shape=(B, N, T, S), q_lengths=True),
+    Case(q_len=45, kv_len=45, q_heads=2, kv_heads=2, window=(5, 3), segments="one"),
+    Case(q_len=40, kv_len=33, is_causal=True, segments="each", kv_lengths=True),
+    Case(q_len=100, kv_len=100, q_heads=2, kv_heads=1, is_causal=True, dtype=jnp.bfloat16,
+         segments="padding"),
+    Case(q_len=130, kv_len=130, batch=1, q_heads=2, kv_heads=1, head_dim=128,
+         window=(40, 0), mask_shape=(B, 1, T, S), segments="sorted"),
+    Case(q_len=80, kv_len=96, q_heads=8, kv_heads=2, head_dim=256, dtype=jnp.bfloat16,
+         segments="sorted", bias_shape=(1, N, 1, S)),
 ]
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_values_and_gradients(case, implementation):
+  if case.segments and implementation not in SEGMENT_IDS:
+    pytest.skip(f"segment ids are not in the {implementation} kernels yet")
   x = make_inputs(case, seed=zlib.crc32(case.id.encode()))
   assert_matches_reference(case, x, results(case, x, implementation),
                            reference_results(case, x))

@@ -30,6 +30,7 @@ cases = [
          bias_shape=(1, "N", "T", "S"), mask_shape=(1, 1, "T", "S"), fully_masked_row=True),
     Case(q_len=33, kv_len=40, head_dim=256, dtype=jnp.bfloat16, window=(6, 2)),
     Case(q_len=29, kv_len=17, head_dim=40, dtype=jnp.float16, kv_lengths=True),
+    Case(q_len=150, kv_len=150, q_heads=2, kv_heads=1, is_causal=True, segments="sorted"),
 ]
 for case in cases:
     x = make_inputs(case, seed=0)

@@ -234,6 +234,19 @@ def test_benchmark_memory_and_markdown(capsys):
   assert "| T | D | causal |" in out
 
 
+def test_benchmark_packed_rows():
+  """--packed: ours with segment ids against ours dense causal, one row per pass."""
+  benchmark, _ = _bench_impls()
+  result = benchmark.main(["--packed", "--seq-lens", "512", "--packed-docs", "4",
+                           "--head-dims", "64", "--heads", "4", "--repeats", "3"])
+  assert [row[5] for row in result["rows"]] == ["fwd", "fwd+bwd"]
+  for row in result["rows"]:
+    cells = dict(zip(result["header"], row))
+    assert (cells["heads"], cells["docs"]) == ("4:1", "4")
+    assert float(cells["dense causal ms"]) > 0 and float(cells["packed ms"]) > 0
+    assert cells["dense/packed"].endswith("x")
+
+
 def test_benchmark_cuda_refuses_without_our_kernels(capsys):
   from jax_fatrain import benchmark_cuda
   if benchmark_cuda.cuda_unavailable_reason() is None:

@@ -9,7 +9,8 @@ the tests below run that child once and assert on its lines.
 Checked: sharded results and gradients equal unsharded ones (batch, heads,
 GQA groups, split GQA groups, MQA, batch x heads, sequence ring, sequence x
 batch / heads, causal on and off, cpu and xla); bias/mask/lengths with
-batch x head sharding, bias gradient included; the collectives in the
+batch x head sharding, bias gradient included; segment ids under batch x
+heads sharding and through ring attention; the collectives in the
 compiled HLO per sharding; a clear error for what ring attention does not
 support; a Flax NNX training step over a 2x4 (data x model) mesh.
 """
@@ -151,6 +152,47 @@ def _child():  # pragma: no cover - runs in the subprocess
         emit(case, max(errors) < 1e-5, errors=errors, collectives=collectives(hlo))
       except Exception as e:  # pylint: disable=broad-except
         emit(case, False, error=f"{type(e).__name__}: {e}"[:2000])
+
+  # 2b. Segment ids (packed sequences) under batch x heads sharding and under
+  # ring attention (the key ids travel with their K/V blocks), causal and not.
+  def packed_fwd_bwd(impl, causal):
+    def f(q, k, v, ct, q_seg, kv_seg):
+      def attn(q, k, v):
+        return jax_fatrain.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=impl, return_residual=True,
+            q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+      (o, lse), vjp = jax.vjp(attn, q, k, v)
+      return (o, lse) + vjp((ct, jnp.zeros_like(lse)))
+    return f
+
+  def packed_ids(b, t, seed):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((b, t), np.int32)
+    for i in range(b):   # documents crossing the shard boundaries
+      cuts = np.sort(rng.choice(np.arange(1, t), 3, replace=False))
+      ids[i, cuts] = 1
+    return jnp.asarray(np.cumsum(ids, axis=1), jnp.int32)
+
+  for impl in IMPLS:
+    for name, (b, t, n, kh, qs, seg_spec) in {
+        "batch_x_heads": (2, 32, 8, 4, ("x", None, "y"), ("x", None)),
+        "seq": (1, 64, 4, 2, (None, XY), (None, XY)),
+        "batch_x_seq": (2, 64, 4, 2, ("x", "y"), ("x", "y")),
+    }.items():
+      for causal in (False, True):
+        case = f"{impl}-segments-{name}-{'causal' if causal else 'full'}"
+        try:
+          q, k, v, ct = inputs(b, t, t, n, kh, seed=len(case))
+          ids = packed_ids(b, t, seed=len(case))
+          f = packed_fwd_bwd(impl, causal)
+          want = jax.jit(f)(q, k, v, ct, ids, ids)
+          sharded = jax.jit(f, in_shardings=(sh(qs),) * 4 + (sh(seg_spec),) * 2)
+          hlo = sharded.lower(q, k, v, ct, ids, ids).compile().as_text()
+          got = sharded(q, k, v, ct, ids, ids)
+          errors = [rel(g, w) for g, w in zip(got, want)]
+          emit(case, max(errors) < 1e-5, errors=errors, collectives=collectives(hlo))
+        except Exception as e:  # pylint: disable=broad-except
+          emit(case, False, error=f"{type(e).__name__}: {e}"[:2000])
 
   # 3. What ring attention does not support fails clearly.
   q, k, v, ct = inputs(1, 32, 32, 4, 2)
@@ -319,6 +361,19 @@ def test_bias_mask_lengths_batch_x_heads(results, impl, bias):
   assert "collective-permute" not in r["collectives"], r
   if bias == "bias2824_40":   # nothing broadcast: nothing to sum either
     assert r["collectives"] == [], r
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("sharding", ["batch_x_heads", "seq", "batch_x_seq"])
+@pytest.mark.parametrize("causal", ["full", "causal"])
+def test_segment_ids_sharded(results, impl, sharding, causal):
+  r = _get(results, f"{impl}-segments-{sharding}-{causal}")
+  assert r["ok"], r
+  if sharding == "batch_x_heads":
+    assert r["collectives"] == [], r
+  else:   # ring attention: K/V (and key ids) move by collective-permute
+    assert "collective-permute" in r["collectives"], r
+    assert "all-gather" not in r["collectives"], r
 
 
 def test_ring_refuses_bias_clearly(results):

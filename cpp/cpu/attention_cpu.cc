@@ -162,7 +162,24 @@ const char* validate_problem(const AttentionProblem& p) {
   if (elems > 1e17) return "jax_fatrain cpu: problem too large";
   if (const char* e = check_score_tensor(p.bias, p, "bias", false)) return e;
   if (const char* e = check_score_tensor(p.mask, p, "mask", true)) return e;
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
+    return "jax_fatrain cpu: q_segment_ids and kv_segment_ids must be given together";
   return nullptr;
+}
+
+namespace {
+int64_t g_tile_visits[kTileVisitCounters];
+}  // namespace
+
+void count_tile_visits(int counter, int64_t tiles) {
+  if (tiles > 0) __atomic_fetch_add(&g_tile_visits[counter], tiles, __ATOMIC_RELAXED);
+}
+
+void tile_visits(int64_t out[kTileVisitCounters], bool reset) {
+  for (int i = 0; i < kTileVisitCounters; ++i) {
+    out[i] = reset ? __atomic_exchange_n(&g_tile_visits[i], int64_t(0), __ATOMIC_RELAXED)
+                   : __atomic_load_n(&g_tile_visits[i], __ATOMIC_RELAXED);
+  }
 }
 
 const char* selected_isa() {

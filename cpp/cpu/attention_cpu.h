@@ -64,4 +64,23 @@ const char* selected_isa();
 // vector FMAs for about `seconds`. What the benchmark compares kernels with.
 double fma_peak_gflops(int threads, double seconds);
 
+// Tile sizes of every pass: query rows and keys per tile.
+constexpr int64_t kTileQ = 64;
+constexpr int64_t kTileK = 64;
+
+// Process-wide counts of the (query tile, key tile) pairs the passes compute
+// (skipped tiles are not counted): a test tool that shows which tiles the
+// masks and segment ids let the kernels skip. Each work item adds its count
+// once, atomically.
+enum TileVisitCounter : int {
+  kTileVisitsForward = 0,
+  kTileVisitsBackwardDq = 1,    // backward dQ: pass 1, or the single pass
+  kTileVisitsBackwardDkDv = 2,  // backward dK/dV: pass 2, or the single pass
+  kTileVisitsBiasGrad = 3,
+  kTileVisitCounters = 4,
+};
+void count_tile_visits(int counter, int64_t tiles);
+// Copies the counts into out and, with reset, sets them to zero.
+void tile_visits(int64_t out[kTileVisitCounters], bool reset);
+
 }  // namespace fatrain::cpu

@@ -23,6 +23,13 @@
 //    fixed order). No atomics on data: bitwise deterministic.
 //  * Bias gradient: items own disjoint slices of dbias and loop over the
 //    contributing (b, n) in a fixed order.
+//  * Segment ids (packed sequences): the id range [min, max] of every query
+//    and key tile is computed once per call, and from it each query tile's
+//    range of key tiles (and each key tile's range of query tiles) whose
+//    id ranges meet. Tiles whose ranges are disjoint share no id and are
+//    skipped in every pass; this holds for ids in any order, and sorted ids
+//    (documents one after another) give narrow ranges, so most tiles of a
+//    pack are skipped. Inside a visited tile ids are compared per element.
 
 #ifndef FATRAIN_ISA
 #error "define FATRAIN_ISA before including attention_cpu_impl.h"
@@ -79,8 +86,8 @@ constexpr int kNR = 2;  // SSE2: 8 of 16 xmm registers
 #endif
 
 // Tile sizes: multiples of W (<= 16) so GEMM widths are whole vectors.
-constexpr int64_t BQ = 64;
-constexpr int64_t BK = 64;
+constexpr int64_t BQ = kTileQ;
+constexpr int64_t BK = kTileK;
 
 typedef float vf __attribute__((vector_size(W * 4), may_alias));
 typedef int32_t vi __attribute__((vector_size(W * 4), may_alias));
@@ -450,6 +457,14 @@ struct Geo {
   int64_t wl, wr;
   const int32_t* qlen;
   const int32_t* kvlen;
+  // Segment ids ([B, T] and [B, S]; null when absent) and what
+  // make_segment_tiles derives from them: the id range of every query tile
+  // ([B * ntq]) and key tile ([B * ntk]), and the tiles of the other side
+  // whose ranges meet it, first and last (first > last: none).
+  const int32_t* qseg;
+  const int32_t* kvseg;
+  int32_t *qt_min, *qt_max, *kt_min, *kt_max;
+  int32_t *qt_kfirst, *qt_klast, *kt_qfirst, *kt_qlast;
   const void* bias;
   DType bias_dt;
   int64_t bdims[4], bstr[4];
@@ -477,6 +492,10 @@ static void make_geo(const AttentionProblem& p, Geo& g) {
   g.wr = p.window_right >= g.T + g.S ? -1 : p.window_right;
   g.qlen = p.q_lengths;
   g.kvlen = p.kv_lengths;
+  g.qseg = p.q_segment_ids;
+  g.kvseg = p.kv_segment_ids;
+  g.qt_min = g.qt_max = g.kt_min = g.kt_max = nullptr;
+  g.qt_kfirst = g.qt_klast = g.kt_qfirst = g.kt_qlast = nullptr;
   g.bias = p.bias.data;
   g.bias_dt = p.bias.dtype;
   g.mask = static_cast<const uint8_t*>(p.mask.data);
@@ -517,18 +536,104 @@ static inline int64_t col_hi(const Geo& g, int64_t j, int64_t te) {
   return h;
 }
 
+// Ints for make_segment_tiles: 4 per query tile and 4 per key tile.
+static inline int64_t segment_tile_ints(const Geo& g) { return 4 * g.B * (g.ntq + g.ntk); }
+
+// Fills the tile id ranges and the meeting tile ranges of g (see Geo) from
+// the segment ids, in `ints` (segment_tile_ints(g) of them). O(B * (T + S)
+// + B * ntq * ntk), once per call.
+static void make_segment_tiles(Geo& g, int32_t* ints) {
+  const int64_t nq = g.B * g.ntq, nk = g.B * g.ntk;
+  g.qt_min = ints;
+  g.qt_max = g.qt_min + nq;
+  g.qt_kfirst = g.qt_max + nq;
+  g.qt_klast = g.qt_kfirst + nq;
+  g.kt_min = g.qt_klast + nq;
+  g.kt_max = g.kt_min + nk;
+  g.kt_qfirst = g.kt_max + nk;
+  g.kt_qlast = g.kt_qfirst + nk;
+  for (int64_t b = 0; b < g.B; ++b) {
+    for (int64_t t = 0; t < g.ntq; ++t) {
+      const int32_t* ids = g.qseg + b * g.T + t * BQ;
+      int32_t lo = ids[0], hi = ids[0];
+      for (int64_t r = 1; r < imin(BQ, g.T - t * BQ); ++r) {
+        lo = ids[r] < lo ? ids[r] : lo;
+        hi = ids[r] > hi ? ids[r] : hi;
+      }
+      g.qt_min[b * g.ntq + t] = lo;
+      g.qt_max[b * g.ntq + t] = hi;
+      g.qt_kfirst[b * g.ntq + t] = static_cast<int32_t>(g.ntk);
+      g.qt_klast[b * g.ntq + t] = -1;
+    }
+    for (int64_t t = 0; t < g.ntk; ++t) {
+      const int32_t* ids = g.kvseg + b * g.S + t * BK;
+      int32_t lo = ids[0], hi = ids[0];
+      for (int64_t c = 1; c < imin(BK, g.S - t * BK); ++c) {
+        lo = ids[c] < lo ? ids[c] : lo;
+        hi = ids[c] > hi ? ids[c] : hi;
+      }
+      g.kt_min[b * g.ntk + t] = lo;
+      g.kt_max[b * g.ntk + t] = hi;
+      g.kt_qfirst[b * g.ntk + t] = static_cast<int32_t>(g.ntq);
+      g.kt_qlast[b * g.ntk + t] = -1;
+    }
+    for (int64_t qt = 0; qt < g.ntq; ++qt) {
+      const int64_t iq = b * g.ntq + qt;
+      for (int64_t kt = 0; kt < g.ntk; ++kt) {
+        const int64_t ik = b * g.ntk + kt;
+        if (g.qt_max[iq] < g.kt_min[ik] || g.kt_max[ik] < g.qt_min[iq]) continue;
+        if (g.qt_kfirst[iq] > kt) g.qt_kfirst[iq] = static_cast<int32_t>(kt);
+        g.qt_klast[iq] = static_cast<int32_t>(kt);
+        if (g.kt_qfirst[ik] > qt) g.kt_qfirst[ik] = static_cast<int32_t>(qt);
+        g.kt_qlast[ik] = static_cast<int32_t>(qt);
+      }
+    }
+  }
+}
+
+// Key tiles [*begin, *end) that query tile qt of batch b may see through its
+// segment ids (all of them without ids); tiles inside are still classified.
+static inline void key_tile_range(const Geo& g, int64_t b, int64_t qt, int64_t* begin,
+                                  int64_t* end) {
+  *begin = 0;
+  *end = g.ntk;
+  if (g.qseg) {
+    *begin = g.qt_kfirst[b * g.ntq + qt];
+    *end = imax(*begin, static_cast<int64_t>(g.qt_klast[b * g.ntq + qt]) + 1);
+  }
+}
+// Query tiles [*begin, *end) that key tile kt of batch b may be seen by.
+static inline void query_tile_range(const Geo& g, int64_t b, int64_t kt, int64_t* begin,
+                                    int64_t* end) {
+  *begin = 0;
+  *end = g.ntq;
+  if (g.qseg) {
+    *begin = g.kt_qfirst[b * g.ntk + kt];
+    *end = imax(*begin, static_cast<int64_t>(g.kt_qlast[b * g.ntk + kt]) + 1);
+  }
+}
+
 // 0: no visible element; 1: partial (element masking); 2: every element of
 // the ni x nc block is visible (nc = computed width, nj real columns).
-static inline int classify(const Geo& g, int64_t i0, int64_t ni, int64_t j0, int64_t nj,
-                           int64_t nc_cols, int64_t nc_rows, int64_t te, int64_t se) {
+// i0 and j0 start tiles (multiples of BQ and BK) of batch b.
+static inline int classify(const Geo& g, int64_t b, int64_t i0, int64_t ni, int64_t j0,
+                           int64_t nj, int64_t nc_cols, int64_t nc_rows, int64_t te,
+                           int64_t se) {
   int64_t ie = imin(i0 + ni, te) - 1;
   if (ie < i0) return 0;
   int64_t je = imin(j0 + nj, se) - 1;
   if (je < j0) return 0;
   if (row_lo(g, i0) > je || row_hi(g, ie, se) < j0) return 0;
+  bool uniform = true;  // every query and key of the tile shares one segment id
+  if (g.qseg) {
+    const int64_t iq = b * g.ntq + i0 / BQ, ik = b * g.ntk + j0 / BK;
+    if (g.qt_max[iq] < g.kt_min[ik] || g.kt_max[ik] < g.qt_min[iq]) return 0;
+    uniform = g.qt_min[iq] == g.qt_max[iq] && g.kt_min[ik] == g.kt_max[ik] &&
+              g.qt_min[iq] == g.kt_min[ik];
+  }
   // Conservative emptiness test for windows: every row's range may be empty.
-  if (g.mask == nullptr && ie == i0 + ni - 1 && je == j0 + nj - 1 && nj == nc_cols &&
-      ni == nc_rows && row_lo(g, ie) <= j0 && row_hi(g, i0, se) >= je)
+  if (g.mask == nullptr && uniform && ie == i0 + ni - 1 && je == j0 + nj - 1 &&
+      nj == nc_cols && ni == nc_rows && row_lo(g, ie) <= j0 && row_hi(g, i0, se) >= je)
     return 2;
   return 1;
 }
@@ -547,11 +652,13 @@ static inline void bias_gather(const Geo& g, int64_t base, int64_t stride, int64
 
 // Turns raw dot products s[0..nc) into base-2 scores t = (scale*s + bias)*log2e
 // and applies masking: positions outside [lo, hi] (relative), masked-out
-// positions and positions >= n_real become -inf. brow: bias row or null.
-// mask: base pointer of the mask row (element stride mstride) or null.
+// positions, positions whose segment id (seg_cols[c]) differs from the row's
+// (seg_row) and positions >= n_real become -inf. brow: bias row or null.
+// mask: base pointer of the mask row (element stride mstride) or null;
+// seg_cols: null without segment ids.
 static inline void prep_row(float* s, int64_t nc, float scale, const float* brow, bool partial,
                             int64_t lo, int64_t hi, const uint8_t* mrow, int64_t mstride,
-                            int64_t n_real) {
+                            int64_t n_real, const int32_t* seg_cols, int32_t seg_row) {
   vf vs = bc(scale), vl = bc(kLog2e);
   if (brow) {
     for (int64_t c = 0; c < nc; c += W) st(s + c, (ld(s + c) * vs + ld(brow + c)) * vl);
@@ -566,10 +673,14 @@ static inline void prep_row(float* s, int64_t nc, float scale, const float* brow
     }
     for (int64_t c = 0; c < lo && c < nc; ++c) s[c] = -kInf;
     for (int64_t c = imax(hi + 1, 0); c < nc; ++c) s[c] = -kInf;
+    int64_t a = imax(lo, 0), e = imin(hi, nc - 1);
     if (mrow) {
-      int64_t a = imax(lo, 0), e = imin(hi, nc - 1);
       for (int64_t c = a; c <= e; ++c)
         if (mrow[c * mstride] == 0) s[c] = -kInf;
+    }
+    if (seg_cols) {
+      for (int64_t c = a; c <= e; ++c)
+        if (seg_cols[c] != seg_row) s[c] = -kInf;
     }
   }
 }
@@ -657,10 +768,14 @@ static void fwd_item(FwdState& s, int64_t idx) {
   const float* Vh = s.V + (b * g.KH + kh) * g.Sp * Dp;
   int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
   int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
-  for (int64_t kt = 0; kt < g.ntk; ++kt) {
+  int64_t kt_begin, kt_end, visited = 0;
+  key_tile_range(g, b, qt, &kt_begin, &kt_end);
+  for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-    int cls = classify(g, i0, ni, j0, nj, nc, ni, te, se);
+    int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
+    ++visited;
+    const int32_t* seg_cols = g.qseg ? g.kvseg + b * g.S + j0 : nullptr;
     gemm(ni, nc, D, Qt, Dp, KTh + kt * D * BK, BK, Sb, BK, 0);
     for (int64_t r = 0; r < ni; ++r) {
       int64_t i = i0 + r;
@@ -677,7 +792,8 @@ static void fwd_item(FwdState& s, int64_t idx) {
         hi = row_hi(g, i, se) - j0;
       }
       prep_row(srow, nc, g.scale, bp, cls == 1, lo, hi,
-               g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj);
+               g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj,
+               seg_cols, seg_cols ? g.qseg[b * g.T + i] : 0);
       vf mx = bc(-kInf);
       for (int64_t c = 0; c < nc; c += W) mx = vmax(mx, ld(srow + c));
       float mnew = fmaxs(mrow[r], hmax(mx));
@@ -702,6 +818,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
     }
     gemm(ni, Dp, nj, Sb, BK, Vh + j0 * Dp, Dp, Ob, Dp, 1);
   }
+  count_tile_visits(kTileVisitsForward, visited);
   float* lse = op.lse + (b * g.N + n) * g.T;
   for (int64_t r = 0; r < ni; ++r) {
     float* orow = Ob + r * Dp;
@@ -797,6 +914,7 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   const float* Dr = s.Drow + qh * g.Tp;
   int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
   int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+  const int32_t* seg_cols = g.qseg ? g.kvseg + b * g.S + j0 : nullptr;
   for (int64_t r = 0; r < ni; ++r) {
     int64_t i = i0 + r;
     float* srow = Sb + r * BK;
@@ -813,7 +931,8 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
       hi = row_hi(g, i, se) - j0;
     }
     prep_row(srow, nc, g.scale, bp, cls == 1, lo, hi,
-             g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj);
+             g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj,
+             seg_cols, seg_cols ? g.qseg[b * g.T + i] : 0);
     vf vL = bc(Lb[i]), vD = bc(Dr[i]);
     for (int64_t c = 0; c < nc; c += W) {
       vf p = vexp2(ld(srow + c) - vL);
@@ -841,13 +960,17 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
   float* brow = dPb + BQ * BK;
   memset(dQ, 0, static_cast<size_t>(BQ * Dp) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
-  for (int64_t kt = 0; kt < g.ntk; ++kt) {
+  int64_t kt_begin, kt_end, visited = 0;
+  key_tile_range(g, b, qt, &kt_begin, &kt_end);
+  for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-    int cls = classify(g, i0, ni, j0, nj, nc, ni, te, se);
+    int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
+    ++visited;
     ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
     gemm(ni, Dp, nj, Sb, BK, s.Kp + (kvh * g.Sp + j0) * Dp, Dp, dQ, Dp, 1);
   }
+  count_tile_visits(kTileVisitsBackwardDq, visited);
   for (int64_t r = 0; r < ni; ++r)
     store_row(row_ptr_mut(op.dq, b, i0 + r, n), op.dq.dtype, D, dQ + r * Dp, g.scale);
   free(buf);
@@ -875,17 +998,21 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
   const float* Kh = s.Kp + (bk * g.Sp + j0) * Dp;
   const float* Vh = s.Vp + (bk * g.Sp + j0) * Dp;
+  int64_t qt_begin, qt_end, visited = 0;
+  query_tile_range(g, b, kt, &qt_begin, &qt_end);
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi, qh = b * g.N + n;
     const float* Lb = s.Lb + qh * g.Tp;
     const float* Dr = s.Drow + qh * g.Tp;
     int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
     int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
-    for (int64_t qt = 0; qt < g.ntq; ++qt) {
+    for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
       int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
       int64_t nc = round_up(nj, W);
-      int cls = classify(g, i0, ni, j0, nj, nc, ncq, te, se);
+      int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
       if (cls == 0) continue;
+      ++visited;
+      const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
       gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ, 0);
       gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ, 0);
       for (int64_t r = 0; r < nj; ++r) {
@@ -905,7 +1032,7 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
         }
         prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
                  g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
-                 ni);
+                 ni, seg_cols, seg_cols ? g.kvseg[b * g.S + j] : 0);
         for (int64_t c = 0; c < ncq; c += W) {
           vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
           st(srow + c, p);
@@ -916,6 +1043,7 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
       gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp, 1);
     }
   }
+  count_tile_visits(kTileVisitsBackwardDkDv, visited);
   for (int64_t r = 0; r < nj; ++r) {
     store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
     store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
@@ -948,22 +1076,26 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   float* dS = dPt + BK * BQ;
   float* brow = dS + BQ * BK;
   memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dp) * 4);
-  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b), visited = 0;
   for (int64_t kt = 0; kt < g.ntk; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
     const float* Kh = s.Kp + (idx * g.Sp + j0) * Dp;
     const float* Vh = s.Vp + (idx * g.Sp + j0) * Dp;
     memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+    int64_t qt_begin, qt_end;
+    query_tile_range(g, b, kt, &qt_begin, &qt_end);
     for (int64_t gi = 0; gi < g.G; ++gi) {
       int64_t n = kh * g.G + gi, qh = b * g.N + n;
       const float* Lb = s.Lb + qh * g.Tp;
       const float* Dr = s.Drow + qh * g.Tp;
       int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
       int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
-      for (int64_t qt = 0; qt < g.ntq; ++qt) {
+      for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
-        int cls = classify(g, i0, ni, j0, nj, nc, ncq, te, se);
+        int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
         if (cls == 0) continue;
+        ++visited;
+        const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
         gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ, 0);
         gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ, 0);
         for (int64_t r = 0; r < nj; ++r) {
@@ -983,7 +1115,7 @@ static void bwd_fused(BwdState& s, int64_t idx) {
           }
           prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
                    g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
-                   ni);
+                   ni, seg_cols, seg_cols ? g.kvseg[b * g.S + j] : 0);
           for (int64_t c = 0; c < ncq; c += W) {
             vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
             st(srow + c, p);
@@ -1003,6 +1135,9 @@ static void bwd_fused(BwdState& s, int64_t idx) {
       store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
     }
   }
+  // Each tile pair served both the dQ and the dK/dV sums of the two-pass form.
+  count_tile_visits(kTileVisitsBackwardDq, visited);
+  count_tile_visits(kTileVisitsBackwardDkDv, visited);
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi;
     for (int64_t t = 0; t < g.T; ++t)
@@ -1063,6 +1198,7 @@ static void bias_grad_item(BiasGradState& bg, int64_t idx) {
   float* Sb = buf;
   float* dPb = Sb + BQ * BK;
   float* brow = dPb + BQ * BK;
+  int64_t visited = 0;
   int64_t b_begin = bg.db[0] == 1 ? 0 : bb, b_end = bg.db[0] == 1 ? g.B : bb + 1;
   int64_t n_begin = bg.db[1] == 1 ? 0 : nn, n_end = bg.db[1] == 1 ? g.N : nn + 1;
   for (int64_t b = b_begin; b < b_end; ++b) {
@@ -1072,8 +1208,9 @@ static void bias_grad_item(BiasGradState& bg, int64_t idx) {
         int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
         for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
           int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-          int cls = classify(g, i0, ni, j0, nj, nc, ni, te, se);
+          int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
           if (cls == 0) continue;
+          ++visited;
           ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
           for (int64_t r = 0; r < ni; ++r) {
             const float* dsr = Sb + r * BK;
@@ -1090,6 +1227,7 @@ static void bias_grad_item(BiasGradState& bg, int64_t idx) {
       }
     }
   }
+  count_tile_visits(kTileVisitsBiasGrad, visited);
   free(buf);
 }
 
@@ -1113,12 +1251,15 @@ static const char* backward_common(BwdState& s, const ParallelFor& parallel, boo
   int64_t qsz = g.B * g.N * g.Tp * g.Dp, qtsz = g.B * g.N * g.Tp * g.D;
   int64_t ksz = g.B * g.KH * g.Sp * g.Dp, ktsz = g.B * g.KH * g.Sp * g.D;
   int64_t rsz = g.B * g.N * g.Tp;
+  int64_t segsz = s.g.qseg ? segment_tile_ints(g) : 0;
   s.need_transposed_q = need_pass2;
   int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
-                  2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0);
+                  2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0) +
+                  carve_size(segsz);
   float* base = scratch_take(total, handle);
   if (!base) return kOom;
   Carver c{base, 0};
+  if (s.g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
   s.Qp = c.take(qsz);
   s.dOp = c.take(qsz);
   s.QT = need_pass2 ? c.take(qtsz) : nullptr;
@@ -1148,7 +1289,8 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   s.fail = 0;
   void* handle = nullptr;
   int64_t ktsz = g.B * g.KH * g.Sp * g.D, vsz = g.B * g.KH * g.Sp * g.Dp;
-  float* base = scratch_take(carve_size(ktsz) + carve_size(vsz), &handle);
+  int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
+  float* base = scratch_take(carve_size(ktsz) + carve_size(vsz) + carve_size(segsz), &handle);
   const char* err = nullptr;
   if (!base) {
     err = kOom;
@@ -1156,6 +1298,7 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
     Carver c{base, 0};
     s.KT = c.take(ktsz);
     s.V = c.take(vsz);
+    if (g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
     run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
     if (s.fail) err = kOom;
   }

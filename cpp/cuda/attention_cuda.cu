@@ -156,6 +156,9 @@ const char* validate_problem(const AttentionProblem& p) {
     return "jax_fatrain cuda: problem too large";
   if (const char* e = check_score(p.bias, p, "bias", false)) return e;
   if (const char* e = check_score(p.mask, p, "mask", true)) return e;
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
+    return "jax_fatrain cuda: q_segment_ids and kv_segment_ids must be given together";
+  if (p.q_segment_ids != nullptr) return "jax_fatrain cuda: segment ids are not supported yet";
   return nullptr;
 }
 

@@ -28,6 +28,7 @@ struct Attributes {
   int64_t window_right;
   int32_t layout;
   bool has_bias, has_mask, has_q_lengths, has_kv_lengths;
+  bool has_segment_ids;  // q_segment_ids and kv_segment_ids (both or neither)
 };
 
 // For XLA_FFI_REGISTER_STRUCT_ATTR_DECODING, in Attributes' member order.
@@ -40,7 +41,8 @@ struct Attributes {
       ::xla::ffi::StructMember<bool>("has_bias"),                            \
       ::xla::ffi::StructMember<bool>("has_mask"),                            \
       ::xla::ffi::StructMember<bool>("has_q_lengths"),                       \
-      ::xla::ffi::StructMember<bool>("has_kv_lengths")
+      ::xla::ffi::StructMember<bool>("has_kv_lengths"),                      \
+      ::xla::ffi::StructMember<bool>("has_segment_ids")
 
 // The inputs of every target, in call order, after the handler's context.
 #define FATRAIN_BIND_ATTENTION_INPUTS(binding)                                 \
@@ -50,7 +52,9 @@ struct Attributes {
       .Arg<::xla::ffi::AnyBuffer>()                  /* bias (placeholder) */  \
       .Arg<::xla::ffi::AnyBuffer>()                  /* mask (placeholder) */  \
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()    /* query lengths */       \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()    /* key/value lengths */
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()    /* key/value lengths */   \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()    /* query segment ids */   \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()    /* key/value segment ids */
 
 inline std::string ShapeString(const ffi::AnyBuffer& buffer) {
   std::string out = "[";
@@ -143,6 +147,21 @@ inline std::string ReadLengths(const char* name, const ffi::Buffer<ffi::S32>& bu
   return "";
 }
 
+// Segment ids: int32 [batch, length], contiguous.
+inline std::string ReadSegmentIds(const char* name, const ffi::Buffer<ffi::S32>& buffer,
+                                  int64_t batch, int64_t length, const char* length_name,
+                                  const int32_t** out) {
+  auto dims = buffer.dimensions();
+  if (dims.size() != 2 || dims[0] != batch || dims[1] != length) {
+    std::string got = "[";
+    for (size_t i = 0; i < dims.size(); ++i) got += (i ? ", " : "") + std::to_string(dims[i]);
+    return std::string(name) + " must have shape [B, " + length_name + "] = [" +
+           std::to_string(batch) + ", " + std::to_string(length) + "], got " + got + "]";
+  }
+  *out = buffer.typed_data();
+  return "";
+}
+
 #define FATRAIN_RETURN_IF_MESSAGE(expr)                  \
   if (std::string _message = (expr); !_message.empty()) \
   return _message
@@ -154,6 +173,8 @@ inline std::string BuildProblem(const Attributes& attrs, const ffi::AnyBuffer& q
                                 const ffi::AnyBuffer& bias, const ffi::AnyBuffer& mask,
                                 const ffi::Buffer<ffi::S32>& q_lengths,
                                 const ffi::Buffer<ffi::S32>& kv_lengths,
+                                const ffi::Buffer<ffi::S32>& q_segment_ids,
+                                const ffi::Buffer<ffi::S32>& kv_segment_ids,
                                 const char* (*validate)(const AttentionProblem&),
                                 AttentionProblem* problem, SeqTensor* q_t,
                                 SeqTensor* k_t, SeqTensor* v_t) {
@@ -198,6 +219,13 @@ inline std::string BuildProblem(const Attributes& attrs, const ffi::AnyBuffer& q
     FATRAIN_RETURN_IF_MESSAGE(ReadLengths("key_value_seq_lengths", kv_lengths,
                                           problem->batch, &problem->kv_lengths));
   }
+  if (attrs.has_segment_ids) {
+    FATRAIN_RETURN_IF_MESSAGE(ReadSegmentIds("q_segment_ids", q_segment_ids, problem->batch,
+                                             problem->q_len, "T", &problem->q_segment_ids));
+    FATRAIN_RETURN_IF_MESSAGE(ReadSegmentIds("kv_segment_ids", kv_segment_ids,
+                                             problem->batch, problem->kv_len, "S",
+                                             &problem->kv_segment_ids));
+  }
   if (const char* error = validate(*problem)) return error;
   return "";
 }
@@ -225,11 +253,12 @@ inline std::string ReadBackwardInputs(
     const Attributes& attrs, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     const ffi::AnyBuffer& v, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& mask,
     const ffi::Buffer<ffi::S32>& q_lengths, const ffi::Buffer<ffi::S32>& kv_lengths,
+    const ffi::Buffer<ffi::S32>& q_segment_ids, const ffi::Buffer<ffi::S32>& kv_segment_ids,
     const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_o,
     const char* (*validate)(const AttentionProblem&), BackwardInputs* in) {
   FATRAIN_RETURN_IF_MESSAGE(BuildProblem(attrs, q, k, v, bias, mask, q_lengths,
-                                         kv_lengths, validate, &in->problem, &in->q,
-                                         &in->k, &in->v));
+                                         kv_lengths, q_segment_ids, kv_segment_ids,
+                                         validate, &in->problem, &in->q, &in->k, &in->v));
   FATRAIN_RETURN_IF_MESSAGE(ExpectSameAs("out", o, "query", q));
   FATRAIN_RETURN_IF_MESSAGE(ExpectSameAs("d_out", d_o, "query", q));
   FATRAIN_RETURN_IF_MESSAGE(ExpectLse(lse, in->problem));

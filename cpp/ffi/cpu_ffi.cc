@@ -56,13 +56,16 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                        ffi::Buffer<ffi::S32> q_lengths,
                        ffi::Buffer<ffi::S32> kv_lengths,
+                       ffi::Buffer<ffi::S32> q_segment_ids,
+                       ffi::Buffer<ffi::S32> kv_segment_ids,
                        ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> lse, Attributes attrs) {
   namespace glue = fatrain::ffi_glue;
   fatrain::AttentionProblem problem;
   fatrain::ForwardOperands ops;
   FATRAIN_RETURN_IF_ERROR(glue::BuildProblem(attrs, q, k, v, bias, mask, q_lengths,
-                                             kv_lengths, fatrain::cpu::validate_problem,
+                                             kv_lengths, q_segment_ids, kv_segment_ids,
+                                             fatrain::cpu::validate_problem,
                                              &problem, &ops.q, &ops.k, &ops.v));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectSameAs("output", *o, "query", q));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectLse(*lse, problem));
@@ -78,7 +81,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                         ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o,
+                        ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o,
                         ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk,
@@ -86,7 +91,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   namespace glue = fatrain::ffi_glue;
   glue::BackwardInputs in;
   FATRAIN_RETURN_IF_ERROR(glue::ReadBackwardInputs(
-      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      o, lse, d_o,
       fatrain::cpu::validate_problem, &in));
   fatrain::BackwardOperands ops;
   ops.q = in.q; ops.k = in.k; ops.v = in.v; ops.o = in.o; ops.d_o = in.d_o;
@@ -102,14 +108,17 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
 ffi::Error BiasGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
                         ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o,
+                        ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o,
                         ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dbias, Attributes attrs) {
   namespace glue = fatrain::ffi_glue;
   if (!attrs.has_bias) return Status("the bias gradient needs a bias");
   glue::BackwardInputs in;
   FATRAIN_RETURN_IF_ERROR(glue::ReadBackwardInputs(
-      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+      attrs, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      o, lse, d_o,
       fatrain::cpu::validate_problem, &in));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectBiasGradient(*dbias, bias));
   fatrain::BiasGradOperands ops;
@@ -170,4 +179,19 @@ NB_MODULE(_cpu_ffi, m) {
         },
         nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
         "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all).");
+
+  m.def("tile_visits", [](bool reset) {
+    int64_t counts[fatrain::cpu::kTileVisitCounters];
+    fatrain::cpu::tile_visits(counts, reset);
+    nb::dict out;
+    out["forward"] = counts[fatrain::cpu::kTileVisitsForward];
+    out["backward_dq"] = counts[fatrain::cpu::kTileVisitsBackwardDq];
+    out["backward_dkdv"] = counts[fatrain::cpu::kTileVisitsBackwardDkDv];
+    out["bias_grad"] = counts[fatrain::cpu::kTileVisitsBiasGrad];
+    return out;
+  }, nb::arg("reset") = false,
+        "Tiles (query tile x key tile pairs) each pass has computed so far (a test tool).");
+  m.def("tile_sizes", []() {
+    return nb::make_tuple(fatrain::cpu::kTileQ, fatrain::cpu::kTileK);
+  }, "(query rows, keys) per tile of the CPU kernels.");
 }

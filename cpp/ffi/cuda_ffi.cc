@@ -65,12 +65,15 @@ std::string GetScratch(ffi::AnyBuffer& workspace, size_t bytes, void** out) {
 ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                        ffi::AnyBuffer mask, ffi::Buffer<ffi::S32> q_lengths,
-                       ffi::Buffer<ffi::S32> kv_lengths, ffi::Result<ffi::AnyBuffer> o,
+                       ffi::Buffer<ffi::S32> kv_lengths,
+                       ffi::Buffer<ffi::S32> q_segment_ids,
+                       ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> lse, CudaAttributes attrs) {
   fatrain::AttentionProblem problem;
   fatrain::ForwardOperands ops;
   FATRAIN_RETURN_IF_ERROR(glue::BuildProblem(attrs.common, q, k, v, bias, mask, q_lengths,
-                                             kv_lengths, fatrain::cuda::validate_problem,
+                                             kv_lengths, q_segment_ids, kv_segment_ids,
+                                             fatrain::cuda::validate_problem,
                                              &problem, &ops.q, &ops.k, &ops.v));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectSameAs("output", *o, "query", q));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectLse(*lse, problem));
@@ -86,14 +89,17 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                         ffi::AnyBuffer mask, ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o,
+                        ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o,
                         ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> workspace, CudaAttributes attrs) {
   glue::BackwardInputs in;
   FATRAIN_RETURN_IF_ERROR(glue::ReadBackwardInputs(
-      attrs.common, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+      attrs.common, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      o, lse, d_o,
       fatrain::cuda::validate_problem, &in));
   fatrain::BackwardOperands ops;
   ops.q = in.q; ops.k = in.k; ops.v = in.v; ops.o = in.o; ops.d_o = in.d_o;
@@ -114,14 +120,17 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
 ffi::Error BiasGradImpl(cudaStream_t stream, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                         ffi::AnyBuffer mask, ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o,
+                        ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o,
                         ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> workspace, CudaAttributes attrs) {
   if (!attrs.common.has_bias) return Status("the bias gradient needs a bias");
   glue::BackwardInputs in;
   FATRAIN_RETURN_IF_ERROR(glue::ReadBackwardInputs(
-      attrs.common, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
+      attrs.common, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      o, lse, d_o,
       fatrain::cuda::validate_problem, &in));
   FATRAIN_RETURN_IF_ERROR(glue::ExpectBiasGradient(*dbias, bias));
   fatrain::BiasGradOperands ops;

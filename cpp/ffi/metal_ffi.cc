@@ -36,13 +36,15 @@ ffi::Error Run(const mp::Problem& p, const mp::Plan& plan, const mp::RoleBuffers
 
 ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                        ffi::AnyBuffer mask, ffi::Buffer<ffi::S32> q_lengths,
-                       ffi::Buffer<ffi::S32> kv_lengths, ffi::Result<ffi::AnyBuffer> o,
+                       ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_segment_ids,
+                       ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Result<ffi::AnyBuffer> o,
                        ffi::Result<ffi::AnyBuffer> lse, Attributes attrs) {
   mp::Problem p;
   mp::Plan plan;
   mp::RoleBuffers roles;
   if (auto e = fatrain::metal_ffi::PrepareForward(kWho, attrs, q, k, v, bias, mask, q_lengths,
-                                                  kv_lengths, *o, *lse, &p, &plan, &roles);
+                                                  kv_lengths, q_segment_ids, kv_segment_ids,
+                                                  *o, *lse, &p, &plan, &roles);
       e.failure()) {
     return e;
   }
@@ -51,7 +53,8 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
 
 ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
                         ffi::AnyBuffer mask, ffi::Buffer<ffi::S32> q_lengths,
-                        ffi::Buffer<ffi::S32> kv_lengths, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                        ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                         ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         Attributes attrs) {
@@ -59,7 +62,8 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   mp::Plan plan;
   mp::RoleBuffers roles;
   if (auto e = fatrain::metal_ffi::PrepareBackward(kWho, attrs, q, k, v, bias, mask, q_lengths,
-                                                   kv_lengths, o, lse, d_o, *dq, *dk, *dv, &p,
+                                                   kv_lengths, q_segment_ids, kv_segment_ids,
+                                                   o, lse, d_o, *dq, *dk, *dv, &p,
                                                    &plan, &roles);
       e.failure()) {
     return e;

@@ -138,10 +138,13 @@ inline void SetOptional(const Attributes& a, ffi::AnyBuffer& bias, ffi::AnyBuffe
 inline ffi::Error PrepareForward(const char* who, const Attributes& attrs, ffi::AnyBuffer& q,
                                  ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::AnyBuffer& bias,
                                  ffi::AnyBuffer& mask, ffi::Buffer<ffi::S32>& q_lengths,
-                                 ffi::Buffer<ffi::S32>& kv_lengths, ffi::AnyBuffer& o,
+                                 ffi::Buffer<ffi::S32>& kv_lengths,
+                                 ffi::Buffer<ffi::S32>& q_segment_ids,
+                                 ffi::Buffer<ffi::S32>& kv_segment_ids, ffi::AnyBuffer& o,
                                  ffi::AnyBuffer& lse, mp::Problem* p, mp::Plan* plan,
                                  mp::RoleBuffers* m) {
   if (auto e = BuildProblem(who, attrs, q, k, v, bias, mask, p); e.failure()) return e;
+  if (attrs.has_segment_ids) return InvalidArgument(who, "segment ids are not supported");
   if (std::string e = mp::plan_forward(*p, plan); !e.empty()) return InvalidArgument(who, e);
   m->set(mp::Role::kQ, q.untyped_data(), q.size_bytes());
   m->set(mp::Role::kK, k.untyped_data(), k.size_bytes());
@@ -156,11 +159,14 @@ inline ffi::Error PrepareForward(const char* who, const Attributes& attrs, ffi::
 inline ffi::Error PrepareBackward(const char* who, const Attributes& attrs, ffi::AnyBuffer& q,
                                   ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::AnyBuffer& bias,
                                   ffi::AnyBuffer& mask, ffi::Buffer<ffi::S32>& q_lengths,
-                                  ffi::Buffer<ffi::S32>& kv_lengths, ffi::AnyBuffer& o,
+                                  ffi::Buffer<ffi::S32>& kv_lengths,
+                                  ffi::Buffer<ffi::S32>& q_segment_ids,
+                                  ffi::Buffer<ffi::S32>& kv_segment_ids, ffi::AnyBuffer& o,
                                   ffi::AnyBuffer& lse, ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq,
                                   ffi::AnyBuffer& dk, ffi::AnyBuffer& dv, mp::Problem* p,
                                   mp::Plan* plan, mp::RoleBuffers* m) {
   if (auto e = BuildProblem(who, attrs, q, k, v, bias, mask, p); e.failure()) return e;
+  if (attrs.has_segment_ids) return InvalidArgument(who, "segment ids are not supported");
   if (std::string e = mp::plan_backward(*p, plan); !e.empty()) return InvalidArgument(who, e);
   if (o.element_type() != q.element_type() || d_o.element_type() != q.element_type() ||
       o.size_bytes() != q.size_bytes() || d_o.size_bytes() != q.size_bytes()) {
@@ -200,7 +206,9 @@ auto AddInputs(Binding b) {
       .template Arg<ffi::AnyBuffer>()                // bias (or placeholder)
       .template Arg<ffi::AnyBuffer>()                // mask (or placeholder)
       .template Arg<ffi::Buffer<ffi::S32>>()         // q_lengths (or placeholder)
-      .template Arg<ffi::Buffer<ffi::S32>>();        // kv_lengths (or placeholder)
+      .template Arg<ffi::Buffer<ffi::S32>>()         // kv_lengths (or placeholder)
+      .template Arg<ffi::Buffer<ffi::S32>>()         // q_segment_ids (or placeholder)
+      .template Arg<ffi::Buffer<ffi::S32>>();        // kv_segment_ids (or placeholder)
 }
 
 }  // namespace fatrain::metal_ffi

@@ -1,9 +1,10 @@
 """What every FFI-backed implementation (cpu, cuda, metal_emulated) shares.
 
 The C++ handlers of all backends take the same operands in the same order
-(q, k, v, bias, mask, q_lengths, kv_lengths[, o, lse, d_o]) and the same
-attribute dictionary (see ``Attributes`` in cpp/ffi/cpu_ffi.cc); absent
-optional operands are passed as empty placeholders and flagged by ``has_*``.
+(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids[, o,
+lse, d_o]) and the same attribute dictionary (see ``Attributes`` in
+cpp/ffi/attention_ffi.h); absent optional operands are passed as empty
+placeholders and flagged by ``has_*``.
 """
 
 from __future__ import annotations
@@ -27,17 +28,22 @@ def register_targets(extension, platform: str, registered: set) -> None:
   registered.add(extension.__name__)
 
 
-def optional_operands(bias, mask, q_lengths, kv_lengths):
+def optional_operands(bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
+                      kv_segment_ids=None):
+  """The operands after q, k, v, placeholders for the absent ones."""
   placeholder = lambda dtype: jnp.zeros((0,), dtype)
   return (
       placeholder(jnp.float32) if bias is None else bias,
       placeholder(jnp.bool_) if mask is None else mask,
       placeholder(jnp.int32) if q_lengths is None else q_lengths,
       placeholder(jnp.int32) if kv_lengths is None else kv_lengths,
+      placeholder(jnp.int32) if q_segment_ids is None else q_segment_ids,
+      placeholder(jnp.int32) if kv_segment_ids is None else kv_segment_ids,
   )
 
 
-def attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, **extra):
+def attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths,
+               q_segment_ids=None, **extra):
   return dict(
       scale=np.float32(config.scale),
       is_causal=bool(config.is_causal),
@@ -48,6 +54,7 @@ def attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, **ext
       has_mask=mask is not None,
       has_q_lengths=q_lengths is not None,
       has_kv_lengths=kv_lengths is not None,
+      has_segment_ids=q_segment_ids is not None,
       **extra,
   )
 

@@ -58,7 +58,8 @@ def score_operand(q, bias, mask, kv_len):
   return bias, mask
 
 
-def forward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths, config):
+def forward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths, config,
+            q_segment_ids=None, kv_segment_ids=None):
   """The forward FFI call ``target`` on adapted operands: (o, lse)."""
   d = q.shape[-1]
   dp = padded_dim(d, name)
@@ -66,13 +67,14 @@ def forward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths, 
   qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, dp)
   call = jax.ffi.ffi_call(
       target, (_ffi.result(qp.shape, q.dtype, q), _ffi.lse_result(q, config)))
-  o, lse = call(qp, kp, vp, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
-                **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
+  o, lse = call(qp, kp, vp, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                                    q_segment_ids, kv_segment_ids),
+                **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
   return o[..., :d], lse
 
 
 def backward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
-             config):
+             config, q_segment_ids=None, kv_segment_ids=None):
   """The backward FFI call ``target`` on adapted operands: (dq, dk, dv)."""
   d = q.shape[-1]
   dp = padded_dim(d, name)
@@ -82,11 +84,15 @@ def backward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths,
       target,
       (_ffi.result(qp.shape, q.dtype, q), _ffi.result(kp.shape, k.dtype, k),
        _ffi.result(vp.shape, v.dtype, v)))
-  dq, dk, dv = call(qp, kp, vp, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
-                    op, lse, dop, **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
+  dq, dk, dv = call(qp, kp, vp, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                                        q_segment_ids, kv_segment_ids),
+                    op, lse, dop,
+                    **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
   return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+              q_segment_ids=None, kv_segment_ids=None):
   # Not a Metal kernel yet: the CPU backend's bias gradient (same conventions).
-  return _cpu.bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config)
+  return _cpu.bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+                        q_segment_ids, kv_segment_ids)

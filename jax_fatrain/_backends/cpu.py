@@ -44,29 +44,50 @@ def selected_isa() -> str:
   return _extension().selected_isa()
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+def tile_visits(reset: bool = False) -> dict[str, int]:
+  """Tiles (query tile x key tile pairs) each pass has computed, process-wide:
+  ``{"forward", "backward_dq", "backward_dkdv", "bias_grad"}``; tiles the
+  kernels skip (masked out by causality, windows, lengths or segment ids) are
+  not counted. ``reset=True`` also sets the counts to zero. A test tool."""
+  return dict(_extension().tile_visits(reset))
+
+
+def tile_sizes() -> tuple[int, int]:
+  """(query rows, keys) per tile of the CPU kernels."""
+  return tuple(_extension().tile_sizes())
+
+
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
+            kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(
       _FORWARD, (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config)))
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
-              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                               q_segment_ids, kv_segment_ids),
+              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
 
 
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+             q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(
       _BACKWARD,
       (_ffi.result(q.shape, q.dtype, q), _ffi.result(k.shape, k.dtype, k),
        _ffi.result(v.shape, v.dtype, v)))
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
-              o, lse, d_o, **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                               q_segment_ids, kv_segment_ids),
+              o, lse, d_o,
+              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
 
 
-def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+              q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(_BIAS_GRAD, _ffi.result(bias.shape, jnp.float32, bias))
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
-              o, lse, d_o, **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                               q_segment_ids, kv_segment_ids),
+              o, lse, d_o,
+              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
 
 
 IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(

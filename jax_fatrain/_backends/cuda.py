@@ -133,8 +133,8 @@ def _deterministic(config: AttentionConfig) -> bool:
   return resolve_config(config).deterministic
 
 
-def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths):
-  return _ffi.attributes(config, bias, mask, q_lengths, kv_lengths,
+def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, q_segment_ids):
+  return _ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids,
                          deterministic=_deterministic(config))
 
 
@@ -146,17 +146,20 @@ def _workspace(q, config: AttentionConfig, stage: str):
   return _ffi.result((size,), jnp.uint8, q)
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
+            kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(
       _FORWARD,
       (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config)),
   )
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths),
-              **_attributes(config, bias, mask, q_lengths, kv_lengths))
+  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                               q_segment_ids, kv_segment_ids),
+              **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
 
 
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+             q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(
       _BACKWARD,
@@ -164,17 +167,22 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
        _ffi.result(v.shape, v.dtype, v),
        _workspace(q, config, "backward")),
   )
-  dq, dk, dv, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths), o, lse,
-                       d_o, **_attributes(config, bias, mask, q_lengths, kv_lengths))
+  dq, dk, dv, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                                       q_segment_ids, kv_segment_ids),
+                       o, lse, d_o,
+                       **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
   return dq, dk, dv
 
 
-def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+              q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(_BIAS_GRAD, (_ffi.result(bias.shape, jnp.float32, bias),
                                        _workspace(q, config, "bias_grad")))
-  dbias, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths), o, lse, d_o,
-                  **_attributes(config, bias, mask, q_lengths, kv_lengths))
+  dbias, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                                  q_segment_ids, kv_segment_ids),
+                  o, lse, d_o,
+                  **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
   return dbias
 
 

@@ -111,16 +111,18 @@ def _register_targets() -> None:
   _ffi.register_targets(_extension(), "cpu", _registered)
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
+            kv_segment_ids=None):
   _register_targets()
   return _metal_common.forward(_FORWARD, "metal", q, k, v, bias, mask, q_lengths, kv_lengths,
-                              config)
+                              config, q_segment_ids, kv_segment_ids)
 
 
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+             q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   return _metal_common.backward(_BACKWARD, "metal", q, k, v, bias, mask, q_lengths, kv_lengths,
-                               o, lse, d_o, config)
+                               o, lse, d_o, config, q_segment_ids, kv_segment_ids)
 
 
 bias_grad = _metal_common.bias_grad

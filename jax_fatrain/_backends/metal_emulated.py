@@ -56,16 +56,18 @@ def planned_kernel_names() -> list[str]:
   return list(_extension().planned_kernel_names())
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config):
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
+            kv_segment_ids=None):
   _register_targets()
   return _metal_common.forward(_FORWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
-                              kv_lengths, config)
+                              kv_lengths, config, q_segment_ids, kv_segment_ids)
 
 
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config):
+def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+             q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   return _metal_common.backward(_BACKWARD, "metal_emulated", q, k, v, bias, mask, q_lengths,
-                               kv_lengths, o, lse, d_o, config)
+                               kv_lengths, o, lse, d_o, config, q_segment_ids, kv_segment_ids)
 
 
 bias_grad = _metal_common.bias_grad

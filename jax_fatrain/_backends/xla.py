@@ -173,8 +173,13 @@ def _block_plan(T, S, config: AttentionConfig):
   return S_eff, nblk, bk
 
 
-def _visibility(j0, bk, B, T, S_eff, config, q_lengths, kv_lengths, mask_blk):
-  """Bool visibility of one key block, broadcastable to [B, K, G, T, bk]."""
+def _visibility(j0, bk, B, T, S_eff, config, q_lengths, kv_lengths, mask_blk,
+                q_seg=None, kv_seg_blk=None):
+  """Bool visibility of one key block, broadcastable to [B, K, G, T, bk].
+
+  Segment ids (q_seg [B, T], kv_seg_blk [B, bk]) are compared for this block
+  only: the [B, T, bk] comparison is the size of the block's scores.
+  """
   i = jnp.arange(T, dtype=jnp.int32)[:, None]
   j = j0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
   vis = j < S_eff
@@ -193,6 +198,9 @@ def _visibility(j0, bk, B, T, S_eff, config, q_lengths, kv_lengths, mask_blk):
     vis = vis & (i[None, None, None] < ql)
   if mask_blk is not None:
     vis = vis & mask_blk
+  if q_seg is not None:
+    same = q_seg[:, :, None] == kv_seg_blk[:, None, :]   # [B, T, bk]
+    vis = vis & same[:, None, None]
   return vis
 
 
@@ -209,7 +217,8 @@ def _scores(qg, kb, bias_blk, vis, scale):
 class _Prepared:
   """Operands in grouped/blocked form, shared by forward and backward."""
 
-  def __init__(self, q, k, v, bias, mask, q_lengths, kv_lengths, config):
+  def __init__(self, q, k, v, bias, mask, q_lengths, kv_lengths, config,
+               q_segment_ids=None, kv_segment_ids=None):
     B, T, N, K, G, S, H = _dims(q, k, config)
     self.B, self.T, self.N, self.K, self.G, self.S, self.H = B, T, N, K, G, S, H
     self.config = config
@@ -227,17 +236,26 @@ class _Prepared:
     self.q_lengths = q_lengths
     self.kv_lengths = kv_lengths
     self.j0s = jnp.arange(nblk, dtype=jnp.int32) * bk
+    self.q_seg = q_segment_ids
+    self.seg_blocks = None
+    if q_segment_ids is not None:
+      # [B, S] -> [nblk, B, bk] over keys [0, S_eff); padded keys are beyond
+      # S_eff, invisible whatever their id.
+      seg = kv_segment_ids[:, :S_eff]
+      seg = jnp.pad(seg, ((0, 0), (0, nblk * bk - S_eff)))
+      self.seg_blocks = jnp.moveaxis(seg.reshape(B, nblk, bk), 1, 0)
 
   def xs(self):
-    return (self.j0s, self.kb, self.vb, self.bias_blocks, self.mask_blocks)
+    return (self.j0s, self.kb, self.vb, self.bias_blocks, self.mask_blocks,
+            self.seg_blocks)
 
-  def block_scores(self, j0, kb, bias_blk, mask_blk):
+  def block_scores(self, j0, kb, bias_blk, mask_blk, seg_blk):
     if bias_blk is None:
       bias_blk = self.bias_whole
     if mask_blk is None:
       mask_blk = self.mask_whole
     vis = _visibility(j0, self.bk, self.B, self.T, self.S_eff, self.config,
-                      self.q_lengths, self.kv_lengths, mask_blk)
+                      self.q_lengths, self.kv_lengths, mask_blk, self.q_seg, seg_blk)
     return _scores(self.qg, kb, bias_blk, vis, self.config.scale)
 
 
@@ -246,15 +264,17 @@ class _Prepared:
 # ----------------------------------------------------------------------------
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config: AttentionConfig):
+def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config: AttentionConfig,
+            q_segment_ids=None, kv_segment_ids=None):
   """Returns ``(o, lse)``: o with q's shape/dtype, lse float32 ``[B, N, T]``."""
-  p = _Prepared(q, k, v, bias, mask, q_lengths, kv_lengths, config)
+  p = _Prepared(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids,
+                kv_segment_ids)
   B, T, N, K, G, H = p.B, p.T, p.N, p.K, p.G, p.H
 
   def step(carry, x):
     m, l, acc = carry
-    j0, kb, vb, bias_blk, mask_blk = x
-    s = p.block_scores(j0, kb, bias_blk, mask_blk)
+    j0, kb, vb, bias_blk, mask_blk, seg_blk = x
+    s = p.block_scores(j0, kb, bias_blk, mask_blk, seg_blk)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     # Rows still without any visible key keep m_new == -inf: use 0 as the
     # reference so that exp(-inf - 0) == 0 instead of NaN.
@@ -293,8 +313,9 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config: AttentionConfig)
 
 
 def _backward_impl(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
-                   config, want_dqkv, want_dbias):
-  p = _Prepared(q, k, v, bias, mask, q_lengths, kv_lengths, config)
+                   config, want_dqkv, want_dbias, q_segment_ids, kv_segment_ids):
+  p = _Prepared(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids,
+                kv_segment_ids)
   B, T, N, K, G, S, H = p.B, p.T, p.N, p.K, p.G, p.S, p.H
   scale = jnp.float32(config.scale)
 
@@ -325,8 +346,8 @@ def _backward_impl(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
 
   def step(carry, x):
     dq_acc, dbias_acc = carry
-    j0, kb, vb, bias_blk, mask_blk = x
-    s = p.block_scores(j0, kb, bias_blk, mask_blk)
+    j0, kb, vb, bias_blk, mask_blk, seg_blk = x
+    s = p.block_scores(j0, kb, bias_blk, mask_blk, seg_blk)
     pr = jnp.exp(s - lse_g)  # 0 where invisible or dead row
     dp = jnp.einsum("bkgth,bksh->bkgts", dog, vb,
                     preferred_element_type=jnp.float32)
@@ -396,14 +417,14 @@ def _backward_impl(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
 
 
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
-             config: AttentionConfig):
+             config: AttentionConfig, q_segment_ids=None, kv_segment_ids=None):
   """Returns ``(dq, dk, dv)`` with q's / k's / v's shapes and dtypes."""
   return _backward_impl(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
-                        config, want_dqkv=True, want_dbias=False)["dqkv"]
+                        config, True, False, q_segment_ids, kv_segment_ids)["dqkv"]
 
 
 def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
-              config: AttentionConfig):
+              config: AttentionConfig, q_segment_ids=None, kv_segment_ids=None):
   """Returns ``dbias``: float32 with ``bias.shape`` (None if bias is None).
 
   dS is summed over every dimension along which ``bias`` broadcasts.
@@ -411,7 +432,7 @@ def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
   if bias is None:
     return None
   return _backward_impl(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o,
-                        config, want_dqkv=False, want_dbias=True)["dbias"]
+                        config, False, True, q_segment_ids, kv_segment_ids)["dbias"]
 
 
 IMPORT_ERROR = None

@@ -115,9 +115,9 @@ def test_op_fills_in_config_defaults_each_time_it_traces():
   default = {"mode": False}
   seen = []
 
-  def backward(*operands, config):
+  def backward(*operands, config, **keywords):
     seen.append(config.deterministic)
-    return cpu.backward(*operands, config=config)
+    return cpu.backward(*operands, config=config, **keywords)
 
   def resolve(config):
     if config.deterministic is not None:

@@ -655,7 +655,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=None, help="default 8 (--metal-model: 1)")
   p.add_argument("--kv-heads", type=int, default=None,
-                 help="key/value heads (GQA when fewer than --heads; default --heads)")
+                 help="key/value heads (GQA when fewer than --heads; default --heads, "
+                 "with --packed heads / 4)")
   p.add_argument("--repeats", type=int, default=3, help="timed calls per cell (min 3)")
   p.add_argument("--rounds", type=int, default=1,
                  help="measure the whole grid this many times and report each cell's median "
@@ -676,7 +677,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   pk.add_argument("--packed", action="store_true",
                   help="run the packed-sequence comparison instead of the CPU timings")
   pk.add_argument("--packed-docs", type=int, default=8, help="documents per sequence")
-  pk.add_argument("--kv-heads", type=int, default=None, help="default heads / 4")
   mm = p.add_argument_group(
       "--metal-model", "count our Metal kernels and MLX's steel attention forward in the MSL "
       "emulator and model their time on Apple GPUs (defaults: T=1024,4096, D=64,128,256, "

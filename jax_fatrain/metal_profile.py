@@ -148,10 +148,12 @@ def total(launches: Sequence[dict]) -> dict:
 def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch: int = 1,
                 q_heads: int = 1, kv_heads: int = 1, dtype="bfloat16", causal: bool = False,
                 backward: bool = False, sample: float | int | None = None,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0, documents: int | None = None) -> list[dict]:
   """Runs our Metal forward (and with ``backward`` our backward) once on
   random ``[B, H, L, D]`` inputs through the emulator; returns the launches.
 
+  ``documents``: a packed sequence of that many documents of equal length
+  (segment ids 0, 1, ...; needs ``kv_len == seq_len`` divisible by it).
   The backward's O and L come from the CPU implementation when sampling (a
   sampled forward leaves them incomplete), else from the emulated forward.
   """
@@ -171,15 +173,24 @@ def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch
   q, k, v, d_o = rand(q_heads, seq_len), rand(kv_heads, kv_len), rand(kv_heads, kv_len), \
       rand(q_heads, seq_len)
   scale = 1.0 / math.sqrt(head_dim)
+  segments = {}
+  if documents is not None:
+    if kv_len != seq_len or seq_len % documents:
+      raise ValueError(f"documents: {documents} equal documents need kv_len == seq_len "
+                       f"divisible by it, got {seq_len} and {kv_len}")
+    ids = jnp.asarray(np.repeat(np.arange(documents, dtype=np.int32), seq_len // documents)
+                      [None].repeat(batch, 0))
+    segments = dict(q_segment_ids=ids, kv_segment_ids=ids)
   with record(sample) as launches:
     o, lse = jax.block_until_ready(jax_fatrain.flash_attn_train_fwd(
-        q, k, v, scale=scale, causal=causal, implementation="metal_emulated"))
+        q, k, v, scale=scale, causal=causal, implementation="metal_emulated", **segments))
   if not backward:
     return launches
   if sample is not None:
     o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=scale, causal=causal,
-                                              implementation="cpu")
+                                              implementation="cpu", **segments)
   with record(sample) as bwd:
     jax.block_until_ready(jax_fatrain.flash_attn_train_bwd(
-        q, k, v, o, lse, d_o, scale=scale, causal=causal, implementation="metal_emulated"))
+        q, k, v, o, lse, d_o, scale=scale, causal=causal, implementation="metal_emulated",
+        **segments))
   return launches + bwd

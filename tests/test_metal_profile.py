@@ -9,6 +9,9 @@
 * counters of our kernels through the metal_emulated FFI path: MMA counts that
   every FlashAttention-2 kernel pair must have on aligned problems, exact
   output bytes, plausible input bytes, no races;
+* segment ids: a causal pack of documents aligned to every tile costs
+  exactly the MMAs of its documents run alone, in the forward, dQ and dK/dV
+  kernels (the tiles between documents are skipped);
 * sampling scales to the full run within tolerance;
 * recording is off unless requested, and its arguments are checked.
 """
@@ -120,6 +123,22 @@ def test_causal_forward_skips_invisible_blocks():
   # At least the 8x8 score blocks on and below the diagonal; fewer than all.
   diagonal_and_below = (n // 8) * (n // 8 + 1) // 2
   assert 2 * diagonal_and_below * (d // 8) <= fwd["simdgroup_mma"] < 2 * (n // 8) ** 2 * (d // 8)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 64), ("float32", 128)])
+def test_packed_documents_skip_the_tiles_between_them(dtype, head_dim):
+  """4 documents of 64 tokens (a multiple of every kernel's tiles), causal:
+  each kernel's MMAs are 4 times those of one 64-token causal problem, a
+  fraction of those of dense causal attention over all 256 tokens."""
+  common = dict(head_dim=head_dim, dtype=dtype, q_heads=2, kv_heads=1, causal=True,
+                backward=True)
+  packed = _by_kernel(metal_profile.run_problem(seq_len=256, documents=4, **common))
+  alone = _by_kernel(metal_profile.run_problem(seq_len=64, **common))
+  dense = _by_kernel(metal_profile.run_problem(seq_len=256, **common))
+  for kind in ("fwd", "dq", "dkdv"):
+    _check_launch(packed[kind])
+    assert packed[kind]["simdgroup_mma"] == 4 * alone[kind]["simdgroup_mma"], kind
+    assert packed[kind]["simdgroup_mma"] < 0.5 * dense[kind]["simdgroup_mma"], kind
 
 
 def test_sampling_scales_to_the_full_run():

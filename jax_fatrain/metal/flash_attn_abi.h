@@ -36,6 +36,7 @@ typedef int64_t fatrain_abi_i64;
 #define FATRAIN_FC_HAS_WINDOW 302    // buffer 9 is bound
 #define FATRAIN_FC_HAS_Q_LENGTHS 303   // buffer 10 is bound
 #define FATRAIN_FC_HAS_KV_LENGTHS 304  // buffer 11 is bound
+#define FATRAIN_FC_HAS_SEGMENTS 305    // buffers 17 and 18 are bound
 
 // ---------------------------------------------------------------------------
 // Buffer indices (forward and backward share one numbering).
@@ -56,6 +57,9 @@ typedef int64_t fatrain_abi_i64;
 #define FATRAIN_BUF_DQ 14          // Q's strides
 #define FATRAIN_BUF_DK 15          // K's strides
 #define FATRAIN_BUF_DV 16          // V's strides
+#define FATRAIN_BUF_Q_SEGMENT_IDS 17   // int32 [B, qL], contiguous
+#define FATRAIN_BUF_KV_SEGMENT_IDS 18  // int32 [B, kL], contiguous: query i sees key j
+                                       // only if their segment ids are equal
 
 // ---------------------------------------------------------------------------
 // The compiled variants: kernel names are

@@ -1,8 +1,8 @@
 // Shared declarations of jax_fatrain's Metal kernels (MSL, Metal 3.1, Apple7+).
 //
 // Conventions (docs/design.md, "Numerical conventions"): scores S = scale * Q K^T in float32, additive
-// mask added after scaling, boolean mask / causal / window / lengths remove
-// scores; kernels work in base 2 (scores times log2(e)) and store L in
+// mask added after scaling, boolean mask / causal / window / lengths /
+// unequal segment ids remove scores; kernels work in base 2 (scores times log2(e)) and store L in
 // natural log; a row that sees no key has O = 0, L = -inf and zero gradients.
 //
 // simdgroup_matrix<float, 8, 8> fragments are filled and read lane by lane
@@ -23,6 +23,7 @@ constant bool do_causal [[function_constant(FATRAIN_FC_DO_CAUSAL)]];
 constant bool has_window [[function_constant(FATRAIN_FC_HAS_WINDOW)]];
 constant bool has_q_lengths [[function_constant(FATRAIN_FC_HAS_Q_LENGTHS)]];
 constant bool has_kv_lengths [[function_constant(FATRAIN_FC_HAS_KV_LENGTHS)]];
+constant bool has_segments [[function_constant(FATRAIN_FC_HAS_SEGMENTS)]];
 
 static constant constexpr const float kLog2e = 1.4426950408889634f;
 static constant constexpr const float kLn2 = 0.6931471805599453f;
@@ -49,6 +50,9 @@ struct ScoreCtx {
   bool use_mask;
   bool causal;
   bool window;
+  bool segments;
+  const device int* q_seg;   // segment ids of batch b's queries and keys
+  const device int* kv_seg;
 };
 
 // The base-2 score of (query i, key j) from the raw dot product, or -inf.
@@ -60,6 +64,7 @@ inline float score2(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i
     if (c.window_left >= 0 && j < i - c.window_left) return -INFINITY;
     if (c.window_right >= 0 && j > i + c.window_right) return -INFINITY;
   }
+  if (c.segments && c.q_seg[i] != c.kv_seg[j]) return -INFINITY;
   float s = dot * c.scale2;
   if (c.use_mask) {
     const MaskT m = c.mask[c.mask_base + long(i) * c.mask_row_stride + long(j)];
@@ -78,8 +83,9 @@ template <typename MaskT, bool kBoolMask>
 inline ScoreCtx<MaskT, kBoolMask> make_score_ctx(
     constant AttnParams* params, const device MaskT* mask, constant AttnMaskParams* mask_params,
     constant WindowParams* window, const device int* q_lengths, const device int* kv_lengths,
-    int b, int h, bool use_mask, bool causal, bool use_window, bool use_q_lengths,
-    bool use_kv_lengths) {
+    const device int* q_segment_ids, const device int* kv_segment_ids, int b, int h,
+    bool use_mask, bool causal, bool use_window, bool use_q_lengths, bool use_kv_lengths,
+    bool use_segments) {
   ScoreCtx<MaskT, kBoolMask> c;
   c.mask = mask;
   c.mask_base = 0;
@@ -99,5 +105,8 @@ inline ScoreCtx<MaskT, kBoolMask> make_score_ctx(
   c.window_left = use_window ? window->window_left : -1;
   c.window_right = use_window ? window->window_right : -1;
   c.scale2 = params->scale * kLog2e;
+  c.segments = use_segments;
+  c.q_seg = use_segments ? q_segment_ids + long(b) * params->ql : q_segment_ids;
+  c.kv_seg = use_segments ? kv_segment_ids + long(b) * params->kl : kv_segment_ids;
   return c;
 }

@@ -88,6 +88,38 @@ inline int2 visible_keys(thread const ScoreCtx<MaskT, kBoolMask>& c, int row_fir
   return int2(int(begin), int(max64(begin, end)));
 }
 
+// Segment ids: the smallest and largest of ids[first .. first + n) (1 <= n
+// <= 32), each lane reading one; uniform across the simdgroup, so every
+// simdgroup of a threadgroup computes the same range without a barrier.
+inline int2 segment_range(const device int* ids, int first, int n, uint lane) {
+  const int id = ids[first + int(lane) % n];
+  return int2(simd_min(id), simd_max(id));
+}
+
+// Whether two id ranges overlap: tiles whose ranges do not share no id.
+inline bool ranges_meet(int2 a, int2 b) { return a.x <= b.y && b.x <= a.y; }
+
+// Narrows the tiles [*first, *stop) of length `step` (*first a multiple of
+// step) to those from the first to the last whose segment ids meet `ids_of`
+// (the range of the other side's tile): any order of ids is handled, tiles
+// in between are kept (the caller skips the math of those that do not meet),
+// and for sorted ids (documents one after another) the kept range is exactly
+// the tiles that meet. `limit` is the other side's length (tiles end there).
+inline void narrow_to_segments(const device int* ids, int2 ids_of, int step, int limit,
+                               thread int* first, thread int* stop, uint lane) {
+  while (*first < *stop &&
+         !ranges_meet(ids_of, segment_range(ids, *first, min(step, limit - *first), lane))) {
+    *first += step;
+  }
+  if (*first >= *stop) return;
+  int last = *first + ((*stop - 1 - *first) / step) * step;
+  while (last > *first &&
+         !ranges_meet(ids_of, segment_range(ids, last, min(step, limit - last), lane))) {
+    last -= step;
+  }
+  *stop = min(*stop, last + step);
+}
+
 // Row statistics of a score fragment: each row lives on the 4 lanes that
 // differ in lane bits 0 and 3.
 inline float row_max4(float x) {

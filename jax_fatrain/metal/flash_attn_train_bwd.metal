@@ -28,11 +28,16 @@
 // results are bitwise reproducible. Rows with L = -inf (they saw no key) get
 // P = 0 and therefore zero gradients.
 //
+// Segment ids: as in the forward, the dQ kernel narrows its key sweep to the
+// blocks from the first to the last whose ids meet its query rows' id range,
+// the dK/dV kernel its query tiles to those meeting its keys' id range, and
+// both skip the math of tiles in between that share no id.
+//
 // Buffers: Q0 K1 V2 O3 params4 mask_params5 mask6 L8 window9 q_lengths10
-// kv_lengths11 dO12 Delta13 dQ14 dK15 dV16. Function constants as in the
-// forward; align_Q / align_K say that qL / kL are multiples of the
-// dispatch's own query / key tile (dQ: dq_block_q and dq_block_k; dK/dV:
-// bwd_dkdv_block_q and bwd_block_kv).
+// kv_lengths11 dO12 Delta13 dQ14 dK15 dV16 q_segment_ids17 kv_segment_ids18.
+// Function constants as in the forward; align_Q / align_K say that qL / kL
+// are multiples of the dispatch's own query / key tile (dQ: dq_block_q and
+// dq_block_k; dK/dV: bwd_dkdv_block_q and bwd_block_kv).
 
 #include "flash_attn_tiles.h"
 
@@ -86,6 +91,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
     const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
     const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
+    const device int* q_segment_ids [[buffer(FATRAIN_BUF_Q_SEGMENT_IDS), function_constant(has_segments)]],
+    const device int* kv_segment_ids [[buffer(FATRAIN_BUF_KV_SEGMENT_IDS), function_constant(has_segments)]],
     const device T* dO [[buffer(FATRAIN_BUF_DO)]],
     const device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
     device T* dQ [[buffer(FATRAIN_BUF_DQ)]],
@@ -109,6 +116,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(!kQInRegs || BK >= BQ, "Q is staged through the K tile");
+  static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
 
   threadgroup T Qs[kQs];      // Q rows, then the output dQ rows
   threadgroup T dOs[BQ * LD];
@@ -141,8 +149,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   const long vs = params->v_strides[2];
 
   const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
-      params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
-      has_window, has_q_lengths, has_kv_lengths);
+      params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      b, h, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths, has_segments);
 
   const long lrow = (long(b) * params->h + h) * ql + my_row;
   const float L2 = row_in ? L[lrow] * kLog2e : -INFINITY;
@@ -150,9 +158,14 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 
   const int2 tg_keys = visible_keys(ctx, q0, q0 + BQ - 1);
   const int2 sg_keys = visible_keys(ctx, r0, r0 + 7);
-  const int k_first = (tg_keys.x / BK) * BK;
-  const int k_stop = tg_keys.y;
+  int k_first = (tg_keys.x / BK) * BK;
+  int k_stop = tg_keys.y;
   const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
+  int2 q_ids = int2(0, 0);  // the query rows' segment id range
+  if (has_segments && k_first < k_stop) {
+    q_ids = segment_range(ctx.q_seg, q0, q_valid, simd_lid);
+    narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
+  }
 
   simdgroup_matrix<T, 8, 8> Qr[kQInRegs ? TD : 1];
   frag_t dQf[TD];
@@ -173,10 +186,12 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
     tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb, k_valid, tix);  // overlaps dP = dO V^T
+    const bool meets = !has_segments ||
+                       ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
     bool any_live = false;
     for (int t = 0; t < TK; ++t) {
-      live[t] = kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
+      live[t] = meets && kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
     }
     // dP = dO V^T and S = Q K^T over this simdgroup's columns.
@@ -429,6 +444,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
     const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
     const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
+    const device int* q_segment_ids [[buffer(FATRAIN_BUF_Q_SEGMENT_IDS), function_constant(has_segments)]],
+    const device int* kv_segment_ids [[buffer(FATRAIN_BUF_KV_SEGMENT_IDS), function_constant(has_segments)]],
     const device T* dO [[buffer(FATRAIN_BUF_DO)]],
     const device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
     device T* dK [[buffer(FATRAIN_BUF_DK)]],
@@ -451,6 +468,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int NV = BQ * D / (4 * NT);  // staged 4-element vectors per thread per tensor
   static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
   static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 2 * BQ <= NT, "dK/dV staging shape");
+  static_assert(BQ <= 32 && BKV <= 32, "segment ranges read one id per lane");
 
   // Threadgroup memory: K, V (16-bit only), one or two Q/dO/L/Delta tile
   // buffers, the partial-score exchange (DS > 1).
@@ -525,8 +543,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   // simdgroup's block (uniform across its lanes, equal across the DS
   // simdgroups of the block).
   const ScoreCtx<MaskT, kBoolMask> ctx0 = make_score_ctx<MaskT, kBoolMask>(
-      params, mask, mask_params, window, q_lengths, kv_lengths, b, h_kv * gqa, has_mask,
-      do_causal, has_window, has_q_lengths, has_kv_lengths);
+      params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      b, h_kv * gqa, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths,
+      has_segments);
   const int kt_last = min(kt0 + BKV, ctx0.k_limit) - 1;
   int q_first = 0;
   int q_stop = ctx0.q_limit;
@@ -547,6 +566,11 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   if (kt0 >= ctx0.k_limit) q_stop = 0;
   if (kb0 >= ctx0.k_limit) sq_stop = 0;
   q_first = (q_first / BQ) * BQ;
+  int2 k_ids = int2(0, 0);  // the keys' segment id range
+  if (has_segments && q_first < q_stop) {
+    k_ids = segment_range(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
+    narrow_to_segments(ctx0.q_seg, k_ids, BQ, params->ql, &q_first, &q_stop, simd_lid);
+  }
   const int n_tiles = q_stop > q_first ? (q_stop - q_first + BQ - 1) / BQ : 0;
   const int n_items = n_tiles * gqa;  // (head, tile) pairs, head-major
 
@@ -580,7 +604,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
                                      q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg, !align_Q);
     }
 
-    const bool active = q0 < sq_stop && q0 + BQ > sq_first;
+    const bool active =
+        q0 < sq_stop && q0 + BQ > sq_first &&
+        (!has_segments || ranges_meet(k_ids, segment_range(ctx0.q_seg, q0,
+                                                           min(BQ, params->ql - q0), simd_lid)));
     frag_t S[QF];   // S^T, then P^T (row = key, col = query)
     frag_t dP[QF];  // dP^T, then dS^T
     if (active) {
@@ -638,8 +665,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     }
     if (active) {
       const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
-          params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
-          has_window, has_q_lengths, has_kv_lengths);
+          params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids,
+          kv_segment_ids, b, h, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths,
+          has_segments);
       for (int qf = 0; qf < QF; ++qf) {
         for (int j = 0; j < 2; ++j) {
           const int ql_idx = qf * 8 + fc + j;

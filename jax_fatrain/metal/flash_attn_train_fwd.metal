@@ -18,13 +18,18 @@
 // rounded to the input dtype for P V (exact for f32). Online softmax in base
 // 2 (scores times scale * log2(e)); L is stored in natural log. A simdgroup
 // skips the 8-key fragments its rows cannot see (causal, window, lengths).
+// Segment ids (packed sequences): the id range of the threadgroup's query
+// rows is computed once, the sweep is narrowed to the first through the last
+// key block whose ids meet it, and blocks in between that share no id are
+// not computed; ids are compared per score.
 // A row that sees no key gets O = 0 and L = -inf exactly (masked scores are
 // -inf and give p = 0 without evaluating exp2).
 //
 // Buffers: Q0 K1 V2 O3 params4 mask_params5 mask6 L8 window9 q_lengths10
-// kv_lengths11. Function constants: 200 align_Q (qL % BQ == 0), 201 align_K
-// (kL % BK == 0), 300 has_mask, 301 do_causal, 302 has_window,
-// 303 has_q_lengths, 304 has_kv_lengths.
+// kv_lengths11 q_segment_ids17 kv_segment_ids18. Function constants: 200
+// align_Q (qL % BQ == 0), 201 align_K (kL % BK == 0), 300 has_mask,
+// 301 do_causal, 302 has_window, 303 has_q_lengths, 304 has_kv_lengths,
+// 305 has_segments.
 
 #include "flash_attn_tiles.h"
 
@@ -41,6 +46,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
     const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
     const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
+    const device int* q_segment_ids [[buffer(FATRAIN_BUF_Q_SEGMENT_IDS), function_constant(has_segments)]],
+    const device int* kv_segment_ids [[buffer(FATRAIN_BUF_KV_SEGMENT_IDS), function_constant(has_segments)]],
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -55,6 +62,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4;
   static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
+  static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
 
   threadgroup T Qs[BQ * LD];  // Q rows, then the output O rows
   threadgroup T Ks[BK * LD];
@@ -84,15 +92,20 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   const long vs = params->v_strides[2];
 
   const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
-      params, mask, mask_params, window, q_lengths, kv_lengths, b, h, has_mask, do_causal,
-      has_window, has_q_lengths, has_kv_lengths);
+      params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      b, h, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths, has_segments);
 
   // Keys the threadgroup sweeps (uniform) and the keys this simdgroup's rows see.
   const int2 tg_keys = visible_keys(ctx, q0, q0 + BQ - 1);
   const int2 sg_keys = visible_keys(ctx, r0, r0 + 7);
-  const int k_first = (tg_keys.x / BK) * BK;
-  const int k_stop = tg_keys.y;
+  int k_first = (tg_keys.x / BK) * BK;
+  int k_stop = tg_keys.y;
   const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
+  int2 q_ids = int2(0, 0);  // the query rows' segment id range
+  if (has_segments && k_first < k_stop) {
+    q_ids = segment_range(ctx.q_seg, q0, q_valid, simd_lid);
+    narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
+  }
 
   frag_t Of[TD];
   for (int dd = 0; dd < TD; ++dd) Of[dd] = zero_frag();
@@ -109,11 +122,14 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb, k_valid, tix);
 
     // S = Q K^T over this simdgroup's columns, for the 8-key fragments its
-    // rows can see (uniform across the simdgroup).
+    // rows can see (uniform across the simdgroup), in a block whose segment
+    // ids meet the rows'.
+    const bool meets = !has_segments ||
+                       ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
     bool any_live = false;
     for (int t = 0; t < TK; ++t) {
-      live[t] = kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
+      live[t] = meets && kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
     }
     frag_t S[TK];

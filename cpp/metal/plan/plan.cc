@@ -14,12 +14,20 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
+    case DType::kF32:
+    case DType::kI32: return 4;
     case DType::kBF16:
     case DType::kF16: return 2;
     case DType::kBool: return 1;
   }
   return 1;
+}
+
+// The one score operand the kernels take (bias or mask), or null.
+const ScoreTensor* score_operand(const Problem& p) {
+  if (p.bias.data != nullptr) return &p.bias;
+  if (p.mask.data != nullptr) return &p.mask;
+  return nullptr;
 }
 
 template <class T>
@@ -72,21 +80,25 @@ AttnParams make_params(const Problem& p) {
 
 // Function constants and the optional bindings shared by the attention kernels.
 void add_common(const Problem& p, bool align_q, bool align_k, Dispatch* d) {
-  const bool has_mask = p.mask != MaskKind::kNone;
+  const ScoreTensor* score = score_operand(p);
   const bool has_window = p.window_left >= 0 || p.window_right >= 0;
+  const bool has_q_lengths = p.q_lengths != nullptr;
+  const bool has_kv_lengths = p.kv_lengths != nullptr;
+  const bool has_segments = p.q_segment_ids != nullptr;
   d->constants = {{FATRAIN_FC_ALIGN_Q, align_q},
                   {FATRAIN_FC_ALIGN_K, align_k},
-                  {FATRAIN_FC_HAS_MASK, has_mask},
+                  {FATRAIN_FC_HAS_MASK, score != nullptr},
                   {FATRAIN_FC_DO_CAUSAL, p.causal},
                   {FATRAIN_FC_HAS_WINDOW, has_window},
-                  {FATRAIN_FC_HAS_Q_LENGTHS, p.has_q_lengths},
-                  {FATRAIN_FC_HAS_KV_LENGTHS, p.has_kv_lengths}};
+                  {FATRAIN_FC_HAS_Q_LENGTHS, has_q_lengths},
+                  {FATRAIN_FC_HAS_KV_LENGTHS, has_kv_lengths},
+                  {FATRAIN_FC_HAS_SEGMENTS, has_segments}};
   d->bindings.push_back(bytes_binding(FATRAIN_BUF_PARAMS, make_params(p)));
-  if (has_mask) {
+  if (score != nullptr) {
     AttnMaskParams m{};
-    m.m_strides[0] = p.mask_strides[0];
-    m.m_strides[1] = p.mask_strides[1];
-    m.m_strides[2] = p.mask_strides[2];
+    m.m_strides[0] = score->strides[0];
+    m.m_strides[1] = score->strides[1];
+    m.m_strides[2] = score->strides[2];
     d->bindings.push_back(bytes_binding(FATRAIN_BUF_MASK_PARAMS, m));
     d->bindings.push_back(buffer(FATRAIN_BUF_MASK, Role::kMask));
   }
@@ -95,14 +107,18 @@ void add_common(const Problem& p, bool align_q, bool align_k, Dispatch* d) {
                    int32_t(p.window_right < 0 ? -1 : p.window_right)};
     d->bindings.push_back(bytes_binding(FATRAIN_BUF_WINDOW, w));
   }
-  if (p.has_q_lengths) d->bindings.push_back(buffer(FATRAIN_BUF_Q_LENGTHS, Role::kQLengths));
-  if (p.has_kv_lengths) d->bindings.push_back(buffer(FATRAIN_BUF_KV_LENGTHS, Role::kKVLengths));
+  if (has_q_lengths) d->bindings.push_back(buffer(FATRAIN_BUF_Q_LENGTHS, Role::kQLengths));
+  if (has_kv_lengths) d->bindings.push_back(buffer(FATRAIN_BUF_KV_LENGTHS, Role::kKVLengths));
+  if (has_segments) {
+    d->bindings.push_back(buffer(FATRAIN_BUF_Q_SEGMENT_IDS, Role::kQSegmentIds));
+    d->bindings.push_back(buffer(FATRAIN_BUF_KV_SEGMENT_IDS, Role::kKVSegmentIds));
+  }
 }
 
 std::string variant(const char* op, const Problem& p) {
   std::string name = std::string("flash_attn_train_") + op + "_" + dtype_name(p.dtype) + "_d" +
                      std::to_string(p.head_dim);
-  if (p.mask == MaskKind::kBool) name += "_boolmask";
+  if (p.mask.data != nullptr) name += "_boolmask";
   return name;
 }
 
@@ -129,6 +145,8 @@ const char* role_name(Role role) {
     case Role::kDQ: return "dQ";
     case Role::kDK: return "dK";
     case Role::kDV: return "dV";
+    case Role::kQSegmentIds: return "q_segment_ids";
+    case Role::kKVSegmentIds: return "kv_segment_ids";
   }
   return "?";
 }
@@ -139,6 +157,7 @@ const char* dtype_name(DType t) {
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
     case DType::kBool: return "bool";
+    case DType::kI32: return "i32";
   }
   return "?";
 }
@@ -181,7 +200,9 @@ std::string validate(const Problem& p) {
     return pre + "head_dim must be 64, 128 or 256 (the compiled kernel variants), got " +
            std::to_string(p.head_dim);
   }
-  if (p.dtype == DType::kBool) return pre + "Q/K/V must be float32, bfloat16 or float16";
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return pre + "Q/K/V must be float32, bfloat16 or float16";
+  }
   const int64_t int_max = 2147483647;
   if (p.batch > 65535 || p.q_heads > 65535 || p.q_len > int_max || p.kv_len > int_max) {
     return pre + "problem too large for the kernels' 32-bit sizes and grid";
@@ -195,17 +216,31 @@ std::string validate(const Problem& p) {
                    "4-element vectors)";
     }
   }
-  if (p.mask == MaskKind::kAdditive && p.mask_dtype != p.dtype) {
-    return pre + std::string("an additive mask must have the dtype of Q (") + dtype_name(p.dtype) +
-           "), got " + dtype_name(p.mask_dtype);
+  if (p.bias.data != nullptr && p.mask.data != nullptr) {
+    return pre + "bias and mask must be folded into one operand before the call";
   }
-  if (p.mask == MaskKind::kBool && p.mask_dtype != DType::kBool) {
+  if (p.bias.data != nullptr && p.bias.dtype != p.dtype) {
+    return pre + std::string("an additive mask must have the dtype of Q (") + dtype_name(p.dtype) +
+           "), got " + dtype_name(p.bias.dtype);
+  }
+  if (p.mask.data != nullptr && p.mask.dtype != DType::kBool) {
     return pre + "a boolean mask must have dtype bool";
   }
-  if (p.mask != MaskKind::kNone && p.mask_strides[3] != 1) {
-    return pre +
-           "the mask must be contiguous along the key axis (a mask broadcast over keys "
-           "has to be expanded to [.., S] first)";
+  if (const ScoreTensor* score = score_operand(p)) {
+    const int64_t full[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+    for (int i = 0; i < 4; ++i) {
+      if (score->dims[i] != 1 && score->dims[i] != full[i]) {
+        return pre + "the mask does not broadcast to [B, N, T, S]";
+      }
+    }
+    if (score->dims[3] != p.kv_len || (p.kv_len > 1 && score->strides[3] != 1)) {
+      return pre +
+             "the mask must be contiguous along the key axis (a mask broadcast over keys "
+             "has to be expanded to [.., S] first)";
+    }
+  }
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) {
+    return pre + "q_segment_ids and kv_segment_ids must be given together";
   }
   return "";
 }
@@ -229,11 +264,14 @@ uint64_t required_bytes(const Problem& p, Role role) {
     case Role::kDelta: return uint64_t(p.batch * p.q_heads * p.q_len) * 4;
     case Role::kQLengths:
     case Role::kKVLengths: return uint64_t(p.batch) * 4;
+    case Role::kQSegmentIds: return uint64_t(p.batch * p.q_len) * 4;
+    case Role::kKVSegmentIds: return uint64_t(p.batch * p.kv_len) * 4;
     case Role::kMask: {
-      const int64_t dims[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+      const ScoreTensor* score = score_operand(p);
+      if (score == nullptr) return 0;
       int64_t last = 0;
-      for (int i = 0; i < 4; ++i) last += (dims[i] - 1) * p.mask_strides[i];
-      return uint64_t(last + 1) * dtype_size(p.mask_dtype);
+      for (int i = 0; i < 4; ++i) last += (score->dims[i] - 1) * score->strides[i];
+      return uint64_t(last + 1) * dtype_size(score->dtype);
     }
   }
   return 0;

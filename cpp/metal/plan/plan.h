@@ -9,7 +9,8 @@
 //
 // The ABI (kernel names, buffer indices, function constants, params structs,
 // tile sizes) is jax_fatrain/metal/flash_attn_abi.h, included by the kernels
-// too. Dispatches:
+// too. The problem is the one every backend takes (attention_problem.h) plus
+// what the Metal kernels need of the operands' layout. Dispatches:
 //   forward   flash_attn_train_fwd_{dt}_d{D}[_boolmask], grid (ceil(qL/BQ), H_q, B)
 //   backward  (deterministic, no atomics, no f32 scratch of K/V size)
 //     flash_attn_train_bwd_compute_d_{dt}: Delta = rowsum(dO * O), grid (ceil(qL/32), H_q, B)
@@ -23,15 +24,17 @@
 #include <string>
 #include <vector>
 
-#include "flash_attn_abi.h"  // jax_fatrain/metal: shared with the kernels
+#include "attention_problem.h"  // cpp/: the problem every backend takes
+#include "flash_attn_abi.h"       // jax_fatrain/metal: shared with the kernels
 
 namespace fatrain::metal_plan {
 
-enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kBool = 3 };
+using fatrain::DType;
 
 // What a device-buffer binding refers to; the executor maps roles to memory.
 enum class Role : int32_t {
   kQ, kK, kV, kO, kL, kMask, kQLengths, kKVLengths, kDO, kDelta, kDQ, kDK, kDV,
+  kQSegmentIds, kKVSegmentIds,
 };
 const char* role_name(Role role);
 
@@ -40,21 +43,15 @@ struct Strides {
   int64_t batch = 0, head = 0, seq = 0;
 };
 
-enum class MaskKind : int32_t { kNone = 0, kAdditive = 1, kBool = 2 };
-
-struct Problem {
-  int64_t batch = 0, q_heads = 0, kv_heads = 0, q_len = 0, kv_len = 0, head_dim = 0;
-  DType dtype = DType::kF32;   // Q, K, V, O, dO, dQ, dK, dV
-  float scale = 1.0f;          // applied to Q K^T in float32
-  bool causal = false;         // top-left: query i sees key j <= i
-  int64_t window_left = -1;    // query i sees key j iff i-left <= j <= i+right; -1: unbounded
-  int64_t window_right = -1;
-  bool has_q_lengths = false;  // int32 [B]: rows i >= len see nothing
-  bool has_kv_lengths = false; // int32 [B]: keys j >= len are invisible
-  Strides q, k, v, o;          // dO has O's strides, dQ Q's, dK K's, dV V's
-  MaskKind mask = MaskKind::kNone;
-  DType mask_dtype = DType::kBool;  // additive: must equal dtype; bool: kBool
-  int64_t mask_strides[4] = {0, 0, 0, 0};  // [B, N, T, S] element strides, 0 = broadcast
+// An attention problem for the Metal kernels: sizes, scale, causal, window,
+// and which optional operands are present (lengths, segment ids, and at most
+// one of bias and mask: the kernels take one score operand, expanded along
+// the keys), as every backend describes them; the plan reads only the
+// presence of the optional operands, their memory comes by role. Added: the
+// element type of Q, K, V, O (and of dO, dQ, dK, dV) and their strides.
+struct Problem : AttentionProblem {
+  DType dtype = DType::kF32;
+  Strides q, k, v, o;  // dO has O's strides, dQ Q's, dK K's, dV V's
 };
 
 struct Binding {

@@ -624,7 +624,20 @@ struct Worker {
   std::unique_ptr<Group> group;
 };
 
-thread_local std::vector<Fiber>* t_fiber_cache = nullptr;
+// This OS thread's fiber stacks, reused across dispatches and unmapped when
+// the thread exits: thread_parallel_for starts new threads for every
+// dispatch, and stacks left mapped would exhaust the process' memory maps
+// (two per stack) after a few hundred dispatches.
+struct FiberCache {
+  std::vector<Fiber> fibers;
+  ~FiberCache() {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (Fiber& f : fibers) {
+      if (f.stack != nullptr) munmap(f.stack, kStackBytes + page);
+    }
+  }
+};
+thread_local FiberCache t_fiber_cache;
 
 struct RunState {
   Dispatch dispatch;
@@ -655,8 +668,7 @@ void worker_body(void* context, int64_t) {
   Group g;
   g.dispatch = &d;
   // Reuse this OS thread's fiber stacks across dispatches.
-  if (t_fiber_cache == nullptr) t_fiber_cache = new std::vector<Fiber>();
-  std::vector<Fiber>& cache = *t_fiber_cache;
+  std::vector<Fiber>& cache = t_fiber_cache.fibers;
   if (cache.size() < d.threads) cache.resize(d.threads);
   g.fibers.swap(cache);
   g.arena.assign(kArenaBytes, 0);

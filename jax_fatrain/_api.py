@@ -19,9 +19,11 @@ def _dtype_names(dtypes) -> str:
 
 
 def _as_array(name: str, x):
+  # jnp.asarray raises TypeError for most non-arrays but ValueError for some
+  # (None, ragged nested lists): both are the caller passing a non-array.
   try:
     return jnp.asarray(x)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
@@ -83,7 +85,22 @@ def _check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int,
   return tuple(out)
 
 
-def _window(local_window_size) -> tuple[int, int]:
+def _flag(name: str, value) -> bool:
+  """A Python truth value known at trace time (not an array or a tracer)."""
+  try:
+    return bool(value)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(f"{name} must be a bool known at trace time, got "
+                    f"{type(value).__name__}") from e
+
+
+def _window(local_window_size, limit: int) -> tuple[int, int]:
+  """(left, right), -1 for an unbounded side.
+
+  A side of at least ``limit`` (T + S) hides no key, so it is unbounded:
+  the kernels then need not represent it (the Metal ABI holds 32-bit
+  windows, the FFI attributes 64-bit ones).
+  """
   if local_window_size is None:
     return -1, -1
   if isinstance(local_window_size, (int, np.integer)) and not isinstance(
@@ -98,7 +115,7 @@ def _window(local_window_size) -> tuple[int, int]:
                     f"pair of ints, got {local_window_size!r}")
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
-  return left, right
+  return (-1 if left >= limit else left), (-1 if right >= limit else right)
 
 
 def _scale(scale, head_dim: int) -> float:
@@ -106,11 +123,13 @@ def _scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
   try:
     value = float(scale)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+    # ValueError: a string that is no number.
     raise TypeError("scale must be a Python or NumPy number known at trace time, "
                     f"got {type(scale).__name__}") from e
-  if not math.isfinite(value):
-    raise ValueError(f"scale must be finite, got {value}")
+  # The kernels take the scale as float32: a larger value would become inf.
+  if not math.isfinite(value) or abs(value) > float(np.finfo(np.float32).max):
+    raise ValueError(f"scale must be finite in float32, got {value}")
   return value
 
 
@@ -119,7 +138,8 @@ def _prepare(q, k, v, bias, mask, q_lengths, kv_lengths, *, layout: str,
              bias_name="bias", mask_name="mask"):
   """Checks operands in `layout` (rank 4) and returns them canonicalised."""
   q, k, v = (_as_array(n, x) for n, x in ((q_name, q), (k_name, k), (v_name, v)))
-  impl = _registry.resolve_implementation(implementation, q.dtype, q.shape[-1])
+  impl = _registry.resolve_implementation(implementation, q.dtype,
+                                          q.shape[-1] if q.ndim else None)
   dims = "[B, T, N, H]" if layout == "BTNH" else "[B, N, T, H]"
   kv_dims = "[B, S, K, H]" if layout == "BTNH" else "[B, K, S, H]"
   for name, x, want in ((q_name, q, dims), (k_name, k, kv_dims), (v_name, v, kv_dims)):
@@ -210,9 +230,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   the logsumexp ``[B, T, N]`` is float32 (``jax.nn`` casts it to the input
   dtype); like ``jax.nn`` it is returned under ``stop_gradient``.
   """
-  output_shape = jnp.shape(query)
-  unbatched = len(output_shape) == 3
   q, k, v = (_as_array(n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+  output_shape = q.shape
+  unbatched = len(output_shape) == 3
   if unbatched:
     if k.ndim != 3 or v.ndim != 3:
       raise ValueError("an unbatched query [T, N, H] needs unbatched key and value "
@@ -223,8 +243,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       layout="BTNH", implementation=implementation)
   q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
                                      q.shape[1], k.shape[1], unbatched=unbatched)
-  left, right = _window(local_window_size)
-  config = AttentionConfig(scale=_scale(scale, q.shape[-1]), is_causal=bool(is_causal),
+  left, right = _window(local_window_size, limit=q.shape[1] + k.shape[1])
+  return_residual = _flag("return_residual", return_residual)
+  config = AttentionConfig(scale=_scale(scale, q.shape[-1]),
+                           is_causal=_flag("is_causal", is_causal),
                            window_left=left, window_right=right, layout="BTNH")
   out, lse = _op.attention(q, k, v, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                            config, impl)
@@ -238,7 +260,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 
 def _bhld_config(q, scale, causal) -> AttentionConfig:
-  return AttentionConfig(scale=_scale(scale, q.shape[-1]), is_causal=bool(causal),
+  return AttentionConfig(scale=_scale(scale, q.shape[-1]), is_causal=_flag("causal", causal),
                          layout="BNTH")
 
 

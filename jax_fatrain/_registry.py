@@ -66,6 +66,8 @@ def _choose(name: str | None, dtype=None, head_dim: int | None = None
   """(implementation, why it is the one) for ``implementation=name``; raises
   ValueError for a name that is unknown or not available here."""
   available, unavailable = _table()
+  if name is not None and not isinstance(name, str):
+    raise TypeError(f"implementation must be a string or None, got {name!r}")
   if name is None:
     backend = jax.default_backend()
     # On an NVIDIA GPU our CUDA kernels where they are built (JAX calls the

@@ -9,6 +9,7 @@ cotangent; ``reference_results`` does the same for ``jax.nn`` in float32;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fatrain
-from attention_cases import TOLERANCE, Case, Inputs, jax_nn_kwargs, relative_error, reference
+from attention_cases import (TOLERANCE, Case, Inputs, relative_error, reference,
+                             visibility)
 
 
 def _up(a):
@@ -44,12 +46,63 @@ def results(case: Case, x: Inputs, implementation: str):
 
 
 def reference_results(case: Case, x: Inputs):
-  """(out, lse, grads) of jax.nn.dot_product_attention on float32 inputs."""
-  def ref_attention(q, k, v, **kw):
-    return jax.nn.dot_product_attention(_up(q), _up(k), _up(v), implementation="xla",
-                                        **jax_nn_kwargs({**kw, "bias": _up(kw["bias"])}))
-  out, lse = reference(case, x)
-  return out, lse, gradients(ref_attention, case, x)
+  """(out, lse, grads) of jax.nn.dot_product_attention on float32 inputs.
+
+  One jitted function with the operands as arguments: run eagerly, jax.nn
+  compiles each of its operations on its own (seconds per case), and
+  closed-over arrays would be constants that XLA tries to fold.
+  """
+  def loss(q, k, v, bias, mask, q_lengths, kv_lengths, cotangent):
+    y = dataclasses.replace(x, q=q, k=k, v=v, bias=bias, mask=mask, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths)
+    out, lse = reference(case, y)
+    return jnp.sum(out * cotangent.astype(jnp.float32)), (out, lse)
+  step = jax.jit(jax.grad(loss, argnums=_argnums(x), has_aux=True))
+  grads, (out, lse) = step(x.q, x.k, x.v, x.bias, x.mask, x.q_lengths, x.kv_lengths,
+                           x.cotangent)
+  return out, lse, grads
+
+
+def gradient_noise(case: Case, x: Inputs) -> dict[str, float]:
+  """Norm of the rounding noise each gradient carries where its terms cancel.
+
+  A row of dS = P (dP - D) sums to zero (D_i = dO_i . O_i = sum_j P_ij dP_ij),
+  so where a row sees one key, or where a bias shared by all keys sums dS over
+  them, the exact gradient is 0 and both ours and the reference compute
+  rounding: chiefly that of D_i, whose O is stored in the input dtype. Its
+  size per row is t_i = |dO_i| . |O_i|, which reaches dq as
+  scale t_i |P K|_i, dk as scale sum_i P_ij t_i |q_i| and dbias as P_ij t_i
+  summed like the bias; dv has no such term. Computed in float64 NumPy.
+  """
+  f64 = lambda a: np.asarray(a, np.float64)
+  q, k, v, ct = f64(x.q), f64(x.k), f64(x.v), f64(x.cotangent)
+  b, t, n, h = q.shape
+  group = n // k.shape[2]
+  scale = case.scale if case.scale is not None else 1 / np.sqrt(h)
+  kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  s = scale * np.einsum("btnh,bsnh->bnts", q, kr)
+  if x.bias is not None:
+    s = s + f64(x.bias)
+  segments = (None if x.q_segment_ids is None else
+              (np.asarray(x.q_segment_ids), np.asarray(x.kv_segment_ids)))
+  vis = visibility(case, None if x.mask is None else np.asarray(x.mask), x.q_lengths,
+                   x.kv_lengths, segments)
+  s = np.where(vis, s, -np.inf)
+  m = s.max(axis=-1, keepdims=True)
+  p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+  p = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)     # 0 on dead rows
+  o = np.einsum("bnts,bsnh->btnh", p, vr)
+  rows = np.sum(np.abs(ct) * np.abs(o), axis=-1).transpose(0, 2, 1)   # t_i [B, N, T]
+  weighted = p * rows[..., None]                                     # P_ij t_i
+  dq = scale * rows[..., None] * np.abs(np.einsum("bnts,bsnh->bnth", p, kr))
+  dk = scale * np.einsum("bnts,btnh->bsnh", weighted, np.abs(q))
+  dk = dk.reshape(dk.shape[:2] + (n // group, group, h)).sum(axis=3)
+  noise = {"q": np.linalg.norm(dq), "k": np.linalg.norm(dk), "v": 0.0, "b": 0.0}
+  if x.bias is not None:
+    shape = (1,) * (4 - x.bias.ndim) + x.bias.shape
+    axes = tuple(a for a in range(4) if shape[a] == 1)
+    noise["b"] = np.linalg.norm(weighted.sum(axis=axes))
+  return {name: float(value) for name, value in noise.items()}
 
 
 def assert_matches_reference(case: Case, x: Inputs, got, want) -> None:
@@ -70,9 +123,12 @@ def assert_matches_reference(case: Case, x: Inputs, got, want) -> None:
   assert np.all(np.asarray(out, np.float32)[~live] == 0)
   assert np.all(np.asarray(lse)[~live] == -np.inf)
   assert len(grads) == len(ref_grads)
+  noise = gradient_noise(case, x)
   for name, g, rg, arg in zip("qkvb", grads, ref_grads, (x.q, x.k, x.v, x.bias)):
     assert g.shape == arg.shape and g.dtype == arg.dtype, name
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name
-    assert relative_error(g, rg) < tol.grad, (name, relative_error(g, rg))
+    diff = np.linalg.norm(np.asarray(g, np.float64) - np.asarray(rg, np.float64))
+    allowed = tol.grad * np.linalg.norm(np.asarray(rg, np.float64)) + tol.grad_noise * noise[name]
+    assert diff <= allowed, (name, relative_error(g, rg), diff, allowed)
   # A row that sees nothing has a zero query gradient.
   assert np.all(np.asarray(grads[0], np.float32)[~live] == 0)

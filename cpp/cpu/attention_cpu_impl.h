@@ -142,7 +142,9 @@ static inline float u2f(uint32_t u) {
 // 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
 // a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
 // ~5e-9, overall ~1 ulp-ish). x = -inf and x < -126.5 give exactly 0.
-// NaN inputs give 0 (inputs are never NaN here).
+// NaN gives NaN: a NaN score (NaN or Inf in q, k or bias) must reach the
+// outputs as it does in jax.nn, not vanish as a zero probability. The clamps
+// are written so that a NaN compares false and passes through.
 constexpr float kC1 = 0.6931471805599453f;
 constexpr float kC2 = 0.2402265069591007f;
 constexpr float kC3 = 0.05550410866482158f;
@@ -153,7 +155,9 @@ constexpr float kC7 = 1.525273380405984e-05f;
 constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
 
 static inline __attribute__((always_inline)) vf vexp2(vf x) {
-  vf xc = vmin(vmax(x, bc(-127.0f)), bc(127.0f));
+  const vf lo = bc(-127.0f), hi = bc(127.0f);
+  vf xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
   vf r = (xc + kRound) - kRound;
   vf f = xc - r;
   vf p = bc(kC7);
@@ -172,6 +176,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
 }
 
 static inline float sexp2(float x) {
+  if (x != x) return x;  // NaN
   float xc = x > -127.0f ? x : -127.0f;
   xc = xc < 127.0f ? xc : 127.0f;
   float r = (xc + kRound) - kRound;
@@ -798,8 +803,15 @@ static void fwd_item(FwdState& s, int64_t idx) {
       for (int64_t c = 0; c < nc; c += W) mx = vmax(mx, ld(srow + c));
       float mnew = fmaxs(mrow[r], hmax(mx));
       if (mnew == -kInf) {
-        for (int64_t c = 0; c < nc; ++c) srow[c] = 0.0f;
-        continue;
+        // Every score is -inf, or NaN (the maxima above skip NaN): a NaN
+        // makes the whole row NaN, as in jax.nn; otherwise nothing is seen yet.
+        bool nan = false;
+        for (int64_t c = 0; c < nc; ++c) nan |= srow[c] != srow[c];
+        if (!nan) {
+          for (int64_t c = 0; c < nc; ++c) srow[c] = 0.0f;
+          continue;
+        }
+        mnew = __builtin_nanf("");
       }
       vf vm = bc(mnew), sum = {};
       for (int64_t c = 0; c < nc; c += W) {
@@ -824,7 +836,9 @@ static void fwd_item(FwdState& s, int64_t idx) {
     float* orow = Ob + r * Dp;
     float l = lrow[r];
     char* dst = row_ptr_mut(op.o, b, i0 + r, n);
-    if (l > 0.0f && mrow[r] > -kInf) {
+    // A row saw a key iff its running max left -inf (then l >= 1, or NaN when
+    // a score was NaN or +inf; NaN then reaches O and L).
+    if (mrow[r] != -kInf) {
       store_row(dst, op.o.dtype, D, orow, 1.0f / l);
       lse[i0 + r] = mrow[r] * kLn2 + __builtin_logf(l);
     } else {
@@ -871,8 +885,10 @@ static void bwd_pack(BwdState& s, int64_t idx) {
     int64_t te = q_eff(g, b);
     for (int64_t t = 0; t < g.Tp; ++t) {
       float l = t < g.T ? L[t] : -kInf;
-      bool ok = t < te && l > -kInf && l < kInf;
-      if (!ok) {
+      // Dead rows (L = -inf, or past the query length) get p = 0 through
+      // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads to
+      // the gradients as in jax.nn.
+      if (t >= te || l == -kInf) {
         Dr[t] = 0.0f;
         Lb[t] = kInf;
         continue;

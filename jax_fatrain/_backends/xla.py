@@ -299,7 +299,9 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config: AttentionConfig,
   else:
     (m, l, acc), _ = lax.scan(step, init, p.xs())
 
-  alive = l > 0.0
+  # A row saw a key iff l > 0; l is NaN when a score was NaN or +inf, and that
+  # NaN must reach o and lse as it does in jax.nn (not read as a dead row).
+  alive = l != 0.0
   inv_l = jnp.where(alive, 1.0 / jnp.where(alive, l, 1.0), 0.0)
   o = acc * inv_l[..., None]
   lse = jnp.where(alive, m + jnp.log(jnp.where(alive, l, 1.0)), _NEG_INF)

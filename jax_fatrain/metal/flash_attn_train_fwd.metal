@@ -213,7 +213,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   }
 
   // O = O / l through the Q tile (no longer read), then coalesced row stores.
-  // A row that saw no key: l = 0, O = 0, L = -inf.
+  // A row that saw no key: l = 0, O = 0, L = -inf. A NaN or +inf score makes
+  // l NaN, and that NaN reaches O and L (the backward then spreads it).
   l = row_sum4(l);
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
   for (int dd = 0; dd < TD; ++dd) {
@@ -225,7 +226,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   tile_store<T, BQ, D, LD>(o_ptr, params->o_strides[2], q0, q_valid, Qs, tix);
   if (wn == 0 && fc == 0 && (align_Q || my_row < ql)) {
-    L[(long(b) * params->h + h) * ql + my_row] = l > 0.0f ? m * kLn2 + log(l) : -INFINITY;
+    L[(long(b) * params->h + h) * ql + my_row] =
+        (l > 0.0f || isnan(l)) ? m * kLn2 + log(l) : -INFINITY;
   }
 }
 

@@ -31,6 +31,7 @@ add_library(fatrain_cuda_kernels STATIC
   cpp/cuda/hopper_fwd_ws.cu
   cpp/cuda/hopper_bwd.cu
   cpp/cuda/hopper_bwd_ws.cu
+  cpp/cuda/segments.cu
   cpp/cuda/simt.cu)
 set_target_properties(fatrain_cuda_kernels PROPERTIES
   CUDA_ARCHITECTURES OFF

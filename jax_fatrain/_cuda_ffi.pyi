@@ -12,8 +12,9 @@ def selected_path(dtype: str, head_dim: int) -> str:
   """"tensor_core" or "simt": the kernel family problems of this dtype and head dim use."""
 
 def scratch_bytes(stage: str, batch: int, q_heads: int, q_len: int, head_dim: int,
-                  deterministic: bool) -> int:
-  """Device scratch bytes the stage's handler needs ("forward", "backward", "bias_grad")."""
+                  deterministic: bool, kv_len: int = 0, segment_ids: bool = False) -> int:
+  """Device scratch bytes the stage's handler needs ("forward", "backward", "bias_grad");
+  kv_len matters only with segment ids."""
 
 def set_launch_recording(on: bool) -> None:
   """Starts or stops recording the kernels the handlers launch (a test tool)."""

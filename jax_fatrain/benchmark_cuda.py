@@ -3,11 +3,18 @@
 
     python -m jax_fatrain.benchmark_cuda [--quick] [--masked-only] [--no-xla] [--repeat N]
                                          [--json FILE]
+    python -m jax_fatrain.benchmark_cuda --packed [--repeat N] [--json FILE]
 
 Configurations (docs/cuda.md has a measured table): bf16, 16k tokens per
 batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal off/on,
 plus the GQA 16:2 D=256 rows (T 2k / 8k), plus a boolean-mask row and an
 additive-bias row (full [B, N, T, S] tensors, which cuDNN must read too).
+
+``--packed`` times packed sequences instead: B = 2, T = 8192 split into 8
+documents of 1024 tokens, causal, D = 128, 16 query and 4 key/value heads,
+bf16; ours with segment ids against ours dense causal on the same shape and
+against cuDNN given the equivalent materialised boolean mask ``[B, 1, T, T]``
+(``packed_rows``), in milliseconds.
 
 FLOP convention (FlashAttention papers): forward 4·B·N·T·S·D, halved when
 causal; backward 2.5x forward, so forward+backward counts 3.5x forward.
@@ -137,6 +144,75 @@ def measure_row(cfg, impls, repeat=1, run=None):
   return row
 
 
+PACKED = dict(B=2, T=8192, N=16, K=4, D=128, docs=8)
+
+
+def run_packed(cfg, variant):
+  """(fwd ms, fwd+bwd ms) of one packed-sequence variant: "cuda packed" (segment
+  ids), "cuda dense" (causal, no ids) or "cudnn mask" (the ids as a boolean
+  mask [B, 1, T, T], passed as a jit argument)."""
+  b, t, n, kh, d = cfg["B"], cfg["T"], cfg["N"], cfg["K"], cfg["D"]
+  k0, k1, k2 = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(k0, (b, t, n, d), jnp.bfloat16)
+  k = jax.random.normal(k1, (b, t, kh, d), jnp.bfloat16)
+  v = jax.random.normal(k2, (b, t, kh, d), jnp.bfloat16)
+  ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // (t // cfg["docs"]), (b, t))
+  if variant == "cuda packed":
+    attn = _attention("cuda")
+    call = lambda q, k, v, x: attn(q, k, v, is_causal=True, q_segment_ids=x, kv_segment_ids=x)
+    x = ids
+  elif variant == "cuda dense":
+    attn = _attention("cuda")
+    call = lambda q, k, v, x: attn(q, k, v, is_causal=True)
+    x = ids
+  else:
+    attn = _attention("cudnn")
+    call = lambda q, k, v, x: attn(q, k, v, is_causal=True, mask=x)
+    x = (ids[:, :, None] == ids[:, None, :])[:, None]
+  fwd = jax.jit(call)
+  fb = jax.jit(jax.grad(lambda q, k, v, x: jnp.sum(call(q, k, v, x).astype(jnp.float32)),
+                        argnums=(0, 1, 2)))
+  try:
+    return dict(fwd_ms=_time(fwd, q, k, v, x) * 1e3, fwdbwd_ms=_time(fb, q, k, v, x) * 1e3)
+  except Exception as e:  # noqa: BLE001 - report and go on
+    return dict(error=str(e).splitlines()[0][:120])
+
+
+def packed_rows(repeat=1, run=None):
+  """{variant: {fwd_ms, fwdbwd_ms}} for PACKED, medians over `repeat` rounds
+  with the variants' order rotated."""
+  run = run or run_packed
+  variants = ["cuda packed", "cuda dense", "cudnn mask"]
+  rounds = {v: [] for v in variants}
+  for r in range(repeat):
+    for variant in variants[r % 3:] + variants[:r % 3]:
+      rounds[variant].append(run(PACKED, variant))
+  out = {}
+  for variant, results in rounds.items():
+    failed = [res for res in results if "error" in res]
+    out[variant] = failed[0] if failed else {
+        key: statistics.median(res[key] for res in results) for key in ("fwd_ms", "fwdbwd_ms")}
+  return out
+
+
+def print_packed(rows) -> None:
+  c = PACKED
+  print(f"packed: B={c['B']} T={c['T']} ({c['docs']} documents of {c['T'] // c['docs']}), "
+        f"causal, D={c['D']}, heads {c['N']}:{c['K']}, bf16; ms")
+  print("| pass | cuda packed | cuda dense causal | cudnn + mask | dense / packed | "
+        "cudnn / packed |")
+  print("|---|---|---|---|---|---|")
+  for key, name in (("fwd_ms", "fwd"), ("fwdbwd_ms", "fwd+bwd")):
+    cell = lambda v: f"{rows[v][key]:.3f}" if key in rows[v] else "err"
+    ratio = lambda v: (f"{rows[v][key] / rows['cuda packed'][key]:.2f}"
+                       if key in rows[v] and key in rows["cuda packed"] else "-")
+    print(f"| {name} | {cell('cuda packed')} | {cell('cuda dense')} | {cell('cudnn mask')} | "
+          f"{ratio('cuda dense')} | {ratio('cudnn mask')} |")
+  for variant, r in rows.items():
+    if "error" in r:
+      print(f"<!-- {variant}: {r['error']} -->")
+
+
 def cuda_unavailable_reason() -> str | None:
   """Why this process cannot benchmark our ``cuda`` kernels, or None."""
   from jax_fatrain import _registry
@@ -162,6 +238,9 @@ def main(argv=None):
                   help="measure each row in N rounds, the implementations' order rotated, "
                        "and report the medians (steadier tables; N x the time)")
   ap.add_argument("--json", help="also write the raw rows here")
+  ap.add_argument("--packed", action="store_true",
+                  help="packed sequences instead: ours with segment ids vs ours dense "
+                       "causal vs cuDNN with the materialised mask (see the module doc)")
   args = ap.parse_args(argv)
   if args.repeat < 1:
     ap.error(f"--repeat must be at least 1, got {args.repeat}")
@@ -172,6 +251,13 @@ def main(argv=None):
     print(f"benchmark_cuda: cannot run: {why}", file=sys.stderr)
     return 2
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  if args.packed:
+    rows = packed_rows(args.repeat)
+    print_packed(rows)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(PACKED, **rows), f, indent=1)
+    return 0
   impls = ("cuda", "cudnn") + (() if args.no_xla else ("xla",))
   results = []
   header = ("| B | N:K | T | D | causal | extra | cuda fwd | cudnn fwd | xla fwd | "

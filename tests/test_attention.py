@@ -13,7 +13,7 @@ from attention_cases import IMPLEMENTATIONS, Case, make_inputs, reference, relat
 from checks import assert_matches_reference, reference_results, results
 
 B, N, T, S = "B", "N", "T", "S"
-SEGMENT_IDS = ("xla", "cpu", "metal_emulated", "metal")
+SEGMENT_IDS = ("xla", "cpu", "metal_emulated", "metal", "cuda")
 
 CASES = [
     Case(),

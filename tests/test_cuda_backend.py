@@ -107,6 +107,17 @@ LARGE = [
          dtype=jnp.float16),
     Case(batch=1, q_len=454, kv_len=454, q_heads=8, kv_heads=2, head_dim=128,
          dtype=jnp.bfloat16, is_causal=True, kv_lengths=True),
+    # Packed sequences (segment ids): documents crossing the tiles of every
+    # kernel, with the tile ranges narrowed to them; unsorted ids; padding
+    # rows that see no key; and ids with a staged bias.
+    Case(batch=2, q_len=700, kv_len=700, q_heads=4, kv_heads=1, head_dim=128,
+         dtype=jnp.bfloat16, is_causal=True, segments="sorted"),
+    Case(batch=1, q_len=520, kv_len=450, q_heads=4, kv_heads=2, head_dim=64,
+         dtype=jnp.float16, segments="unsorted"),
+    Case(batch=1, q_len=600, kv_len=600, q_heads=16, kv_heads=2, head_dim=256,
+         dtype=jnp.bfloat16, is_causal=True, segments="padding"),
+    Case(batch=2, q_len=320, kv_len=384, q_heads=4, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, bias_shape=(1, N, T, S), segments="sorted"),
 ]
 
 

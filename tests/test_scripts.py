@@ -283,6 +283,29 @@ def test_benchmark_cuda_repeat_rotates_and_takes_medians():
   assert row["xla"] == {"error": "xla went wrong"}
 
 
+def test_benchmark_cuda_packed_rows_rotate_and_print(capsys):
+  """--packed's aggregation and table, with a stand-in for the GPU timing."""
+  from jax_fatrain import benchmark_cuda
+  order = []
+  times = {"cuda packed": iter([(1.0, 3.0), (2.0, 5.0)]),
+           "cuda dense": iter([(6.0, 20.0), (8.0, 30.0)]),
+           "cudnn mask": iter([(4.0, 12.0), (5.0, 14.0)])}
+
+  def fake_run(cfg, variant):
+    assert cfg == benchmark_cuda.PACKED
+    order.append(variant)
+    fwd_ms, fb_ms = next(times[variant])
+    return dict(fwd_ms=fwd_ms, fwdbwd_ms=fb_ms)
+  rows = benchmark_cuda.packed_rows(repeat=2, run=fake_run)
+  assert order == ["cuda packed", "cuda dense", "cudnn mask",
+                   "cuda dense", "cudnn mask", "cuda packed"]
+  assert rows["cuda packed"] == dict(fwd_ms=1.5, fwdbwd_ms=4.0)
+  assert rows["cuda dense"] == dict(fwd_ms=7.0, fwdbwd_ms=25.0)
+  benchmark_cuda.print_packed(rows)
+  out = capsys.readouterr().out
+  assert "| fwd+bwd | 4.000 | 25.000 | 13.000 | 6.25 | 3.25 |" in out
+
+
 def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
   from jax_fatrain import benchmark_cuda
   with pytest.raises(SystemExit):

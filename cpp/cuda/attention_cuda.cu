@@ -79,9 +79,11 @@ size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 // 16-bit bias, contiguous along keys, every row 16-byte aligned and S a
 // multiple of 16 bytes' worth of keys. Returns its bytes per element, else 0
 // (the kernels then load each score's mask or bias on its own).
+// Not with segment ids: the kernels compare those per score only where the
+// mask or bias is read one score at a time.
 int staged_score_bytes(const AttentionProblem& pr) {
   const bool has_bias = pr.bias.data != nullptr, has_mask = pr.mask.data != nullptr;
-  if (has_bias == has_mask) return 0;
+  if (has_bias == has_mask || pr.q_segment_ids != nullptr) return 0;
   const ScoreTensor& t = has_bias ? pr.bias : pr.mask;
   const int bytes = has_mask ? 1 : (t.dtype == DType::kF32 ? 4 : 2);
   if (bytes == 4) return 0;
@@ -116,6 +118,8 @@ KParams make_params(const AttentionProblem& pr, const SeqTensor& q, const SeqTen
   }
   p.mask = static_cast<const uint8_t*>(pr.mask.data);
   p.staged = staged_score_bytes(pr);
+  p.q_seg = pr.q_segment_ids;
+  p.kv_seg = pr.kv_segment_ids;
   return p;
 }
 
@@ -158,7 +162,6 @@ const char* validate_problem(const AttentionProblem& p) {
   if (const char* e = check_score(p.mask, p, "mask", true)) return e;
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr))
     return "jax_fatrain cuda: q_segment_ids and kv_segment_ids must be given together";
-  if (p.q_segment_ids != nullptr) return "jax_fatrain cuda: segment ids are not supported yet";
   return nullptr;
 }
 
@@ -211,21 +214,24 @@ void record_launch(const void* kernel) {
   g_record.push_back(std::move(readable));
 }
 
-size_t forward_scratch_bytes(const AttentionProblem&) { return 0; }
+// Scratch layouts: forward [segment tables]; backward [dsum | dq_acc (atomic
+// mode) | segment tables]; bias gradient [dsum | segment tables].
+size_t forward_scratch_bytes(const AttentionProblem& p) { return segment_table_bytes(p); }
 
 size_t backward_scratch_bytes(const AttentionProblem& p, bool deterministic) {
   const size_t rows = static_cast<size_t>(p.batch) * p.q_heads * p.q_len;
   size_t bytes = align256(rows * sizeof(float));  // dsum
   if (!deterministic) bytes += align256(rows * p.head_dim * sizeof(float));  // dq_acc
-  return bytes;
+  return bytes + segment_table_bytes(p);
 }
 
 size_t bias_grad_scratch_bytes(const AttentionProblem& p) {
-  return align256(static_cast<size_t>(p.batch) * p.q_heads * p.q_len * sizeof(float));
+  return align256(static_cast<size_t>(p.batch) * p.q_heads * p.q_len * sizeof(float)) +
+         segment_table_bytes(p);
 }
 
 const char* attention_forward(const AttentionProblem& problem, const ForwardOperands& op,
-                              void*, cudaStream_t stream) {
+                              void* scratch, cudaStream_t stream) {
   if (const char* e = validate_problem(problem)) return e;
   if (const char* e = check_operands(problem, op.q, op.k, op.v)) return e;
   if (!same_layout(op.o, op.q)) return "jax_fatrain cuda: output must have query's layout";
@@ -234,6 +240,11 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   p.q = op.q.data; p.k = op.k.data; p.v = op.v.data;
   p.out = op.o.data;
   p.lse = op.lse;
+  if (p.q_seg != nullptr) {
+    if (scratch == nullptr) return "jax_fatrain cuda: segment ids need scratch memory";
+    if (const char* e = cuda_error(launch_segment_tables(&p, scratch, stream), "segment tables"))
+      return e;
+  }
   const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
                   aligned16(op.v) && aligned16(op.o);
   cudaError_t err = cudaErrorNotSupported;
@@ -262,6 +273,12 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   p.lse = const_cast<float*>(op.lse);
   const size_t rows = static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len;
   p.dsum = static_cast<float*>(scratch);
+  if (p.q_seg != nullptr) {
+    void* tables = static_cast<char*>(scratch) + backward_scratch_bytes(problem, deterministic) -
+                   segment_table_bytes(problem);
+    if (const char* e = cuda_error(launch_segment_tables(&p, tables, stream), "segment tables"))
+      return e;
+  }
   const DType dt = op.q.dtype;
   if (const char* e = cuda_error(launch_dsum(p, dt, stream), "backward dsum")) return e;
   const bool tc = tensor_core_ok(problem, dt) && aligned16(op.q) && aligned16(op.k) &&
@@ -311,6 +328,12 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
   p.lse = const_cast<float*>(op.lse);
   p.dsum = static_cast<float*>(scratch);
   p.dbias = op.dbias;
+  if (p.q_seg != nullptr) {
+    void* tables = static_cast<char*>(scratch) + bias_grad_scratch_bytes(problem) -
+                   segment_table_bytes(problem);
+    if (const char* e = cuda_error(launch_segment_tables(&p, tables, stream), "segment tables"))
+      return e;
+  }
   const DType dt = op.q.dtype;
   if (const char* e = cuda_error(launch_dsum(p, dt, stream), "bias grad dsum")) return e;
   int64_t count = 1;

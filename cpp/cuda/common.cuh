@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "cuda/attention_cuda.h"
@@ -13,6 +14,10 @@ namespace fatrain::cuda {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Segment ids are summarised per granule of this many query rows or keys:
+// see KParams::q_seg_meet.
+constexpr int kSegGranule = 16;
 
 // Everything a kernel needs, flattened (passed by value).
 struct KParams {
@@ -35,6 +40,15 @@ struct KParams {
   // Hopper kernels may stage a tile at a time through shared memory, 0 for none
   // (see staged_score_bytes in attention_cuda.cu for when it applies).
   int staged;
+  // Segment ids of packed sequences ([B, T] and [B, S]; null when absent), and
+  // the tables launch_segment_tables derives from them in scratch memory: per
+  // granule of kSegGranule query rows ([B, ceil(T / G)]) or keys ([B, ceil(S /
+  // G)]), the first and last granule of the other side whose id range (min,
+  // max) meets its own (x > y: none). The kernels' tile ranges come from the
+  // tables (HeadMask::key_tiles, query_tiles); every score they compute
+  // compares the ids themselves.
+  const int32_t* q_seg; const int32_t* kv_seg;
+  const int2* q_seg_meet; const int2* kv_seg_meet;
 };
 
 template <class E> struct Cvt;
@@ -83,6 +97,9 @@ struct HeadMask {
   const uint8_t* mask;
   int64_t mst2, mst3;
   float bias_mul;     // log2e (base-2 kernels) or 1
+  // Segment ids of batch b (KParams::q_seg), null when absent.
+  const int32_t* qseg;
+  const int32_t* kvseg;
 
   __device__ __forceinline__ void init(const KParams& p, int b, int n, float mul) {
     q_end = p.q_lengths ? min(max(p.q_lengths[b], 0), p.T) : p.T;
@@ -97,7 +114,15 @@ struct HeadMask {
     mask = p.mask ? p.mask + b * p.mask_st[0] + n * p.mask_st[1] : nullptr;
     mst2 = p.mask_st[2]; mst3 = p.mask_st[3];
     bias_mul = mul;
+    qseg = kvseg = nullptr;
+    if (p.q_seg != nullptr) {
+      qseg = p.q_seg + static_cast<int64_t>(b) * p.T;
+      kvseg = p.kv_seg + static_cast<int64_t>(b) * p.S;
+    }
   }
+  // The segment id of query row i, or of key j; only inside q_end / kv_end.
+  __device__ __forceinline__ int q_segment(int i) const { return i < q_end ? qseg[i] : 0; }
+  __device__ __forceinline__ int kv_segment(int j) const { return j < kv_end ? kvseg[j] : 0; }
   // Lengths, causality and window; not the mask.
   __device__ __forceinline__ bool in_range(int i, int j) const {
     if (i >= q_end || j >= kv_end) return false;
@@ -124,7 +149,8 @@ struct HeadMask {
     return make_int2(lo, j < kv_end ? hi : lo);
   }
   __device__ __forceinline__ bool visible(int i, int j) const {
-    return in_range(i, j) && !(mask && !mask[i * mst2 + j * mst3]);
+    return in_range(i, j) && !(mask && !mask[i * mst2 + j * mst3]) &&
+           !(qseg && qseg[i] != kvseg[j]);
   }
   // x: the scaled score (in the kernel's base); returns it masked and biased.
   __device__ __forceinline__ float apply(int i, int j, float x) const {
@@ -150,7 +176,7 @@ struct HeadMask {
       return x + bias_mul * v;
     }
   }
-  __device__ __forceinline__ bool has_elementwise() const { return bias || mask; }
+  __device__ __forceinline__ bool has_elementwise() const { return bias || mask || qseg; }
   // Whether the tile [i0,i1) x [j0,j1) needs no per-element work; with EB >
   // 0 (a kernel instance that applies its staged mask or bias to every score
   // anyway), whether it needs no bounds.
@@ -161,6 +187,9 @@ struct HeadMask {
     if (causal && j1 - 1 > i0) return false;
     if (wl >= 0 && j0 < i1 - 1 - wl) return false;
     if (wr >= 0 && j1 - 1 > i0 + wr) return false;
+    // Segment ids: every tile compares them per score (a whole-tile test
+    // here, in the kernels' inner loops, cost the Hopper backward spills).
+    if (qseg) return false;
     return true;
   }
   // Keys a block of query rows [i0, i1) can see: [lo, hi).
@@ -181,22 +210,55 @@ struct HeadMask {
     if (wl >= 0) h = min(h, j1 + wl);
     *lo = l; *hi = h;
   }
-  // The key tiles of `tile` keys that query rows [i0, i1) can see: tiles
-  // first .. first + count - 1 (count 0 when none).
-  __device__ __forceinline__ void key_tiles(int i0, int i1, int tile, int* first,
-                                            int* count) const {
+  // The key tiles of `tile` keys that query rows [i0, i1) of batch b can
+  // see: tiles first .. first + count - 1 (count 0 when none). With segment
+  // ids, narrowed to those from the first to the last that hold a key whose
+  // granule's id range meets one of the rows' granules' (KParams::q_seg_meet;
+  // read here, once per block, not kept in the HeadMask, whose registers the
+  // kernels' inner loops need).
+  __device__ __forceinline__ void key_tiles(const KParams& p, int b, int i0, int i1, int tile,
+                                            int* first, int* count) const {
     int lo, hi;
     key_range(i0, i1, &lo, &hi);
     *first = lo / tile;
     *count = (i0 >= q_end || hi <= lo) ? 0 : (hi - *first * tile + tile - 1) / tile;
+    if (p.q_seg != nullptr && *count > 0) {
+      narrow_tiles(p.q_seg_meet + b * ((p.T + kSegGranule - 1) / kSegGranule), i0, i1, tile,
+                   first, count);
+    }
   }
   // The query tiles of `tile` rows that keys [j0, j1) are seen by, likewise.
-  __device__ __forceinline__ void query_tiles(int j0, int j1, int tile, int* first,
-                                              int* count) const {
+  __device__ __forceinline__ void query_tiles(const KParams& p, int b, int j0, int j1, int tile,
+                                              int* first, int* count) const {
     int lo, hi;
     query_range(j0, j1, &lo, &hi);
     *first = lo / tile;
     *count = (j0 >= kv_end || hi <= lo) ? 0 : (hi - *first * tile + tile - 1) / tile;
+    if (p.q_seg != nullptr && *count > 0) {
+      narrow_tiles(p.kv_seg_meet + b * ((p.S + kSegGranule - 1) / kSegGranule), j0, j1, tile,
+                   first, count);
+    }
+  }
+  // Tiles [*first, *first + *count) of the other side narrowed to the
+  // granules that meet[] gives for this side's rows (or keys) [a0, a1).
+  __device__ __forceinline__ static void narrow_tiles(const int2* meet, int a0, int a1, int tile,
+                                                      int* first, int* count) {
+    int lo = INT_MAX, hi = -1;
+    for (int g = a0 / kSegGranule; g <= (a1 - 1) / kSegGranule; ++g) {
+      const int2 r = meet[g];
+      if (r.x <= r.y) {
+        lo = min(lo, r.x);
+        hi = max(hi, r.y);
+      }
+    }
+    if (hi < 0) {
+      *count = 0;
+      return;
+    }
+    const int f = max(*first, lo * kSegGranule / tile);
+    const int l = min(*first + *count - 1, ((hi + 1) * kSegGranule - 1) / tile);
+    *first = f;
+    *count = l >= f ? l - f + 1 : 0;
   }
 };
 

@@ -135,7 +135,7 @@ struct QuerySteps {
     kvh = kvh_;
     order = order_;
     hm.init(p, b, kvh * G, kLog2e);
-    hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
+    hm.query_tiles(p, b, j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
     total = G * nq;
   }
   __device__ __forceinline__ int head(int it) const {
@@ -248,6 +248,19 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
       queries[r] = make_int2(queries[r].x - first, queries[r].y - first);
     }
     hide_outside_intervals<NQ>(st, queries, lane, 0.f);
+    // Segment ids: queries of another segment than the key's. Never with a
+    // staged mask or bias (EB > 0): the host stages nothing then.
+    if (EB == 0 && hm.qseg != nullptr) {
+      const int key_id[2] = {hm.kv_segment(j0 + key_w0 + (lane >> 2)),
+                             hm.kv_segment(j0 + key_w0 + (lane >> 2) + 8)};
+#pragma unroll
+      for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (hm.q_segment(i0 + q_w0 + acc_col(j, lane, e)) != key_id[e >> 1]) st[4 * j + e] = 0.f;
+        }
+      }
+    }
   }
 }
 

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kNT, Tile::MIN_BLOCKS) fwd_wgmma_kernel(const 
   const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
 
   int t_begin, n_tiles;
-  hm.key_tiles(i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
+  hm.key_tiles(p, b, i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
 
   // Loads are grouped so that one wait per tile suffices: the prologue brings
   // Q and K_0; step t brings K_{t+1} and V_t while it computes with K_t and

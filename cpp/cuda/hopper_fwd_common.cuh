@@ -114,6 +114,18 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&
 #pragma unroll
       for (int r = 0; r < 2; ++r) keys[r] = make_int2(keys[r].x - first, keys[r].y - first);
       hide_outside_intervals<BK>(s, keys, lane, -INFINITY);
+      // Segment ids: keys of another segment than the row's. Never with a
+      // staged mask or bias (EB > 0): the host stages nothing then.
+      if (EB == 0 && hm.qseg != nullptr) {
+        const int row_id[2] = {hm.q_segment(row0), hm.q_segment(row0 + 8)};
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (hm.kv_segment(j0 + acc_col(j, lane, e)) != row_id[e >> 1]) s[4 * j + e] = -INFINITY;
+          }
+        }
+      }
     }
   }
 #pragma unroll

@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   HeadMask hm;
   hm.init(p, b, n, kLog2e);
   int t_begin, n_tiles;
-  hm.key_tiles(i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
+  hm.key_tiles(p, b, i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
 
   if (tid == 0) {
     mbar_init(q_full, 1);

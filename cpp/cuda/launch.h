@@ -195,6 +195,12 @@ cudaError_t launch_bwd_tc(const KParams& p, DType dtype, bool atomic_dq, cudaStr
 cudaError_t launch_dq_tc(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_dq_convert(const KParams& p, DType dtype, cudaStream_t stream);
 
+// Segment ids: the tables of KParams (q_seg_meet, kv_seg_meet) in `scratch`
+// (segment_table_bytes of it, 256-byte aligned), built on `stream`; sets the
+// table pointers of *p. Needs p->q_seg and p->kv_seg.
+size_t segment_table_bytes(const AttentionProblem& problem);
+cudaError_t launch_segment_tables(KParams* p, void* scratch, cudaStream_t stream);
+
 // SIMT float32-accumulating path (any dtype, head_dim <= 256).
 cudaError_t launch_dsum(const KParams& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_fwd_simt(const KParams& p, DType dtype, cudaStream_t stream);

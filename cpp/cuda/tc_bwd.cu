@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kNT, MIN_BLOCKS) bwd_tc_kernel(const KParams p
   HeadMask hm;
   hm.init(p, b, kvh * G, kLog2e);
   int qt_begin, nq;
-  hm.query_tiles(j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
+  hm.query_tiles(p, b, j0, min(j0 + BK, p.S), BQ, &qt_begin, &nq);
   const int total = G * nq;
 
   load_tile<BK, D, NT>(sK, kb, p.k_ss, j0, p.S, tid);

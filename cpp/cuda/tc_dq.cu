@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(NW * 32) dq_tc_kernel(const KParams p) {
   const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
 
   int t_begin, n_tiles;
-  hm.key_tiles(i0, min(i0 + BQ, p.T), BK, &t_begin, &n_tiles);
+  hm.key_tiles(p, b, i0, min(i0 + BQ, p.T), BK, &t_begin, &n_tiles);
 
   load_tile<BQ, D, NT>(sQ, qb, p.q_ss, i0, p.T, tid);
   load_tile<BQ, D, NT>(sdO, dob, p.q_ss, i0, p.T, tid);

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(Tile::NT, Tile::MIN_BLOCKS) fwd_tc_kernel(cons
   const uint16_t* vb = static_cast<const uint16_t*>(p.v) + b * p.k_bs + kvh * p.k_hs;
 
   int t_begin, n_tiles;
-  hm.key_tiles(i0, min(i0 + BQ, p.T), BK, &t_begin, &n_tiles);
+  hm.key_tiles(p, b, i0, min(i0 + BQ, p.T), BK, &t_begin, &n_tiles);
 
   load_tile<BQ, D, NT>(sQ, qb, p.q_ss, i0, p.T, tid);
   if (n_tiles > 0) {

@@ -68,7 +68,8 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
                        ffi::Buffer<ffi::S32> kv_lengths,
                        ffi::Buffer<ffi::S32> q_segment_ids,
                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::Result<ffi::AnyBuffer> lse, CudaAttributes attrs) {
+                       ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> workspace, CudaAttributes attrs) {
   fatrain::AttentionProblem problem;
   fatrain::ForwardOperands ops;
   FATRAIN_RETURN_IF_ERROR(glue::BuildProblem(attrs.common, q, k, v, bias, mask, q_lengths,
@@ -83,7 +84,10 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
   ops.lse = static_cast<float*>(lse->untyped_data());
   FATRAIN_RETURN_IF_ERROR(Poison(*o, stream));
   FATRAIN_RETURN_IF_ERROR(Poison(*lse, stream));
-  return KernelStatus(fatrain::cuda::attention_forward(problem, ops, nullptr, stream));
+  void* memory = nullptr;
+  FATRAIN_RETURN_IF_ERROR(
+      GetScratch(*workspace, fatrain::cuda::forward_scratch_bytes(problem), &memory));
+  return KernelStatus(fatrain::cuda::attention_forward(problem, ops, memory, stream));
 }
 
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q,
@@ -157,6 +161,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FatrainCudaForward, ForwardImpl,
                               FATRAIN_CUDA_INPUTS
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
+                                  .Ret<ffi::AnyBuffer>()  // workspace (uint8)
                                   .Attrs<CudaAttributes>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FatrainCudaBackward, BackwardImpl,
@@ -204,18 +209,24 @@ NB_MODULE(_cuda_ffi, m) {
         "The path (\"tensor_core\" or \"simt\") of problems with this dtype name and "
         "head dim.");
   m.def("scratch_bytes", [](const std::string& stage, int64_t batch, int64_t q_heads,
-                            int64_t q_len, int64_t head_dim, bool deterministic) -> size_t {
+                            int64_t q_len, int64_t head_dim, bool deterministic,
+                            int64_t kv_len, bool segment_ids) -> size_t {
     fatrain::AttentionProblem problem;
     problem.batch = batch;
     problem.q_heads = q_heads;
     problem.q_len = q_len;
+    problem.kv_len = kv_len;
     problem.head_dim = head_dim;
+    // Only the presence of segment ids matters for the sizes.
+    static const int32_t kPresent = 0;
+    if (segment_ids) problem.q_segment_ids = problem.kv_segment_ids = &kPresent;
     if (stage == "forward") return fatrain::cuda::forward_scratch_bytes(problem);
     if (stage == "backward") return fatrain::cuda::backward_scratch_bytes(problem, deterministic);
     if (stage == "bias_grad") return fatrain::cuda::bias_grad_scratch_bytes(problem);
     throw std::invalid_argument("stage must be forward, backward or bias_grad, got " + stage);
   }, nb::arg("stage"), nb::arg("batch"), nb::arg("q_heads"), nb::arg("q_len"),
-        nb::arg("head_dim"), nb::arg("deterministic"),
+        nb::arg("head_dim"), nb::arg("deterministic"), nb::arg("kv_len") = 0,
+        nb::arg("segment_ids") = false,
         "Device scratch bytes a stage's handler needs (its workspace result).");
   m.def("set_launch_recording", &fatrain::cuda::set_launch_recording, nb::arg("on"),
         "Starts or stops recording the kernels the handlers launch (a test tool).");

@@ -138,11 +138,12 @@ def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, q_se
                          deterministic=_deterministic(config))
 
 
-def _workspace(q, config: AttentionConfig, stage: str):
+def _workspace(q, k, config: AttentionConfig, stage: str, q_segment_ids):
   """The uint8 scratch result a stage's handler needs (sized by the extension)."""
   b, t, n, d = (q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis],
                 q.shape[3])
-  size = _cuda_ffi.scratch_bytes(stage, b, n, t, d, _deterministic(config))
+  size = _cuda_ffi.scratch_bytes(stage, b, n, t, d, _deterministic(config),
+                                 k.shape[config.seq_axis], q_segment_ids is not None)
   return _ffi.result((size,), jnp.uint8, q)
 
 
@@ -151,11 +152,13 @@ def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=No
   _register_targets()
   call = jax.ffi.ffi_call(
       _FORWARD,
-      (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config)),
+      (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config),
+       _workspace(q, k, config, "forward", q_segment_ids)),
   )
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                               q_segment_ids, kv_segment_ids),
-              **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
+  o, lse, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
+                                                    q_segment_ids, kv_segment_ids),
+                   **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
+  return o, lse
 
 
 def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
@@ -165,7 +168,7 @@ def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
       _BACKWARD,
       (_ffi.result(q.shape, q.dtype, q), _ffi.result(k.shape, k.dtype, k),
        _ffi.result(v.shape, v.dtype, v),
-       _workspace(q, config, "backward")),
+       _workspace(q, k, config, "backward", q_segment_ids)),
   )
   dq, dk, dv, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
                                                        q_segment_ids, kv_segment_ids),
@@ -178,7 +181,7 @@ def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
               q_segment_ids=None, kv_segment_ids=None):
   _register_targets()
   call = jax.ffi.ffi_call(_BIAS_GRAD, (_ffi.result(bias.shape, jnp.float32, bias),
-                                       _workspace(q, config, "bias_grad")))
+                                       _workspace(q, k, config, "bias_grad", q_segment_ids)))
   dbias, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
                                                   q_segment_ids, kv_segment_ids),
                   o, lse, d_o,

@@ -248,8 +248,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   config = AttentionConfig(scale=_scale(scale, q.shape[-1]),
                            is_causal=_flag("is_causal", is_causal),
                            window_left=left, window_right=right, layout="BTNH")
-  out, lse = _op.attention(q, k, v, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
-                           config, impl)
+  out, lse = _op.attention(q, k, v, bias, mask, q_lengths, kv_lengths, config, impl,
+                           q_seg, kv_seg)
   if unbatched:
     out, lse = out[0], lse[0]
   out = out.reshape(output_shape)

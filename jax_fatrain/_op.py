@@ -124,16 +124,20 @@ def _stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callabl
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def attention(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-              config: AttentionConfig, impl: Implementation):
-  """(o, lse) for canonical operands; differentiable in q, k, v and bias."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def attention(q, k, v, bias, mask, q_lengths, kv_lengths, config: AttentionConfig,
+              impl: Implementation, q_segment_ids=None, kv_segment_ids=None):
+  """(o, lse) for canonical operands; differentiable in q, k, v and bias.
+
+  The segment ids come last, after config and implementation, so that calls
+  without them keep their positions.
+  """
   return stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths,
                                         q_segment_ids, kv_segment_ids)
 
 
-def _attention_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                   kv_segment_ids, config, impl):
+def _attention_fwd(q, k, v, bias, mask, q_lengths, kv_lengths, config, impl,
+                   q_segment_ids=None, kv_segment_ids=None):
   o, lse = stage(impl, "forward", config)(q, k, v, bias, mask, q_lengths, kv_lengths,
                                           q_segment_ids, kv_segment_ids)
   return (o, lse), (q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids,

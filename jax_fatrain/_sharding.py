@@ -72,10 +72,11 @@ def _roles(n_operands: int) -> tuple[str, ...]:
 
 
 def _call(impl, stage: str, config: AttentionConfig, *operands):
-  """The implementation's stage on stage operands (segment ids last)."""
+  """The implementation's stage on stage operands (segment ids last, passed
+  as keywords only when given)."""
   *rest, q_seg, kv_seg = operands
-  return getattr(impl, stage)(*rest, config=config, q_segment_ids=q_seg,
-                              kv_segment_ids=kv_seg)
+  segments = {} if q_seg is None else dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  return getattr(impl, stage)(*rest, config=config, **segments)
 
 
 def partitioned(impl, stage: str, config: AttentionConfig) -> Callable:
@@ -501,8 +502,7 @@ def _ring_forward(impl, config, plan, q, k, v, q_seg=None, kv_seg=None):
   perm = _ring_perm(p)
 
   def fwd(q, k, v, q_seg, kv_seg, cfg):
-    return impl.forward(q, k, v, None, None, None, None, config=cfg,
-                        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    return _call(impl, "forward", cfg, q, k, v, None, None, None, None, q_seg, kv_seg)
   if causal:
     q, k, v = (_to_zigzag(x, sa, plan) for x in (q, k, v))
     if q_seg is not None:
@@ -555,8 +555,8 @@ def _ring_backward(impl, config, plan, q, k, v, o, lse, d_o, q_seg=None, kv_seg=
   dtypes = (q.dtype, k.dtype, v.dtype)
 
   def bwd(q, k, v, o, lse, d_o, q_seg, kv_seg, cfg):
-    grads = impl.backward(q, k, v, None, None, None, None, o, lse, d_o, config=cfg,
-                          q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    grads = _call(impl, "backward", cfg, q, k, v, None, None, None, None, o, lse, d_o, q_seg,
+                  kv_seg)
     return tuple(g.astype(jnp.float32) for g in grads)
 
   if causal:

@@ -128,7 +128,7 @@ def test_op_fills_in_config_defaults_each_time_it_traces():
   config = AttentionConfig(scale=0.25)
 
   def loss(q, k, v):
-    o, _ = _op.attention(q, k, v, None, None, None, None, None, None, config, probe)
+    o, _ = _op.attention(q, k, v, None, None, None, None, config, probe)
     return jnp.sum(o * o)
 
   q = jnp.ones((1, 8, 2, 16), jnp.float32)

@@ -105,8 +105,6 @@ def test_stand_in_reports_api_misuse():
 
 @pytest.mark.parametrize("case", test_attention.CASES, ids=lambda c: c.id)
 def test_shared_suite(case):
-  if case.segments and "metal" not in test_attention.SEGMENT_IDS:
-    pytest.skip("segment ids are not in the metal kernels yet")
   check_against_emulated(case)
 
 

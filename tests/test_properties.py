@@ -50,7 +50,7 @@ PROPERTY_IMPLEMENTATIONS = IMPLEMENTATIONS + tuple(
 
 # Valid problems per implementation in CI (times _SCALE); the emulator runs
 # every GPU thread as a CPU fiber, so it gets fewer and smaller problems.
-VALID_EXAMPLES = {"cpu": 40, "xla": 30, "cuda": 40, "metal": 30, "metal_emulated": 10}
+VALID_EXAMPLES = {"cpu": 25, "xla": 16, "cuda": 40, "metal": 30, "metal_emulated": 10}
 INVALID_EXAMPLES = 6   # per kind of bad call
 
 B, N, T, S = "B", "N", "T", "S"

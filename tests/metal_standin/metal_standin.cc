@@ -5,8 +5,8 @@
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
 //   memory and, as Metal does, accepts only a page-aligned pointer and length.
-// * Its kernel library is the one this stand-in was built with: the build
-//   compiles the packaged kernel source (what jax_fatrain._backends.metal
+// * Its kernel library is compiled into this extension: the build compiles
+//   the packaged kernel source (what jax_fatrain._backends.metal
 //   passes to newLibraryWithSource) with the MSL emulator and embeds that
 //   text; newLibraryWithSource checks that it is given exactly that text.
 // * Functions are specialised with function-constant values checked as Metal
@@ -22,9 +22,9 @@
 //   large for the pipeline, ...) is recorded as a finding and fails the
 //   command buffer, so the executor's error path runs and tests see it.
 //
-// Tests drive it through the C functions at the end of this file (ctypes):
-// a report of counters and findings, and injected failures of library
-// compilation, pipeline creation and command execution.
+// The C functions at the end of this file (reached with ctypes) give a report
+// of counters and findings, and inject failures of library compilation,
+// pipeline creation and command execution.
 
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>

@@ -366,72 +366,111 @@ struct Carver {
 static inline int64_t carve_size(int64_t n) { return round_up(n > 0 ? n : 1, 16); }
 
 // ---------------------------------------------------------------------------
-// GEMM: C[M x N] (+)= A[M x K] . B[K x N], B row-major, N a multiple of W.
+// GEMM, two kinds, B row-major, N a multiple of W:
+//  - score products (S = Q.K^T, dP = dO.V^T): C = A.B over K = head dim. The
+//    products are summed in chunks of kScoreSumChunk in fresh registers, each
+//    chunk then added to C: two-level summation halves the rounding error of
+//    one long sequential f32 sum (with same-sign terms a 64-term sum loses
+//    ~3e-6 relative that way, twice jax.nn's error), and score errors are
+//    what the exponent amplifies.
+//  - accumulating products (O += P.V, dV += P^T.dO, ...): C += A.B, summed
+//    sequentially into C, which already splits long sums tile by tile.
+// Both orders are fixed, so results stay bitwise deterministic.
 // ---------------------------------------------------------------------------
-template <int M, int N>
+constexpr int64_t kScoreSumChunk = 16;
+
+template <int M, int N, bool kScores>
 static void mk(int64_t K, const float* __restrict A, int64_t lda, const float* __restrict B,
-               int64_t ldb, float* __restrict C, int64_t ldc, int accumulate) {
-  vf c[M][N];
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) {
-#pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) c[i][j] = accumulate ? ld(C + i * ldc + j * W) : vf{};
+               int64_t ldb, float* __restrict C, int64_t ldc) {
+  const int64_t chunk = kScores ? kScoreSumChunk : (K > 0 ? K : 1);
+  if (kScores && K <= 0) {
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) st(C + i * ldc + j * W, vf{});
+    return;
   }
-  for (int64_t k = 0; k < K; ++k) {
-    vf b[N];
-#pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) b[j] = ld(B + k * ldb + j * W);
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = imin(K, k0 + chunk);
+    const bool add = !kScores || k0 > 0;
+    vf c[M][N];
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      vf a = bc(A[i * lda + k]);
 #pragma GCC unroll 8
-      for (int j = 0; j < N; ++j) c[i][j] += a * b[j];
+      for (int j = 0; j < N; ++j) c[i][j] = (add && !kScores) ? ld(C + i * ldc + j * W) : vf{};
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      vf b[N];
+#pragma GCC unroll 8
+      for (int j = 0; j < N; ++j) b[j] = ld(B + k * ldb + j * W);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        vf a = bc(A[i * lda + k]);
+#pragma GCC unroll 8
+        for (int j = 0; j < N; ++j) c[i][j] += a * b[j];
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 8
+      for (int j = 0; j < N; ++j) {
+        float* p = C + i * ldc + j * W;
+        st(p, (add && kScores) ? ld(p) + c[i][j] : c[i][j]);
+      }
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) {
-#pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) st(C + i * ldc + j * W, c[i][j]);
-  }
 }
 
-template <int R, int N>
+template <int R, int N, bool kScores>
 static inline void mk_rows_rem(int64_t r, int64_t K, const float* A, int64_t lda, const float* B,
-                               int64_t ldb, float* C, int64_t ldc, int acc) {
+                               int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      mk<R, N>(K, A, lda, B, ldb, C, ldc, acc);
+      mk<R, N, kScores>(K, A, lda, B, ldb, C, ldc);
     else
-      mk_rows_rem<R - 1, N>(r, K, A, lda, B, ldb, C, ldc, acc);
+      mk_rows_rem<R - 1, N, kScores>(r, K, A, lda, B, ldb, C, ldc);
   }
 }
 
-template <int N>
+template <int N, bool kScores>
 static void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
-                      int64_t ldb, float* C, int64_t ldc, int acc) {
+                      int64_t ldb, float* C, int64_t ldc) {
   int64_t i = 0;
-  for (; i + kMR <= M; i += kMR) mk<kMR, N>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, acc);
-  if (i < M) mk_rows_rem<kMR - 1, N>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, acc);
+  for (; i + kMR <= M; i += kMR) mk<kMR, N, kScores>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  if (i < M)
+    mk_rows_rem<kMR - 1, N, kScores>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
 
-template <int R>
+template <int R, bool kScores>
 static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const float* A, int64_t lda,
-                                 const float* B, int64_t ldb, float* C, int64_t ldc, int acc) {
+                                 const float* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      gemm_cols<R>(M, K, A, lda, B, ldb, C, ldc, acc);
+      gemm_cols<R, kScores>(M, K, A, lda, B, ldb, C, ldc);
     else
-      gemm_cols_rem<R - 1>(r, M, K, A, lda, B, ldb, C, ldc, acc);
+      gemm_cols_rem<R - 1, kScores>(r, M, K, A, lda, B, ldb, C, ldc);
   }
 }
 
+template <bool kScores>
 static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                 int64_t ldb, float* C, int64_t ldc, int acc) {
+                 int64_t ldb, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   int64_t nv = N / W, j = 0;
   for (; j + kNR <= nv; j += kNR)
-    gemm_cols<kNR>(M, K, A, lda, B + j * W, ldb, C + j * W, ldc, acc);
-  if (j < nv) gemm_cols_rem<kNR - 1>(nv - j, M, K, A, lda, B + j * W, ldb, C + j * W, ldc, acc);
+    gemm_cols<kNR, kScores>(M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
+  if (j < nv)
+    gemm_cols_rem<kNR - 1, kScores>(nv - j, M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
+}
+
+// C[M x N] = A[M x K] . B[K x N], K the head dim (see above).
+static inline void score_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                              const float* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<true>(M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+// C[M x N] += A[M x K] . B[K x N].
+static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                            const float* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<false>(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 // ---------------------------------------------------------------------------
@@ -781,7 +820,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
     if (cls == 0) continue;
     ++visited;
     const int32_t* seg_cols = g.qseg ? g.kvseg + b * g.S + j0 : nullptr;
-    gemm(ni, nc, D, Qt, Dp, KTh + kt * D * BK, BK, Sb, BK, 0);
+    score_gemm(ni, nc, D, Qt, Dp, KTh + kt * D * BK, BK, Sb, BK);
     for (int64_t r = 0; r < ni; ++r) {
       int64_t i = i0 + r;
       float* srow = Sb + r * BK;
@@ -828,7 +867,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
         for (int64_t c = 0; c < Dp; c += W) st(orow + c, ld(orow + c) * va);
       }
     }
-    gemm(ni, Dp, nj, Sb, BK, Vh + j0 * Dp, Dp, Ob, Dp, 1);
+    acc_gemm(ni, Dp, nj, Sb, BK, Vh + j0 * Dp, Dp, Ob, Dp);
   }
   count_tile_visits(kTileVisitsForward, visited);
   float* lse = op.lse + (b * g.N + n) * g.T;
@@ -922,10 +961,10 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
   int64_t qh = b * g.N + n, kvh = b * g.KH + n / g.G;
-  gemm(ni, nc, D, s.Qp + (qh * g.Tp + i0) * Dp, Dp, s.KT + kvh * g.Sp * D + kt * D * BK, BK, Sb,
-       BK, 0);
-  gemm(ni, nc, D, s.dOp + (qh * g.Tp + i0) * Dp, Dp, s.VT + kvh * g.Sp * D + kt * D * BK, BK, dPb,
-       BK, 0);
+  score_gemm(ni, nc, D, s.Qp + (qh * g.Tp + i0) * Dp, Dp, s.KT + kvh * g.Sp * D + kt * D * BK, BK, Sb,
+       BK);
+  score_gemm(ni, nc, D, s.dOp + (qh * g.Tp + i0) * Dp, Dp, s.VT + kvh * g.Sp * D + kt * D * BK, BK, dPb,
+       BK);
   const float* Lb = s.Lb + qh * g.Tp;
   const float* Dr = s.Drow + qh * g.Tp;
   int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
@@ -984,7 +1023,7 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     if (cls == 0) continue;
     ++visited;
     ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
-    gemm(ni, Dp, nj, Sb, BK, s.Kp + (kvh * g.Sp + j0) * Dp, Dp, dQ, Dp, 1);
+    acc_gemm(ni, Dp, nj, Sb, BK, s.Kp + (kvh * g.Sp + j0) * Dp, Dp, dQ, Dp);
   }
   count_tile_visits(kTileVisitsBackwardDq, visited);
   for (int64_t r = 0; r < ni; ++r)
@@ -1029,8 +1068,8 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
       if (cls == 0) continue;
       ++visited;
       const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
-      gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ, 0);
-      gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ, 0);
+      score_gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ);
+      score_gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ);
       for (int64_t r = 0; r < nj; ++r) {
         int64_t j = j0 + r;
         float* srow = St + r * BQ;
@@ -1055,8 +1094,8 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
           st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
         }
       }
-      gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp, 1);
-      gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp, 1);
+      acc_gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp);
+      acc_gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp);
     }
   }
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
@@ -1112,8 +1151,8 @@ static void bwd_fused(BwdState& s, int64_t idx) {
         if (cls == 0) continue;
         ++visited;
         const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
-        gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ, 0);
-        gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ, 0);
+        score_gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ);
+        score_gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ);
         for (int64_t r = 0; r < nj; ++r) {
           int64_t j = j0 + r;
           float* srow = St + r * BQ;
@@ -1138,12 +1177,12 @@ static void bwd_fused(BwdState& s, int64_t idx) {
             st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
           }
         }
-        gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp, 1);
-        gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp, 1);
+        acc_gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp);
+        acc_gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp);
         // dQ[i0.., :] += dS . K, with dS (queries x keys) transposed out of dPt.
         for (int64_t r = 0; r < ni; ++r)
           for (int64_t c = 0; c < nj; ++c) dS[r * BK + c] = dPt[c * BQ + r];
-        gemm(ni, Dp, nj, dS, BK, Kh, Dp, dQ + (gi * g.Tp + i0) * Dp, Dp, 1);
+        acc_gemm(ni, Dp, nj, dS, BK, Kh, Dp, dQ + (gi * g.Tp + i0) * Dp, Dp);
       }
     }
     for (int64_t r = 0; r < nj; ++r) {

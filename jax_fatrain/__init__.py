@@ -16,7 +16,9 @@ from jax_fatrain._registry import available_implementations, explain_implementat
 
 
 def cpu_isa() -> str:
-  """The instruction set ("avx512", "avx2", "baseline") the CPU kernels use here."""
+  """The instruction set the CPU kernels use here: "avx512_bf16" (avx512 with
+  bf16 problems multiplied as bf16 pairs), "avx512", "avx2" or "baseline"; or
+  "avx2_bf16_emulated" when JAX_FATRAIN_CPU_ISA asks for that test variant."""
   from jax_fatrain._backends import cpu
   return cpu.selected_isa()
 

@@ -1,9 +1,11 @@
 """Every instruction-set variant of the CPU kernels gives the same results.
 
-The kernels are compiled once per ISA (baseline, avx2, avx512) and chosen at
-run time; CI's machine would otherwise only ever exercise the best one. Each
-variant is forced through JAX_FATRAIN_CPU_ISA in a fresh process (the choice
-is made once per process) and checked against jax.nn on a few cases.
+The kernels are compiled once per ISA (baseline, avx2, avx512, and the bf16
+pair path: avx512_bf16 on vdpbf16ps, avx2_bf16_emulated with that instruction
+emulated) and chosen at run time; CI's machine would otherwise only ever
+exercise the best one. Each variant is forced through JAX_FATRAIN_CPU_ISA in a
+fresh process (the choice is made once per process) and checked against
+jax.nn on a few cases.
 """
 
 import os
@@ -12,6 +14,7 @@ import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 HERE = pathlib.Path(__file__).parent
@@ -31,10 +34,25 @@ cases = [
     Case(q_len=33, kv_len=40, head_dim=256, dtype=jnp.bfloat16, window=(6, 2)),
     Case(q_len=29, kv_len=17, head_dim=40, dtype=jnp.float16, kv_lengths=True),
     Case(q_len=150, kv_len=150, q_heads=2, kv_heads=1, is_causal=True, segments="sorted"),
+    # bf16 on the pair path where the variant has one: the fused backward
+    # (4 kv slices) and the two-pass one (1 slice), odd head dim and lengths.
+    Case(q_len=131, kv_len=77, batch=2, q_heads=4, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, is_causal=True, bias_shape=("B", 1, "T", "S")),
+    Case(q_len=97, kv_len=97, batch=1, q_heads=3, kv_heads=1, head_dim=17,
+         dtype=jnp.bfloat16, mask_shape=(1, 1, "T", "S"), fully_masked_row=True),
 ]
 for case in cases:
     x = make_inputs(case, seed=0)
     assert_matches_reference(case, x, results(case, x, "cpu"), reference_results(case, x))
+# One bf16 and one f32 problem's values and gradients, for comparing variants.
+if len(sys.argv) > 2:
+    saved = {}
+    for name, dtype in (("bf16", jnp.bfloat16), ("f32", jnp.float32)):
+        case = Case(q_len=100, kv_len=90, q_heads=4, kv_heads=2, head_dim=64, dtype=dtype)
+        x = make_inputs(case, seed=1)
+        for i, r in enumerate(jax.tree.leaves(results(case, x, "cpu"))):
+            saved[f"{name}_{i}"] = np.asarray(r, np.float32)
+    np.savez(sys.argv[2], **saved)
 print("ok", want_isa)
 """
 
@@ -56,18 +74,38 @@ def _supported(isa: str) -> bool:
   if platform.machine() not in ("x86_64", "AMD64"):
     return False
   flags = _cpu_flags()
-  needs = {"avx2": {"avx2", "fma", "f16c"},
-           "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+  avx2 = {"avx2", "fma", "f16c"}
+  avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+  needs = {"avx2": avx2, "avx2_bf16_emulated": avx2, "avx512": avx512,
+           "avx512_bf16": avx512 | {"avx512_bf16"}}
   return needs[isa] <= flags
 
 
-@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
-def test_forced_isa_matches_reference(isa):
+def _run(isa: str, *extra: str) -> None:
   if not _supported(isa):
     pytest.skip(f"this CPU cannot run the {isa} variant")
   env = dict(os.environ, JAX_FATRAIN_CPU_ISA=isa,
              PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-  result = subprocess.run([sys.executable, "-c", SCRIPT, isa], env=env, cwd=HERE,
+  result = subprocess.run([sys.executable, "-c", SCRIPT, isa, *extra], env=env, cwd=HERE,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert f"ok {isa}" in result.stdout
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_forced_isa_matches_reference(isa):
+  _run(isa)
+
+
+# The pair path must really run: its bf16 results differ from the f32 path's
+# (P and dS are rounded to bf16 before their products), its f32 ones do not.
+@pytest.mark.parametrize("isa,f32_variant", [("avx2_bf16_emulated", "avx2"),
+                                             ("avx512_bf16", "avx512")])
+def test_bf16_pair_path(isa, f32_variant, tmp_path):
+  _run(isa, str(tmp_path / "pairs.npz"))
+  _run(f32_variant, str(tmp_path / "f32.npz"))
+  pairs, f32 = np.load(tmp_path / "pairs.npz"), np.load(tmp_path / "f32.npz")
+  for key in f32.files:
+    if key.startswith("f32"):
+      np.testing.assert_array_equal(pairs[key], f32[key], err_msg=key)
+  assert any(not np.array_equal(pairs[k], f32[k]) for k in f32.files if k.startswith("bf16"))

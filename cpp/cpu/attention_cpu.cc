@@ -2,12 +2,16 @@
 // Compiled with the baseline flags only; the kernels themselves live in
 // attention_cpu_impl.h, compiled once per ISA into fatrain::cpu::<isa>.
 //
-// ISA choice (made once per process): on x86-64, avx512 when the CPU has
-// avx512f+bw+vl+dq, else avx2 when it has avx2+fma+f16c, else baseline; other
-// architectures use baseline (NEON on arm64). The environment variable
-// JAX_FATRAIN_CPU_ISA=baseline|avx2|avx512 selects a different variant for
-// testing, but only one the CPU supports: a value naming an unsupported or
-// unknown ISA is ignored and the detected choice stays.
+// ISA choice (made once per process): on x86-64, avx512_bf16 when the CPU has
+// avx512f+bw+vl+dq and avx512_bf16 (the avx512 kernels, with bf16 problems
+// multiplied as bf16 pairs by vdpbf16ps), else avx512, else avx2 when it has
+// avx2+fma+f16c, else baseline; other architectures use baseline (NEON on
+// arm64). The environment variable JAX_FATRAIN_CPU_ISA selects a different
+// variant for testing, but only one the CPU supports: baseline, avx2, avx512,
+// avx512_bf16, or avx2_bf16_emulated (the bf16 pair kernels with the dot
+// product emulated on AVX2, so machines without avx512_bf16 test their data
+// flow; never chosen otherwise). A value naming an unsupported or unknown
+// variant is ignored and the detected choice stays.
 #include "attention_cpu.h"
 
 #include <cmath>
@@ -25,9 +29,9 @@ namespace fatrain::cpu {
 #define FATRAIN_DECLARE_ISA(isa)                                                           \
   namespace isa {                                                                          \
   const char* attention_forward(const AttentionProblem&, const ForwardOperands&,          \
-                                const ParallelFor&);                                       \
+                                const ParallelFor&, bool bf16_dot);                        \
   const char* attention_backward(const AttentionProblem&, const BackwardOperands&,        \
-                                 const ParallelFor&);                                      \
+                                 const ParallelFor&, bool bf16_dot);                       \
   const char* attention_bias_grad(const AttentionProblem&, const BiasGradOperands&,       \
                                   const ParallelFor&);                                     \
   double fma_loop(int64_t iters);                                                          \
@@ -35,42 +39,63 @@ namespace fatrain::cpu {
 FATRAIN_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
 FATRAIN_DECLARE_ISA(avx2)
+FATRAIN_DECLARE_ISA(avx2_bf16_emulated)
 FATRAIN_DECLARE_ISA(avx512)
 #endif
 #undef FATRAIN_DECLARE_ISA
 
 namespace {
 
-enum class Isa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa { kBaseline, kAvx2, kAvx2Bf16Emulated, kAvx512, kAvx512Bf16 };
+
+struct IsaName {
+  Isa isa;
+  const char* name;
+};
+constexpr IsaName kIsaNames[] = {{Isa::kBaseline, "baseline"},
+                                 {Isa::kAvx2, "avx2"},
+                                 {Isa::kAvx2Bf16Emulated, "avx2_bf16_emulated"},
+                                 {Isa::kAvx512, "avx512"},
+                                 {Isa::kAvx512Bf16, "avx512_bf16"}};
+
+bool cpu_supports(Isa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  switch (isa) {
+    case Isa::kBaseline:
+      return true;
+    case Isa::kAvx2:
+    case Isa::kAvx2Bf16Emulated:
+      return avx2;
+    case Isa::kAvx512:
+      return avx512;
+    case Isa::kAvx512Bf16:
+      return avx512 && __builtin_cpu_supports("avx512bf16");
+  }
+  return false;
+#else
+  return isa == Isa::kBaseline;
+#endif
+}
 
 Isa detect_isa() {
   Isa best = Isa::kBaseline;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    best = Isa::kAvx2;
-  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    best = Isa::kAvx512;
-#endif
-  const char* env = std::getenv("JAX_FATRAIN_CPU_ISA");
-  if (env != nullptr) {
-    Isa want = best;
-    bool known = true;
-    if (std::strcmp(env, "baseline") == 0)
-      want = Isa::kBaseline;
-    else if (std::strcmp(env, "avx2") == 0)
-      want = Isa::kAvx2;
-    else if (std::strcmp(env, "avx512") == 0)
-      want = Isa::kAvx512;
-    else
-      known = false;
-    if (known && static_cast<int>(want) <= static_cast<int>(best)) best = want;
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16})
+    if (cpu_supports(isa)) best = isa;
+  if (const char* env = std::getenv("JAX_FATRAIN_CPU_ISA")) {
+    for (const IsaName& n : kIsaNames)
+      if (std::strcmp(env, n.name) == 0 && cpu_supports(n.isa)) best = n.isa;
   }
   return best;
 }
+
+// Whether the kernels multiply bf16 problems as bf16 pairs.
+bool bf16_dot(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAvx2Bf16Emulated; }
 
 Isa current_isa() {
   static const Isa isa = detect_isa();
@@ -183,23 +208,21 @@ void tile_visits(int64_t out[kTileVisitCounters], bool reset) {
 }
 
 const char* selected_isa() {
-  switch (current_isa()) {
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    default:
-      return "baseline";
-  }
+  for (const IsaName& n : kIsaNames)
+    if (n.isa == current_isa()) return n.name;
+  return "baseline";
 }
 
 #if defined(__x86_64__)
 #define FATRAIN_DISPATCH(fn, ...)                                 \
   switch (current_isa()) {                                        \
     case Isa::kAvx512:                                            \
+    case Isa::kAvx512Bf16:                                        \
       return avx512::fn(__VA_ARGS__);                             \
     case Isa::kAvx2:                                              \
       return avx2::fn(__VA_ARGS__);                               \
+    case Isa::kAvx2Bf16Emulated:                                  \
+      return avx2_bf16_emulated::fn(__VA_ARGS__);                 \
     default:                                                      \
       return baseline::fn(__VA_ARGS__);                           \
   }
@@ -222,7 +245,7 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   if (const char* e = check_seq(op.o, "o", dt)) return e;
   if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
   const ParallelFor pf = usable(parallel);
-  FATRAIN_DISPATCH(attention_forward, problem, op, pf)
+  FATRAIN_DISPATCH(attention_forward, problem, op, pf, bf16_dot(current_isa()))
 }
 
 const char* attention_backward(const AttentionProblem& problem, const BackwardOperands& op,
@@ -240,7 +263,7 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   if (const char* e = check_seq(op.dv, "dv", dt)) return e;
   if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
   const ParallelFor pf = usable(parallel);
-  FATRAIN_DISPATCH(attention_backward, problem, op, pf)
+  FATRAIN_DISPATCH(attention_backward, problem, op, pf, bf16_dot(current_isa()))
 }
 
 const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradOperands& op,

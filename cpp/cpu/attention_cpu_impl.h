@@ -12,7 +12,9 @@
 // Structure (see docs/design.md and docs/cpu.md):
 //  * Pre-pass: operands are packed per head into float32 scratch (row-major
 //    copies [len_pad, Dp] and transposed copies blocked by tile
-//    [ntiles][D][tile]), converting bf16/f16 once. Padding is zero.
+//    [ntiles][D][tile]), converting bf16/f16 once. Padding is zero. bf16
+//    problems on CPUs with a bf16 dot product are packed as bf16 pairs
+//    instead (see Lanes).
 //  * Every tile GEMM is C[M x N] (+)= A[M x K] . B[K x N] with B row-major:
 //    one register-blocked micro-kernel (kMR rows x kNR vectors of W floats)
 //    written with GCC vector extensions, so the same source becomes AVX-512,
@@ -72,8 +74,8 @@ constexpr int W = 8;
 constexpr int kMR = FATRAIN_MR;
 constexpr int kNR = FATRAIN_NR;
 #else
-constexpr int kMR = 4;
-constexpr int kNR = 3;  // 12 ymm accumulators
+constexpr int kMR = 3;
+constexpr int kNR = 4;  // 12 ymm accumulators; 64-wide tiles split into two 4-vector blocks
 #endif
 #elif defined(__aarch64__)
 constexpr int W = 4;
@@ -138,6 +140,84 @@ static inline float u2f(uint32_t u) {
   memcpy(&f, &u, 4);
   return f;
 }
+
+// ---------------------------------------------------------------------------
+// Operand formats of the tile products.
+// ---------------------------------------------------------------------------
+// Packed operands are float32 (one float per element, products are f32 FMAs)
+// or, for bfloat16 problems where the TU has a bf16 dot product, bf16 pairs:
+// one 32-bit word holds elements k (low half) and k + 1 (high half) of the
+// summed dimension, and one instruction adds both products of a pair of words
+// to an f32 lane (avx512_bf16's vdpbf16ps), twice the f32 FMA rate. The tile
+// products take their operands as Pk = float or Pk = uint32_t (Lanes below);
+// P and dS, computed in f32, are rounded to bf16 pairs before their products
+// (a_tile), as GPU kernels and jax.nn's bf16 path round them.
+//
+// FATRAIN_BF16_DOT: 1 = the native instruction (avx512 TU, used only where
+// the CPU reports avx512_bf16); 2 = an emulation with the same data flow for
+// machines without it (the avx2_bf16_emulated TU, a test instrument that is
+// chosen only through JAX_FATRAIN_CPU_ISA); unset = no bf16 path.
+#if defined(FATRAIN_BF16_DOT)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+template <class Pk>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using V = vf;
+  static constexpr int64_t kPair = 1;  // elements per Pk
+  static inline __attribute__((always_inline)) V load(const float* p) { return ld(p); }
+  static inline __attribute__((always_inline)) V bcast(float x) { return bc(x); }
+  static inline __attribute__((always_inline)) vf madd(vf c, V a, V b) { return c + a * b; }
+};
+
+template <>
+struct Lanes<uint32_t> {
+  using V = vi;
+  static constexpr int64_t kPair = 2;
+  static inline __attribute__((always_inline)) V load(const uint32_t* p) {
+    V v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static inline __attribute__((always_inline)) V bcast(uint32_t x) {
+    V v = {};
+    return v + static_cast<int32_t>(x);
+  }
+  // c + a.hi * b.hi + a.lo * b.lo per lane, in that order (Intel's order for
+  // vdpbf16ps; the products of two bf16 are exact in f32). The emulation
+  // keeps subnormals, which the instruction flushes to zero.
+  static inline __attribute__((always_inline)) vf madd(vf c, V a, V b) {
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
+    return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(c),
+                                                 reinterpret_cast<__m512bh>(a),
+                                                 reinterpret_cast<__m512bh>(b)));
+#else
+    const V hi = bcast(0xffff0000u);
+    vf a_hi, a_lo, b_hi, b_lo;
+    V t;
+    t = a & hi; memcpy(&a_hi, &t, sizeof(t));
+    t = a << 16; memcpy(&a_lo, &t, sizeof(t));
+    t = b & hi; memcpy(&b_hi, &t, sizeof(t));
+    t = b << 16; memcpy(&b_lo, &t, sizeof(t));
+    c = c + a_hi * b_hi;
+    return c + a_lo * b_lo;
+#endif
+  }
+};
+
+// Round-to-nearest-even bf16 bits of f (NaN stays a quiet NaN).
+static inline uint32_t bf16_bits(float f) {
+  uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+// The word of elements (lo, hi).
+static inline uint32_t bf16_pair(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
 
 // 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
 // a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
@@ -379,9 +459,12 @@ static inline int64_t carve_size(int64_t n) { return round_up(n > 0 ? n : 1, 16)
 // ---------------------------------------------------------------------------
 constexpr int64_t kScoreSumChunk = 16;
 
-template <int M, int N, bool kScores>
-static void mk(int64_t K, const float* __restrict A, int64_t lda, const float* __restrict B,
+// K counts Pk elements (pairs for bf16), lda and ldb too.
+template <int M, int N, bool kScores, class Pk>
+static void mk(int64_t K, const Pk* __restrict A, int64_t lda, const Pk* __restrict B,
                int64_t ldb, float* __restrict C, int64_t ldc) {
+  using L = Lanes<Pk>;
+  using V = typename L::V;
   const int64_t chunk = kScores ? kScoreSumChunk : (K > 0 ? K : 1);
   if (kScores && K <= 0) {
     for (int i = 0; i < M; ++i)
@@ -398,14 +481,14 @@ static void mk(int64_t K, const float* __restrict A, int64_t lda, const float* _
       for (int j = 0; j < N; ++j) c[i][j] = (add && !kScores) ? ld(C + i * ldc + j * W) : vf{};
     }
     for (int64_t k = k0; k < k1; ++k) {
-      vf b[N];
+      V b[N];
 #pragma GCC unroll 8
-      for (int j = 0; j < N; ++j) b[j] = ld(B + k * ldb + j * W);
+      for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
-        vf a = bc(A[i * lda + k]);
+        V a = L::bcast(A[i * lda + k]);
 #pragma GCC unroll 8
-        for (int j = 0; j < N; ++j) c[i][j] += a * b[j];
+        for (int j = 0; j < N; ++j) c[i][j] = L::madd(c[i][j], a, b[j]);
       }
     }
 #pragma GCC unroll 8
@@ -419,58 +502,83 @@ static void mk(int64_t K, const float* __restrict A, int64_t lda, const float* _
   }
 }
 
-template <int R, int N, bool kScores>
-static inline void mk_rows_rem(int64_t r, int64_t K, const float* A, int64_t lda, const float* B,
+template <int R, int N, bool kScores, class Pk>
+static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t lda, const Pk* B,
                                int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      mk<R, N, kScores>(K, A, lda, B, ldb, C, ldc);
+      mk<R, N, kScores, Pk>(K, A, lda, B, ldb, C, ldc);
     else
-      mk_rows_rem<R - 1, N, kScores>(r, K, A, lda, B, ldb, C, ldc);
+      mk_rows_rem<R - 1, N, kScores, Pk>(r, K, A, lda, B, ldb, C, ldc);
   }
 }
 
-template <int N, bool kScores>
-static void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
-                      int64_t ldb, float* C, int64_t ldc) {
+template <int N, bool kScores, class Pk>
+static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t lda, const Pk* B, int64_t ldb,
+                      float* C, int64_t ldc) {
   int64_t i = 0;
-  for (; i + kMR <= M; i += kMR) mk<kMR, N, kScores>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  for (; i + kMR <= M; i += kMR)
+    mk<kMR, N, kScores, Pk>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
   if (i < M)
-    mk_rows_rem<kMR - 1, N, kScores>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    mk_rows_rem<kMR - 1, N, kScores, Pk>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
 }
 
-template <int R, bool kScores>
-static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const float* A, int64_t lda,
-                                 const float* B, int64_t ldb, float* C, int64_t ldc) {
+template <int R, bool kScores, class Pk>
+static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t lda,
+                                 const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      gemm_cols<R, kScores>(M, K, A, lda, B, ldb, C, ldc);
+      gemm_cols<R, kScores, Pk>(M, K, A, lda, B, ldb, C, ldc);
     else
-      gemm_cols_rem<R - 1, kScores>(r, M, K, A, lda, B, ldb, C, ldc);
+      gemm_cols_rem<R - 1, kScores, Pk>(r, M, K, A, lda, B, ldb, C, ldc);
   }
 }
 
-template <bool kScores>
-static void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+template <bool kScores, class Pk>
+static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda, const Pk* B,
                  int64_t ldb, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   int64_t nv = N / W, j = 0;
   for (; j + kNR <= nv; j += kNR)
-    gemm_cols<kNR, kScores>(M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols<kNR, kScores, Pk>(M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
   if (j < nv)
-    gemm_cols_rem<kNR - 1, kScores>(nv - j, M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols_rem<kNR - 1, kScores, Pk>(nv - j, M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
 }
 
 // C[M x N] = A[M x K] . B[K x N], K the head dim (see above).
-static inline void score_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                              const float* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<true>(M, N, K, A, lda, B, ldb, C, ldc);
+template <class Pk>
+static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
+                              const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<true, Pk>(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 // C[M x N] += A[M x K] . B[K x N].
-static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                            const float* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<false>(M, N, K, A, lda, B, ldb, C, ldc);
+template <class Pk>
+static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
+                            const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<false, Pk>(M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+// A computed f32 tile (rows x ld, n real columns) as the A operand of a
+// product over its columns: itself for f32; for bf16, words of rounded
+// column pairs (ld / 2 per row), a column n paired with 0.
+template <class Pk>
+static inline const Pk* a_tile(const float* t, int64_t rows, int64_t ld, int64_t n, Pk* words);
+template <>
+inline const float* a_tile<float>(const float* t, int64_t, int64_t, int64_t, float*) {
+  return t;
+}
+template <>
+inline const uint32_t* a_tile<uint32_t>(const float* t, int64_t rows, int64_t ld, int64_t n,
+                                        uint32_t* words) {
+  const int64_t full = n / 2, ldw = ld / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = t + r * ld;
+    uint32_t* w = words + r * ldw;
+    for (int64_t p = 0; p < full; ++p) w[p] = bf16_pair(row[2 * p], row[2 * p + 1]);
+    if (n % 2) w[full] = bf16_pair(row[n - 1], 0.0f);
+  }
+  return words;
 }
 
 // ---------------------------------------------------------------------------
@@ -753,6 +861,32 @@ static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t Dp
   }
 }
 
+// bf16 pair packs (Lanes<uint32_t>), from f32 row packs [Lp, Dp] whose values
+// are bf16 (so the rounding is exact). Dp and Lp are even; padding stays 0.
+// Rows, pairs along D: dst[t][p] = (rows[t][2p], rows[t][2p+1]), Dp/2 words a row.
+static void pack_pair_rows(const float* rows, int64_t Lp, int64_t Dp, uint32_t* dst) {
+  for (int64_t i = 0; i < Lp * Dp / 2; ++i) dst[i] = bf16_pair(rows[2 * i], rows[2 * i + 1]);
+}
+// Transposed by tile, pairs along D: dst[blk][p][c] = (rows[blk*bt + c][2p], ..[2p+1]),
+// p < Dk = ceil(D / 2).
+static void pack_pair_transposed(const float* rows, int64_t Lp, int64_t D, int64_t Dp, int64_t bt,
+                                 uint32_t* dst) {
+  const int64_t Dk = (D + 1) / 2;
+  for (int64_t blk = 0; blk < Lp / bt; ++blk) {
+    uint32_t* o = dst + blk * Dk * bt;
+    const float* r = rows + blk * bt * Dp;
+    for (int64_t p = 0; p < Dk; ++p)
+      for (int64_t c = 0; c < bt; ++c) o[p * bt + c] = bf16_pair(r[c * Dp + 2 * p], r[c * Dp + 2 * p + 1]);
+  }
+}
+// Pairs along the sequence: dst[u][d] = (rows[2u][d], rows[2u+1][d]), the B
+// operand of the products summed over keys or queries (O, dV, dK, dQ).
+static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, uint32_t* dst) {
+  for (int64_t u = 0; u < Lp / 2; ++u)
+    for (int64_t d = 0; d < Dp; ++d)
+      dst[u * Dp + d] = bf16_pair(rows[2 * u * Dp + d], rows[(2 * u + 1) * Dp + d]);
+}
+
 // ---------------------------------------------------------------------------
 // Forward.
 // ---------------------------------------------------------------------------
@@ -761,12 +895,25 @@ struct FwdState {
   const ForwardOperands* op;
   float* KT;  // [B*KH][ntk][D][BK]
   float* V;   // [B*KH][Sp][Dp]
+  // With bf16 pairs (words): Kᵀ [B*KH][ntk][ceil(D/2)][BK] and V pairs along
+  // keys [B*KH][Sp/2][Dp] instead, K and V going through one f32 head in V.
+  bool words;
+  uint32_t* KTw;
+  uint32_t* Vw;
   int fail;
 };
 
 static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
+  if (s.words) {
+    float* rows = s.V + idx * g.Sp * g.Dp;
+    pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dp, rows);
+    pack_pair_transposed(rows, g.Sp, g.D, g.Dp, BK, s.KTw + idx * g.Sp * ((g.D + 1) / 2));
+    pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, rows);
+    pack_pair_interleaved(rows, g.Sp, g.Dp, s.Vw + idx * g.Sp * g.Dp / 2);
+    return;
+  }
   float* vdst = s.V + idx * g.Sp * g.Dp;
   pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, vdst);
   // Kᵀ blocked by BK, straight from the source rows.
@@ -782,15 +929,19 @@ static void fwd_pack(FwdState& s, int64_t idx) {
   }
 }
 
+template <class Pk>
 static void fwd_item(FwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const ForwardOperands& op = *s.op;
   int64_t qt = g.ntq - 1 - idx / (g.B * g.N);
   int64_t bn = idx % (g.B * g.N);
   int64_t b = bn / g.N, n = bn % g.N, kh = n / g.G;
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
-  int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(BQ * Dp * 2 + BQ * BK + 2 * BQ + BK);
+  int64_t Dp = g.Dp, D = g.D, Dk = (D + kP - 1) / kP;
+  // Pk scratch for the Q rows and P as product operands (bf16 pairs only).
+  const int64_t pk_floats = kP == 1 ? 0 : (BQ * Dp + BQ * BK) / 2;
+  float* buf = falloc(BQ * Dp * 2 + BQ * BK + 2 * BQ + BK + pk_floats);
   if (!buf) {
     set_fail(&s.fail);
     return;
@@ -801,15 +952,29 @@ static void fwd_item(FwdState& s, int64_t idx) {
   float* mrow = Sb + BQ * BK;
   float* lrow = mrow + BQ;
   float* brow = lrow + BQ;
+  Pk* Qw = reinterpret_cast<Pk*>(brow + BK);  // [BQ][Dp / 2] (bf16 pairs only)
+  Pk* Pw = Qw + BQ * Dp / 2;                   // [BQ][BK / 2] (bf16 pairs only)
   for (int64_t r = 0; r < ni; ++r) load_row(row_ptr(op.q, b, i0 + r, n), op.q.dtype, D, Qt + r * Dp);
+  if constexpr (kP == 2) {  // the pairs read the zero padding past D
+    for (int64_t r = 0; r < ni; ++r)
+      for (int64_t d = D; d < Dp; ++d) Qt[r * Dp + d] = 0.0f;
+  }
+  const Pk* Qa = a_tile<Pk>(Qt, ni, Dp, Dp, Qw);
   memset(Ob, 0, static_cast<size_t>(BQ * Dp) * 4);
   for (int64_t r = 0; r < BQ; ++r) {
     mrow[r] = -kInf;
     lrow[r] = 0.0f;
   }
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
-  const float* KTh = s.KT + (b * g.KH + kh) * g.Sp * D;
-  const float* Vh = s.V + (b * g.KH + kh) * g.Sp * Dp;
+  const Pk* KTh;
+  const Pk* Vh;  // B operand of O += P.V: rows (f32) or key pairs (bf16)
+  if constexpr (kP == 1) {
+    KTh = s.KT + (b * g.KH + kh) * g.Sp * D;
+    Vh = s.V + (b * g.KH + kh) * g.Sp * Dp;
+  } else {
+    KTh = s.KTw + (b * g.KH + kh) * g.Sp * Dk;
+    Vh = s.Vw + (b * g.KH + kh) * g.Sp * Dp / 2;
+  }
   int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
   int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
   int64_t kt_begin, kt_end, visited = 0;
@@ -820,7 +985,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
     if (cls == 0) continue;
     ++visited;
     const int32_t* seg_cols = g.qseg ? g.kvseg + b * g.S + j0 : nullptr;
-    score_gemm(ni, nc, D, Qt, Dp, KTh + kt * D * BK, BK, Sb, BK);
+    score_gemm<Pk>(ni, nc, Dk, Qa, Dp / kP, KTh + kt * Dk * BK, BK, Sb, BK);
     for (int64_t r = 0; r < ni; ++r) {
       int64_t i = i0 + r;
       float* srow = Sb + r * BK;
@@ -867,7 +1032,8 @@ static void fwd_item(FwdState& s, int64_t idx) {
         for (int64_t c = 0; c < Dp; c += W) st(orow + c, ld(orow + c) * va);
       }
     }
-    acc_gemm(ni, Dp, nj, Sb, BK, Vh + j0 * Dp, Dp, Ob, Dp);
+    acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, Pw), BK / kP,
+                 Vh + j0 / kP * Dp, Dp, Ob, Dp);
   }
   count_tile_visits(kTileVisitsForward, visited);
   float* lse = op.lse + (b * g.N + n) * g.T;
@@ -901,8 +1067,38 @@ struct BwdState {
   bool need_transposed_q;  // QT / dOT / Kp / Vp (pass 2)
   float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head
   float *Kp, *Vp, *KT, *VT;              // per kv head
+  // bf16 pairs (words): the products read these instead of the f32 packs,
+  // which then only feed them and Drow (QT, dOT, KT, VT are not made).
+  // Rows with pairs along D (..w), transposed by tile (..Tw), and pairs along
+  // the sequence (..i) for the B operands of dK, dV and dQ.
+  bool words;
+  uint32_t *Qw, *dOw, *QTw, *dOTw, *Qi, *dOi;  // per q head
+  uint32_t *Kw, *Vw, *KTw, *VTw, *Ki;          // per kv head
   int fail;
 };
+
+// The packed operands as the tile products read them. A: rows [len][lda];
+// T: transposed by tile [ntiles][Dk][tile]; B: the B operand of products
+// summed over the sequence, [len / kPair][Dp] (the f32 rows themselves).
+template <class Pk>
+struct PackView {
+  const Pk *Qa, *dOa, *QT, *dOT, *Qb, *dOb;  // per q head
+  const Pk *Ka, *Va, *KT, *VT, *Kb;          // per kv head
+  int64_t lda;  // Dp / kPair
+  int64_t Dk;   // ceil(D / kPair): K of the score products
+};
+
+template <class Pk>
+static PackView<Pk> pack_view(const BwdState& s);
+template <>
+inline PackView<float> pack_view<float>(const BwdState& s) {
+  return {s.Qp, s.dOp, s.QT, s.dOT, s.Qp, s.dOp, s.Kp, s.Vp, s.KT, s.VT, s.Kp, s.g.Dp, s.g.D};
+}
+template <>
+inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
+  return {s.Qw, s.dOw, s.QTw, s.dOTw, s.Qi, s.dOi, s.Kw, s.Vw, s.KTw, s.VTw, s.Ki,
+          s.g.Dp / 2, (s.g.D + 1) / 2};
+}
 
 static void bwd_pack(BwdState& s, int64_t idx) {
   const Geo& g = s.g;
@@ -913,7 +1109,15 @@ static void bwd_pack(BwdState& s, int64_t idx) {
     float* dO = s.dOp + idx * g.Tp * Dp;
     pack_rows(*s.q, b, n, g.T, g.Tp, D, Dp, Q);
     pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dp, dO);
-    if (s.need_transposed_q) {
+    if (s.words) {
+      const int64_t wsz = g.Tp * Dp / 2, tsz = g.Tp * ((D + 1) / 2);
+      pack_pair_rows(Q, g.Tp, Dp, s.Qw + idx * wsz);
+      pack_pair_rows(dO, g.Tp, Dp, s.dOw + idx * wsz);
+      pack_pair_transposed(Q, g.Tp, D, Dp, BQ, s.QTw + idx * tsz);
+      pack_pair_transposed(dO, g.Tp, D, Dp, BQ, s.dOTw + idx * tsz);
+      pack_pair_interleaved(Q, g.Tp, Dp, s.Qi + idx * wsz);
+      pack_pair_interleaved(dO, g.Tp, Dp, s.dOi + idx * wsz);
+    } else if (s.need_transposed_q) {
       pack_transposed(Q, g.Tp, D, Dp, BQ, s.QT + idx * g.Tp * D);
       pack_transposed(dO, g.Tp, D, Dp, BQ, s.dOT + idx * g.Tp * D);
     }
@@ -946,6 +1150,15 @@ static void bwd_pack(BwdState& s, int64_t idx) {
     float* V = s.Vp + idx * g.Sp * Dp;
     pack_rows(*s.k, b, h, g.S, g.Sp, D, Dp, K);
     pack_rows(*s.v, b, h, g.S, g.Sp, D, Dp, V);
+    if (s.words) {
+      const int64_t wsz = g.Sp * Dp / 2, tsz = g.Sp * ((D + 1) / 2);
+      pack_pair_rows(K, g.Sp, Dp, s.Kw + idx * wsz);
+      pack_pair_rows(V, g.Sp, Dp, s.Vw + idx * wsz);
+      pack_pair_transposed(K, g.Sp, D, Dp, BK, s.KTw + idx * tsz);
+      pack_pair_transposed(V, g.Sp, D, Dp, BK, s.VTw + idx * tsz);
+      pack_pair_interleaved(K, g.Sp, Dp, s.Ki + idx * wsz);
+      return;
+    }
     pack_transposed(K, g.Sp, D, Dp, BK, s.KT + idx * g.Sp * D);
     pack_transposed(V, g.Sp, D, Dp, BK, s.VT + idx * g.Sp * D);
   }
@@ -954,17 +1167,17 @@ static void bwd_pack(BwdState& s, int64_t idx) {
 // dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
 // (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
 // clobbered. brow: scratch of BK floats.
+template <class Pk>
 static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64_t kt, int cls,
                       int64_t te, int64_t se, float* Sb, float* dPb, float* brow) {
   const Geo& g = s.g;
-  int64_t D = g.D, Dp = g.Dp;
+  const PackView<Pk> o = pack_view<Pk>(s);
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
   int64_t qh = b * g.N + n, kvh = b * g.KH + n / g.G;
-  score_gemm(ni, nc, D, s.Qp + (qh * g.Tp + i0) * Dp, Dp, s.KT + kvh * g.Sp * D + kt * D * BK, BK, Sb,
-       BK);
-  score_gemm(ni, nc, D, s.dOp + (qh * g.Tp + i0) * Dp, Dp, s.VT + kvh * g.Sp * D + kt * D * BK, BK, dPb,
-       BK);
+  const int64_t Tq = (qh * g.Tp + i0) * o.lda, Tk = kvh * g.Sp * o.Dk + kt * o.Dk * BK;
+  score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
+  score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
   const float* Lb = s.Lb + qh * g.Tp;
   const float* Dr = s.Drow + qh * g.Tp;
   int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
@@ -996,15 +1209,18 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   }
 }
 
+template <class Pk>
 static void bwd_pass1(BwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const BackwardOperands& op = *s.bop;
+  const PackView<Pk> o = pack_view<Pk>(s);
   int64_t qt = g.ntq - 1 - idx / (g.B * g.N);
   int64_t bn = idx % (g.B * g.N);
   int64_t b = bn / g.N, n = bn % g.N, kvh = b * g.KH + n / g.G;
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
   int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(BQ * Dp + 2 * BQ * BK + BK);
+  float* buf = falloc(BQ * Dp + 2 * BQ * BK + BK + (kP == 1 ? 0 : BQ * BK / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
@@ -1013,6 +1229,7 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
   float* Sb = dQ + BQ * Dp;
   float* dPb = Sb + BQ * BK;
   float* brow = dPb + BQ * BK;
+  Pk* dSw = reinterpret_cast<Pk*>(brow + BK);  // [BQ][BK / 2] (bf16 pairs only)
   memset(dQ, 0, static_cast<size_t>(BQ * Dp) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
   int64_t kt_begin, kt_end, visited = 0;
@@ -1022,8 +1239,9 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
     ++visited;
-    ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
-    acc_gemm(ni, Dp, nj, Sb, BK, s.Kp + (kvh * g.Sp + j0) * Dp, Dp, dQ, Dp);
+    ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
+    acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
+                 o.Kb + (kvh * g.Sp + j0) / kP * Dp, Dp, dQ, Dp);
   }
   count_tile_visits(kTileVisitsBackwardDq, visited);
   for (int64_t r = 0; r < ni; ++r)
@@ -1031,15 +1249,18 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
   free(buf);
 }
 
+template <class Pk>
 static void bwd_pass2(BwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const BackwardOperands& op = *s.bop;
+  const PackView<Pk> o = pack_view<Pk>(s);
   int64_t kt = idx / (g.B * g.KH);
   int64_t bk = idx % (g.B * g.KH);
   int64_t b = bk / g.KH, kh = bk % g.KH;
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0);
   int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(2 * BK * Dp + 2 * BK * BQ + BQ);
+  float* buf = falloc(2 * BK * Dp + 2 * BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ));
   if (!buf) {
     set_fail(&s.fail);
     return;
@@ -1049,10 +1270,12 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   float* St = dV + BK * Dp;
   float* dPt = St + BK * BQ;
   float* brow = dPt + BK * BQ;
+  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);  // [BK][BQ / 2] each (bf16 pairs only)
+  Pk* dSw = Pw + BK * BQ / 2;
   memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
-  const float* Kh = s.Kp + (bk * g.Sp + j0) * Dp;
-  const float* Vh = s.Vp + (bk * g.Sp + j0) * Dp;
+  const Pk* Kh = o.Ka + (bk * g.Sp + j0) * o.lda;
+  const Pk* Vh = o.Va + (bk * g.Sp + j0) * o.lda;
   int64_t qt_begin, qt_end, visited = 0;
   query_tile_range(g, b, kt, &qt_begin, &qt_end);
   for (int64_t gi = 0; gi < g.G; ++gi) {
@@ -1068,8 +1291,9 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
       if (cls == 0) continue;
       ++visited;
       const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
-      score_gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ);
-      score_gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ);
+      score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
+      score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
+                     BQ);
       for (int64_t r = 0; r < nj; ++r) {
         int64_t j = j0 + r;
         float* srow = St + r * BQ;
@@ -1094,8 +1318,10 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
           st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
         }
       }
-      acc_gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp);
-      acc_gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp);
+      acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
+                   o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
+      acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
+                   o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
     }
   }
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
@@ -1113,12 +1339,16 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
 // an f32 accumulator of G x T x D floats until the end. Each slice owns its
 // dQ, dK and dV rows, so no atomics; the sums run in the two-pass order (key
 // tiles ascending for dQ; query heads, then query tiles, for dK and dV).
+template <class Pk>
 static void bwd_fused(BwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const BackwardOperands& op = *s.bop;
+  const PackView<Pk> o = pack_view<Pk>(s);
   int64_t b = idx / g.KH, kh = idx % g.KH;
   int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ * BK + BQ);
+  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ * BK + BQ +
+                      (kP == 1 ? 0 : 3 * BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
@@ -1130,12 +1360,15 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   float* dPt = St + BK * BQ;
   float* dS = dPt + BK * BQ;
   float* brow = dS + BQ * BK;
+  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);  // P^T, dS^T, dS as bf16 pairs (only then)
+  Pk* dSw = Pw + BK * BQ / 2;
+  Pk* dSq = dSw + BK * BQ / 2;
   memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dp) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b), visited = 0;
   for (int64_t kt = 0; kt < g.ntk; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-    const float* Kh = s.Kp + (idx * g.Sp + j0) * Dp;
-    const float* Vh = s.Vp + (idx * g.Sp + j0) * Dp;
+    const Pk* Kh = o.Ka + (idx * g.Sp + j0) * o.lda;
+    const Pk* Vh = o.Va + (idx * g.Sp + j0) * o.lda;
     memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
     int64_t qt_begin, qt_end;
     query_tile_range(g, b, kt, &qt_begin, &qt_end);
@@ -1151,8 +1384,9 @@ static void bwd_fused(BwdState& s, int64_t idx) {
         if (cls == 0) continue;
         ++visited;
         const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
-        score_gemm(nj, ncq, D, Kh, Dp, s.QT + qh * g.Tp * D + qt * D * BQ, BQ, St, BQ);
-        score_gemm(nj, ncq, D, Vh, Dp, s.dOT + qh * g.Tp * D + qt * D * BQ, BQ, dPt, BQ);
+        score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
+        score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
+                     BQ);
         for (int64_t r = 0; r < nj; ++r) {
           int64_t j = j0 + r;
           float* srow = St + r * BQ;
@@ -1177,12 +1411,15 @@ static void bwd_fused(BwdState& s, int64_t idx) {
             st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
           }
         }
-        acc_gemm(nj, Dp, ni, St, BQ, s.dOp + (qh * g.Tp + i0) * Dp, Dp, dV, Dp);
-        acc_gemm(nj, Dp, ni, dPt, BQ, s.Qp + (qh * g.Tp + i0) * Dp, Dp, dK, Dp);
+        acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
+                   o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
+        acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
+                   o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
         // dQ[i0.., :] += dS . K, with dS (queries x keys) transposed out of dPt.
         for (int64_t r = 0; r < ni; ++r)
           for (int64_t c = 0; c < nj; ++c) dS[r * BK + c] = dPt[c * BQ + r];
-        acc_gemm(ni, Dp, nj, dS, BK, Kh, Dp, dQ + (gi * g.Tp + i0) * Dp, Dp);
+        acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(dS, ni, BK, nj, dSq), BK / kP,
+                     o.Kb + (idx * g.Sp + j0) / kP * Dp, Dp, dQ + (gi * g.Tp + i0) * Dp, Dp);
       }
     }
     for (int64_t r = 0; r < nj; ++r) {
@@ -1266,7 +1503,7 @@ static void bias_grad_item(BiasGradState& bg, int64_t idx) {
           int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
           if (cls == 0) continue;
           ++visited;
-          ds_tile_q(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
+          ds_tile_q<float>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
           for (int64_t r = 0; r < ni; ++r) {
             const float* dsr = Sb + r * BK;
             float* orow = out + (tdim ? (i0 + r) : 0) * bg.db[3];
@@ -1300,31 +1537,57 @@ static void run_items(const ParallelFor& pf, int64_t count, State& st) {
 
 static const char* kOom = "jax_fatrain cpu: out of memory for attention scratch";
 
+// Packs the operands (words: the bf16 pair packs instead of the f32
+// transposed ones, see BwdState).
 static const char* backward_common(BwdState& s, const ParallelFor& parallel, bool need_pass2,
-                                   void** handle) {
+                                   bool words, void** handle) {
   const Geo& g = s.g;
   int64_t qsz = g.B * g.N * g.Tp * g.Dp, qtsz = g.B * g.N * g.Tp * g.D;
   int64_t ksz = g.B * g.KH * g.Sp * g.Dp, ktsz = g.B * g.KH * g.Sp * g.D;
   int64_t rsz = g.B * g.N * g.Tp;
   int64_t segsz = s.g.qseg ? segment_tile_ints(g) : 0;
+  // Word packs: rows and sequence pairs hold half an f32 row pack each,
+  // transposed ones ceil(D / 2) words per row.
+  int64_t qwsz = qsz / 2, qtwsz = g.B * g.N * g.Tp * ((g.D + 1) / 2);
+  int64_t kwsz = ksz / 2, ktwsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2);
   s.need_transposed_q = need_pass2;
+  s.words = words;
   int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
-                  2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0) +
                   carve_size(segsz);
+  if (words)
+    total += 4 * carve_size(qwsz) + 2 * carve_size(qtwsz) + 3 * carve_size(kwsz) +
+             2 * carve_size(ktwsz);
+  else
+    total += 2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0);
   float* base = scratch_take(total, handle);
   if (!base) return kOom;
   Carver c{base, 0};
   if (s.g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
   s.Qp = c.take(qsz);
   s.dOp = c.take(qsz);
-  s.QT = need_pass2 ? c.take(qtsz) : nullptr;
-  s.dOT = need_pass2 ? c.take(qtsz) : nullptr;
   s.Drow = c.take(rsz);
   s.Lb = c.take(rsz);
   s.Kp = c.take(ksz);
   s.Vp = c.take(ksz);
-  s.KT = c.take(ktsz);
-  s.VT = c.take(ktsz);
+  if (words) {
+    auto w = [&c](int64_t n) { return reinterpret_cast<uint32_t*>(c.take(n)); };
+    s.Qw = w(qwsz);
+    s.dOw = w(qwsz);
+    s.Qi = w(qwsz);
+    s.dOi = w(qwsz);
+    s.QTw = w(qtwsz);
+    s.dOTw = w(qtwsz);
+    s.Kw = w(kwsz);
+    s.Vw = w(kwsz);
+    s.Ki = w(kwsz);
+    s.KTw = w(ktwsz);
+    s.VTw = w(ktwsz);
+  } else {
+    s.QT = need_pass2 ? c.take(qtsz) : nullptr;
+    s.dOT = need_pass2 ? c.take(qtsz) : nullptr;
+    s.KT = c.take(ktsz);
+    s.VT = c.take(ktsz);
+  }
   s.fail = 0;
   run_items<BwdState, bwd_pack>(parallel, g.B * g.N + g.B * g.KH, s);
   return s.fail ? kOom : nullptr;
@@ -1336,14 +1599,17 @@ static const char* backward_common(BwdState& s, const ParallelFor& parallel, boo
 // Entry points (problem and operands already validated by attention_cpu.cc).
 // ---------------------------------------------------------------------------
 const char* attention_forward(const AttentionProblem& problem, const ForwardOperands& operands,
-                              const ParallelFor& parallel) {
+                              const ParallelFor& parallel, bool bf16_dot) {
   FwdState s;
   make_geo(problem, s.g);
   const Geo& g = s.g;
   s.op = &operands;
   s.fail = 0;
+  s.words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
   void* handle = nullptr;
   int64_t ktsz = g.B * g.KH * g.Sp * g.D, vsz = g.B * g.KH * g.Sp * g.Dp;
+  // Words: Kᵀ and V as bf16 pairs; V's f32 space is the packing scratch.
+  if (s.words) ktsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2) + vsz / 2;
   int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
   float* base = scratch_take(carve_size(ktsz) + carve_size(vsz) + carve_size(segsz), &handle);
   const char* err = nullptr;
@@ -1353,24 +1619,44 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
     Carver c{base, 0};
     s.KT = c.take(ktsz);
     s.V = c.take(vsz);
+    s.KTw = reinterpret_cast<uint32_t*>(s.KT);
+    s.Vw = s.KTw + g.B * g.KH * g.Sp * ((g.D + 1) / 2);
     if (g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
     run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
     if (s.fail) err = kOom;
   }
   if (!err) {
-    run_items<FwdState, fwd_item>(parallel, g.B * g.N * g.ntq, s);
+    if constexpr (kHasBf16Dot) {
+      if (s.words)
+        run_items<FwdState, fwd_item<uint32_t>>(parallel, g.B * g.N * g.ntq, s);
+      else
+        run_items<FwdState, fwd_item<float>>(parallel, g.B * g.N * g.ntq, s);
+    } else {
+      run_items<FwdState, fwd_item<float>>(parallel, g.B * g.N * g.ntq, s);
+    }
     if (s.fail) err = kOom;
   }
   scratch_give(handle);
   return err;
 }
 
+// The backward in operand format Pk (see Lanes).
+template <class Pk>
+static void run_backward(BwdState& s, const ParallelFor& parallel) {
+  const Geo& g = s.g;
+  if (use_fused_backward(g, parallel.num_threads)) {
+    run_items<BwdState, bwd_fused<Pk>>(parallel, g.B * g.KH, s);
+  } else {
+    run_items<BwdState, bwd_pass1<Pk>>(parallel, g.B * g.N * g.ntq, s);
+    if (!s.fail) run_items<BwdState, bwd_pass2<Pk>>(parallel, g.B * g.KH * g.ntk, s);
+  }
+}
+
 const char* attention_backward(const AttentionProblem& problem, const BackwardOperands& operands,
-                               const ParallelFor& parallel) {
+                               const ParallelFor& parallel, bool bf16_dot) {
   BwdState s;
   memset(&s, 0, sizeof(s));
   make_geo(problem, s.g);
-  const Geo& g = s.g;
   s.q = &operands.q;
   s.k = &operands.k;
   s.v = &operands.v;
@@ -1379,13 +1665,16 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   s.lse = operands.lse;
   s.bop = &operands;
   void* handle = nullptr;
-  const char* err = backward_common(s, parallel, true, &handle);
+  const bool words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
+  const char* err = backward_common(s, parallel, true, words, &handle);
   if (!err) {
-    if (use_fused_backward(g, parallel.num_threads)) {
-      run_items<BwdState, bwd_fused>(parallel, g.B * g.KH, s);
+    if constexpr (kHasBf16Dot) {
+      if (words)
+        run_backward<uint32_t>(s, parallel);
+      else
+        run_backward<float>(s, parallel);
     } else {
-      run_items<BwdState, bwd_pass1>(parallel, g.B * g.N * g.ntq, s);
-      if (!s.fail) run_items<BwdState, bwd_pass2>(parallel, g.B * g.KH * g.ntk, s);
+      run_backward<float>(s, parallel);
     }
     if (s.fail) err = kOom;
   }
@@ -1407,7 +1696,7 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
   s.lse = operands.lse;
   s.gop = &operands;
   void* handle = nullptr;
-  const char* err = backward_common(s, parallel, false, &handle);
+  const char* err = backward_common(s, parallel, false, false, &handle);
   if (!err) {
     BiasGradState bg;
     for (int d = 0; d < 4; ++d) bg.db[d] = problem.bias.dims[d];

@@ -86,12 +86,17 @@ def _check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int,
 
 
 def _flag(name: str, value) -> bool:
-  """A Python truth value known at trace time (not an array or a tracer)."""
-  try:
+  """A boolean known at trace time: True/False (also NumPy's, or the ints 0 and
+  1). Anything else, a string such as "no" or an array or tracer, is refused
+  rather than read by its truth value."""
+  if isinstance(value, (bool, np.bool_)):
     return bool(value)
-  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
-    raise TypeError(f"{name} must be a bool known at trace time, got "
-                    f"{type(value).__name__}") from e
+  if isinstance(value, (int, np.integer)) and value in (0, 1):
+    return bool(value)
+  got = type(value).__name__
+  if isinstance(value, (str, int, float)):
+    got += f" {value!r}"
+  raise TypeError(f"{name} must be a bool known at trace time (True or False), got {got}")
 
 
 def _window(local_window_size, limit: int) -> tuple[int, int]:

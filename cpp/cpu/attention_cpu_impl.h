@@ -1249,6 +1249,57 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
   free(buf);
 }
 
+// One (key tile, query tile) pair of the dK/dV sums, shared by pass 2 and the
+// fused pass: S^T and dP^T (rows: the nj keys from j0; columns: query tile qt
+// of head n), turned in place into P^T and dS^T, then dV += P^T.dO and
+// dK += dS^T.Q. cls: classify()'s verdict for the pair, not 0.
+template <class Pk>
+static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64_t n, int64_t qt,
+                      int cls, int64_t j0, int64_t nj, const Pk* Kh, const Pk* Vh, int64_t te,
+                      int64_t se, float* St, float* dPt, float* brow, Pk* Pw, Pk* dSw, float* dK,
+                      float* dV) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const int64_t Dp = g.Dp, qh = b * g.N + n;
+  const int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
+  const float* Lb = s.Lb + qh * g.Tp;
+  const float* Dr = s.Drow + qh * g.Tp;
+  const int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
+  const int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+  const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
+  score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
+  score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
+                 BQ);
+  for (int64_t r = 0; r < nj; ++r) {
+    int64_t j = j0 + r;
+    float* srow = St + r * BQ;
+    float* dprow = dPt + r * BQ;
+    const float* bp = nullptr;
+    if (g.bias) {
+      bias_gather(g, bbase + j * g.bstr[3] + i0 * g.bstr[2], g.bstr[2], ni, brow);
+      for (int64_t c = ni; c < ncq; ++c) brow[c] = 0.0f;
+      bp = brow;
+    }
+    int64_t lo = 1, hi = 0;
+    if (j < se) {
+      lo = col_lo(g, j) - i0;
+      hi = col_hi(g, j, te) - i0;
+    }
+    prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
+             g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
+             ni, seg_cols, seg_cols ? g.kvseg[b * g.S + j] : 0);
+    for (int64_t c = 0; c < ncq; c += W) {
+      vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
+      st(srow + c, p);
+      st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
+    }
+  }
+  acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
+               o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
+  acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
+               o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
+}
+
 template <class Pk>
 static void bwd_pass2(BwdState& s, int64_t idx) {
   constexpr int64_t kP = Lanes<Pk>::kPair;
@@ -1279,49 +1330,14 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   int64_t qt_begin, qt_end, visited = 0;
   query_tile_range(g, b, kt, &qt_begin, &qt_end);
   for (int64_t gi = 0; gi < g.G; ++gi) {
-    int64_t n = kh * g.G + gi, qh = b * g.N + n;
-    const float* Lb = s.Lb + qh * g.Tp;
-    const float* Dr = s.Drow + qh * g.Tp;
-    int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
-    int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+    int64_t n = kh * g.G + gi;
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
       int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
       int64_t nc = round_up(nj, W);
       int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
       if (cls == 0) continue;
       ++visited;
-      const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
-      score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
-      score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
-                     BQ);
-      for (int64_t r = 0; r < nj; ++r) {
-        int64_t j = j0 + r;
-        float* srow = St + r * BQ;
-        float* dprow = dPt + r * BQ;
-        const float* bp = nullptr;
-        if (g.bias) {
-          bias_gather(g, bbase + j * g.bstr[3] + i0 * g.bstr[2], g.bstr[2], ni, brow);
-          for (int64_t c = ni; c < ncq; ++c) brow[c] = 0.0f;
-          bp = brow;
-        }
-        int64_t lo = 1, hi = 0;
-        if (j < se) {
-          lo = col_lo(g, j) - i0;
-          hi = col_hi(g, j, te) - i0;
-        }
-        prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
-                 g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
-                 ni, seg_cols, seg_cols ? g.kvseg[b * g.S + j] : 0);
-        for (int64_t c = 0; c < ncq; c += W) {
-          vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
-          st(srow + c, p);
-          st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
-        }
-      }
-      acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
-                   o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
-      acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
-                   o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
+      dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK, dV);
     }
   }
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
@@ -1373,48 +1389,14 @@ static void bwd_fused(BwdState& s, int64_t idx) {
     int64_t qt_begin, qt_end;
     query_tile_range(g, b, kt, &qt_begin, &qt_end);
     for (int64_t gi = 0; gi < g.G; ++gi) {
-      int64_t n = kh * g.G + gi, qh = b * g.N + n;
-      const float* Lb = s.Lb + qh * g.Tp;
-      const float* Dr = s.Drow + qh * g.Tp;
-      int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
-      int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
+      int64_t n = kh * g.G + gi;
       for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
         int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
         int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
         if (cls == 0) continue;
         ++visited;
-        const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
-        score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
-        score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
-                     BQ);
-        for (int64_t r = 0; r < nj; ++r) {
-          int64_t j = j0 + r;
-          float* srow = St + r * BQ;
-          float* dprow = dPt + r * BQ;
-          const float* bp = nullptr;
-          if (g.bias) {
-            bias_gather(g, bbase + j * g.bstr[3] + i0 * g.bstr[2], g.bstr[2], ni, brow);
-            for (int64_t c = ni; c < ncq; ++c) brow[c] = 0.0f;
-            bp = brow;
-          }
-          int64_t lo = 1, hi = 0;
-          if (j < se) {
-            lo = col_lo(g, j) - i0;
-            hi = col_hi(g, j, te) - i0;
-          }
-          prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
-                   g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
-                   ni, seg_cols, seg_cols ? g.kvseg[b * g.S + j] : 0);
-          for (int64_t c = 0; c < ncq; c += W) {
-            vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
-            st(srow + c, p);
-            st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
-          }
-        }
-        acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
-                   o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
-        acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
-                   o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
+        dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
+                      dV);
         // dQ[i0.., :] += dS . K, with dS (queries x keys) transposed out of dPt.
         for (int64_t r = 0; r < ni; ++r)
           for (int64_t c = 0; c < nj; ++c) dS[r * BK + c] = dPt[c * BQ + r];

@@ -1,6 +1,7 @@
-// The Metal stand-in: the Foundation and Metal objects that the unmodified
-// macOS host (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc) talks to
-// through metal-cpp, on Linux, with the MSL emulator as the GPU.
+// The Metal stand-in: the Foundation and Metal objects that the macOS host
+// (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc, compiled from the same
+// sources as on a Mac) talks to through metal-cpp, on Linux, with the MSL
+// emulator as the GPU.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
@@ -45,7 +46,8 @@
 #include "msl_emulator/runtime.h"
 #include "objc_runtime.h"
 
-// The kernel library's source text, embedded by the build (library_source.S).
+// The kernel library's source text, embedded by standin.py's build (an
+// assembler .incbin of the packaged kernel source).
 extern "C" const char fatrain_standin_library_source[];
 extern "C" const char fatrain_standin_library_source_end[];
 

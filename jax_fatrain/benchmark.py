@@ -135,6 +135,24 @@ def _jax_attention(impl: str) -> Callable:
   raise ValueError(impl)
 
 
+def _compile_once(fn, args):
+  """(call, compile_only) for a jitted fn: compile_only() lowers and compiles
+  it for args once; call(*a) runs the compiled executable and blocks."""
+  import jax
+
+  compiled = []
+
+  def compile_only():
+    if not compiled:
+      compiled.append(fn.lower(*args).compile())
+
+  def call(*a):
+    compile_only()
+    return jax.block_until_ready(compiled[0](*a))
+
+  return call, compile_only
+
+
 def _make_jax(impl: str, case: Case, seed: int = 0):
   """Returns (call, args, to_numpy): ``call(*args)`` runs once and blocks."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -153,16 +171,7 @@ def _make_jax(impl: str, case: Case, seed: int = 0):
     args = (q, k, v, ct)
     to_numpy = None
 
-  compiled = []
-
-  def compile_only():
-    if not compiled:
-      compiled.append(fn.lower(*args).compile())
-
-  def call(*a):
-    compile_only()
-    return jax.block_until_ready(compiled[0](*a))
-
+  call, compile_only = _compile_once(fn, args)
   return call, args, to_numpy, compile_only
 
 
@@ -559,16 +568,7 @@ def _make_packed(case: PackedCase, packed: bool, implementation: str, seed: int 
     def loss(q, k, v, ct):
       return jnp.sum(attn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
     fn, args = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, ct)
-  compiled = []
-
-  def compile_only():
-    if not compiled:
-      compiled.append(fn.lower(*args).compile())
-
-  def call(*a):
-    compile_only()
-    return jax.block_until_ready(compiled[0](*a))
-
+  call, compile_only = _compile_once(fn, args)
   return call, args, compile_only
 
 

@@ -24,18 +24,15 @@ B, N, T, S = "B", "N", "T", "S"
 
 def _grads(case, x, deterministic, runs=3):
   """`runs` evaluations of our gradients (one compiled function)."""
-  _cuda.set_deterministic(deterministic)
-  try:
-    argnums = (0, 1, 2, 3) if x.bias is not None else (0, 1, 2)
+  argnums = (0, 1, 2, 3) if x.bias is not None else (0, 1, 2)
 
-    def loss(q, k, v, bias):
-      out = jax_fatrain.dot_product_attention(q, k, v, implementation="cuda",
-                                              **{**x.kwargs(case), "bias": bias})
-      return jnp.sum(out.astype(jnp.float32) * x.cotangent.astype(jnp.float32))
-    fn = jax.jit(jax.grad(loss, argnums=argnums))
-    return [fn(x.q, x.k, x.v, x.bias) for _ in range(runs)]
-  finally:
-    _cuda.set_deterministic(False)
+  def loss(q, k, v, bias):
+    out = jax_fatrain.dot_product_attention(q, k, v, implementation="cuda",
+                                            deterministic=deterministic,
+                                            **{**x.kwargs(case), "bias": bias})
+    return jnp.sum(out.astype(jnp.float32) * x.cotangent.astype(jnp.float32))
+  fn = jax.jit(jax.grad(loss, argnums=argnums))
+  return [fn(x.q, x.k, x.v, x.bias) for _ in range(runs)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,8 +147,9 @@ def _kernel_rows(case):
   rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
   # The two Hopper backwards differ without a mask or bias, and at head dims
   # 64 and 128 with one of them (staged; with both, the mma.sync backward runs).
+  # Segment ids turn staging off (attention_cuda.cu, staged_score_bytes).
   plain = case.mask_shape is None and case.bias_shape is None
-  one = (case.mask_shape is None) != (case.bias_shape is None)
+  one = (case.mask_shape is None) != (case.bias_shape is None) and case.segments is None
   if plain or (case.head_dim in (64, 128) and one):
     rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async"), (False, "bwd_heads_outer"),
              (True, "bwd_heads_outer")]

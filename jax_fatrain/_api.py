@@ -200,7 +200,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
                           implementation=None, return_residual=False,
-                          q_segment_ids=None, kv_segment_ids=None):
+                          q_segment_ids=None, kv_segment_ids=None, deterministic=False):
   """FlashAttention-2 attention with ``jax.nn.dot_product_attention``'s API.
 
   Arguments mean exactly what they mean for ``jax.nn.dot_product_attention``:
@@ -229,6 +229,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   blockwise version of the same math, any platform).
   :func:`available_implementations` lists those this installation has.
 
+  ``deterministic`` (keyword-only, not in ``jax.nn``): gradients bitwise
+  reproducible from run to run. The ``cpu``, ``metal``, ``metal_emulated``
+  and ``xla`` implementations always are; the ``cuda`` backward by default
+  adds dQ with float32 atomics, whose order (and so the last bits) may vary
+  between runs, and with ``deterministic=True`` computes dQ in a kernel of
+  its own instead, somewhat slower.
+
   Differences from ``jax.nn``: a query row that sees no key at all (fully
   masked) gives 0 and a logsumexp of -inf (``jax.nn``'s XLA path gives the
   mean of ``value``), and its gradients are 0. With ``return_residual=True``
@@ -252,7 +259,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   return_residual = _flag("return_residual", return_residual)
   config = AttentionConfig(scale=_scale(scale, q.shape[-1]),
                            is_causal=_flag("is_causal", is_causal),
-                           window_left=left, window_right=right, layout="BTNH")
+                           window_left=left, window_right=right, layout="BTNH",
+                           deterministic=_flag("deterministic", deterministic))
   out, lse = _op.attention(q, k, v, bias, mask, q_lengths, kv_lengths, config, impl,
                            q_seg, kv_seg)
   if unbatched:
@@ -264,9 +272,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2))
 
 
-def _bhld_config(q, scale, causal) -> AttentionConfig:
+def _bhld_config(q, scale, causal, deterministic=False) -> AttentionConfig:
   return AttentionConfig(scale=_scale(scale, q.shape[-1]), is_causal=_flag("causal", causal),
-                         layout="BNTH")
+                         layout="BNTH", deterministic=_flag("deterministic", deterministic))
 
 
 def _split_bhld_mask(mask):
@@ -305,10 +313,12 @@ def flash_attn_train_fwd(q, k, v, mask=None, *, scale, causal, implementation=No
 
 
 def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
-                         implementation=None, q_segment_ids=None, kv_segment_ids=None):
+                         implementation=None, q_segment_ids=None, kv_segment_ids=None,
+                         deterministic=False):
   """The backward in the ``[B, H, L, D]`` layout: returns ``(dq, dk, dv)``.
 
   Takes the forward's ``mask`` and segment ids (the same ones).
+  ``deterministic``: as in :func:`dot_product_attention`.
   """
   bias, bool_mask = _split_bhld_mask(mask)
   q, k, v, bias, bool_mask, _, _, impl = _prepare(
@@ -327,6 +337,6 @@ def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
   if lse.shape != want or lse.dtype != jnp.float32:
     raise ValueError(f"lse must be float32 {list(want)} ([B, H_q, qL]), got "
                      f"{lse.dtype} {list(lse.shape)}")
-  config = _bhld_config(q, scale, causal)
+  config = _bhld_config(q, scale, causal, deterministic)
   return _op.stage(impl, "backward", config)(
       q, k, v, bias, bool_mask, None, None, o, lse, do, q_seg, kv_seg)

@@ -39,12 +39,10 @@ class AttentionConfig:
   window_left: int = -1
   window_right: int = -1
   layout: str = "BTNH"
-  # The CUDA backward's dQ mode (the other implementations are always
-  # deterministic and ignore it): True for the bitwise-reproducible one,
-  # None for the process default (``_cuda.set_deterministic``), which the
-  # op resolves when it traces a call, so that the mode is part of every
-  # cache key below it.
-  deterministic: bool | None = None
+  # Bitwise-reproducible gradients (the public ``deterministic`` keyword).
+  # Only the CUDA backward has a faster mode that is not (dQ added with
+  # float32 atomics); the other implementations always are and ignore it.
+  deterministic: bool = False
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:

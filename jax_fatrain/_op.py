@@ -94,20 +94,10 @@ def _batched(fn: Callable, stage: str) -> Callable:
   return wrapped
 
 
-def stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callable:
-  """The callable for one stage ("forward", "backward", "bias_grad").
-
-  The config's defaults are filled in first: the callables below are cached
-  by config, and JAX caches what it traces through them, so a default read
-  later, while tracing, would stay whatever it was the first time.
-  """
-  if impl.resolve_config is not None:
-    config = impl.resolve_config(config)
-  return _stage(impl, stage, config)
-
-
 @functools.lru_cache(maxsize=None)
-def _stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callable:
+def stage(impl: Implementation, name: str, config: AttentionConfig) -> Callable:
+  """The callable for stage `name` ("forward", "backward", "bias_grad"),
+  cached by implementation, stage and config."""
   # Sharding (_sharding.py): the stage is wrapped in custom_partitioning so
   # that under a multi-device jit each device runs the kernel on its shard
   # (batch/heads: no collectives; a sharded sequence: ring attention). On one
@@ -115,8 +105,8 @@ def _stage(impl: Implementation, stage: str, config: AttentionConfig) -> Callabl
   # so the folding rule above goes *outside* it, for every implementation:
   # vmap folds its axis into the batch first and the folded call is then
   # partitioned like any other.
-  fn = _sharding.partitioned(impl, stage, config)
-  return _batched(fn, stage)
+  fn = _sharding.partitioned(impl, name, config)
+  return _batched(fn, name)
 
 
 # ---------------------------------------------------------------------------

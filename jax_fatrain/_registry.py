@@ -17,7 +17,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain._config import AttentionConfig
 
 # Every implementation, in the order ``implementation=None`` considers them on
 # the cpu platform (see ``resolve_implementation``).
@@ -34,9 +33,6 @@ class Implementation:
   max_head_dim: int | None
   # JAX platforms the implementation runs on (None: any).
   platforms: tuple[str, ...] | None
-  # Fills in the config's process-wide defaults (e.g. the CUDA dQ mode) when
-  # a call is traced; None: nothing to fill in.
-  resolve_config: Callable[[AttentionConfig], AttentionConfig] | None = None
 
 
 def _module(name: str):

@@ -37,9 +37,11 @@ def gradients(attention, case: Case, x: Inputs):
   return jax.jit(jax.grad(loss, argnums=_argnums(x)))(x.q, x.k, x.v, x.bias)
 
 
-def results(case: Case, x: Inputs, implementation: str):
-  """(out, lse [B, T, N], grads) of jax_fatrain with ``implementation``."""
-  ours = functools.partial(jax_fatrain.dot_product_attention, implementation=implementation)
+def results(case: Case, x: Inputs, implementation: str, **options):
+  """(out, lse [B, T, N], grads) of jax_fatrain with ``implementation`` (and
+  ``options``, further keywords of the call such as ``deterministic``)."""
+  ours = functools.partial(jax_fatrain.dot_product_attention, implementation=implementation,
+                           **options)
   out, lse = jax.jit(lambda q, k, v: ours(q, k, v, return_residual=True, **x.kwargs(case)))(
       x.q, x.k, x.v)
   return out, lse, gradients(ours, case, x)

@@ -7,19 +7,16 @@ with ``-C cmake.define.JAX_FATRAIN_CUDA=ON`` where nvcc exists, and without it
 
 Determinism: by default the backward accumulates dQ with float32 atomics (the
 FA-2 scheme; the last bits of dQ may differ between runs when several KV tiles
-contribute to a row). ``deterministic=True`` (``AttentionConfig.deterministic``,
-or where that is None the process default: :func:`set_deterministic`, first
-the environment variable ``JAX_FATRAIN_CUDA_DETERMINISTIC=1``) computes dQ in a
-separate Q-tile-outer kernel instead: bitwise reproducible, somewhat slower.
+contribute to a row). ``deterministic=True`` (the public keyword, carried in
+``AttentionConfig.deterministic``) computes dQ in a separate Q-tile-outer
+kernel instead: bitwise reproducible, somewhat slower.
 The bias gradient is always deterministic.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -49,17 +46,6 @@ _BACKWARD = "jax_fatrain_cuda_backward"
 _BIAS_GRAD = "jax_fatrain_cuda_bias_grad"
 
 _registered: set = set()
-_deterministic_default = os.environ.get("JAX_FATRAIN_CUDA_DETERMINISTIC", "0") == "1"
-
-
-def set_deterministic(value: bool) -> None:
-  """Default for the backward's dQ mode of calls traced from now on.
-
-  A function that ``jax.jit`` has already traced keeps the mode it was traced
-  with; a new trace (a new function, other shapes) takes the new one.
-  """
-  global _deterministic_default
-  _deterministic_default = bool(value)
 
 
 def gpu_present() -> bool:
@@ -117,32 +103,16 @@ def _register_targets() -> None:
   _ffi.register_targets(_cuda_ffi, "CUDA", _registered)
 
 
-def resolve_config(config: AttentionConfig) -> AttentionConfig:
-  """``config`` with the dQ mode filled in from the process default.
-
-  Called by the op when it traces a call (``_op.stage``), so that calls traced
-  after :func:`set_deterministic` get the new mode even where the same shapes
-  were traced before with the old one.
-  """
-  if config.deterministic is not None:
-    return config
-  return dataclasses.replace(config, deterministic=_deterministic_default)
-
-
-def _deterministic(config: AttentionConfig) -> bool:
-  return resolve_config(config).deterministic
-
-
 def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, q_segment_ids):
   return _ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                         deterministic=_deterministic(config))
+                         deterministic=config.deterministic)
 
 
 def _workspace(q, k, config: AttentionConfig, stage: str, q_segment_ids):
   """The uint8 scratch result a stage's handler needs (sized by the extension)."""
   b, t, n, d = (q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis],
                 q.shape[3])
-  size = _cuda_ffi.scratch_bytes(stage, b, n, t, d, _deterministic(config),
+  size = _cuda_ffi.scratch_bytes(stage, b, n, t, d, config.deterministic,
                                  k.shape[config.seq_axis], q_segment_ids is not None)
   return _ffi.result((size,), jnp.uint8, q)
 
@@ -191,5 +161,4 @@ def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
 
 # Our CUDA kernels behind FFI handlers on the CUDA platform.
 IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(
-    "cuda", forward, backward, bias_grad, max_head_dim=MAX_HEAD_DIM, platforms=("cuda",),
-    resolve_config=resolve_config)
+    "cuda", forward, backward, bias_grad, max_head_dim=MAX_HEAD_DIM, platforms=("cuda",))

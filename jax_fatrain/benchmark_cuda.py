@@ -2,13 +2,17 @@
 ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``.
 
     python -m jax_fatrain.benchmark_cuda [--quick] [--masked-only] [--no-xla] [--repeat N]
-                                         [--json FILE]
+                                         [--part K/N] [--json FILE] [--plot FILE]
     python -m jax_fatrain.benchmark_cuda --packed [--repeat N] [--json FILE]
 
 Configurations (docs/cuda.md has a measured table): bf16, 16k tokens per
-batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal off/on,
-plus the GQA 16:2 D=256 rows (T 2k / 8k), plus a boolean-mask row and an
-additive-bias row (full [B, N, T, S] tensors, which cuDNN must read too).
+batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal off/on;
+the GQA 16:2 D=256 rows (T 2k / 8k); GQA 32:8 D=128 causal at T 4k / 8k; a
+float16 row; a causal row with a 1024-key sliding window; long causal context
+(B=1, GQA 8:2, T 32k and 128k, D 128 and 256; no XLA reference there, its
+T x T scores do not fit); a boolean-mask row and an additive-bias row (full
+[B, N, T, S] tensors, which cuDNN must read too). ``--plot`` draws the ratios
+ours / cuDNN.
 
 ``--packed`` times packed sequences instead: B = 2, T = 8192 split into 8
 documents of 1024 tokens, causal, D = 128, 16 query and 4 key/value heads,
@@ -65,6 +69,9 @@ def _attention(impl):
 
 
 def configs(quick: bool, masked_only: bool = False):
+  """The rows: dicts of B, N (query heads), K (key/value heads), T, D, causal,
+  and optionally dtype (default bfloat16), window (left, right), extra ("mask"
+  or "bias") and long (True where the XLA reference cannot hold T x T scores)."""
   rows = []
   for d in (64, 128, 256):
     for t in (1024, 4096, 8192):
@@ -73,23 +80,46 @@ def configs(quick: bool, masked_only: bool = False):
   for t in (2048, 8192):
     for causal in (False, True):
       rows.append(dict(B=16384 // t, N=16, K=2, T=t, D=256, causal=causal))
+  # Llama-3-8B-like GQA, float16, a sliding window, long causal context.
+  for t in (4096, 8192):
+    rows.append(dict(B=16384 // t, N=32, K=8, T=t, D=128, causal=True))
+  rows.append(dict(B=8, N=16, K=16, T=2048, D=128, causal=False, dtype="float16"))
+  rows.append(dict(B=2, N=16, K=16, T=8192, D=128, causal=True, window=(1024, 0)))
+  for t in (32768, 131072):
+    for d in (128, 256):
+      rows.append(dict(B=1, N=8, K=2, T=t, D=d, causal=True, long=True))
   for extra in ("mask", "bias"):
     rows.append(dict(B=4, N=16, K=16, T=4096, D=128, causal=False, extra=extra))
   if masked_only:
     rows = [r for r in rows if r.get("extra")]
   if quick:
-    keep = lambda r: (r.get("extra") or (r["D"] == 128 and r["T"] == 4096)
+    keep = lambda r: (r.get("extra") or (r["D"] == 128 and r["T"] == 4096 and r["K"] == 16)
                       or (r["K"] == 2 and r["T"] == 8192))
     rows = [r for r in rows if keep(r)]
   return rows
 
 
+def row_label(cfg) -> str:
+  """A short name for a row, for tables and plots: "D128 T8k 32:8 causal"."""
+  t = cfg["T"]
+  parts = [f"D{cfg['D']}", f"T{t // 1024}k" if t % 1024 == 0 else f"T{t}",
+           f"{cfg['N']}:{cfg['K']}"]
+  if cfg["causal"]: parts.append("causal")
+  if cfg.get("window"): parts.append(f"window {cfg['window'][0]}")
+  if cfg.get("dtype", "bfloat16") != "bfloat16": parts.append(cfg["dtype"])
+  if cfg.get("extra"): parts.append(cfg["extra"])
+  return " ".join(parts)
+
+
 def run_one(cfg, impl):
   b, n, kh, t, d, causal = cfg["B"], cfg["N"], cfg["K"], cfg["T"], cfg["D"], cfg["causal"]
+  if impl == "xla" and cfg.get("long"):
+    return dict(error="skipped: XLA's T x T scores do not fit")
+  dtype = jnp.dtype(cfg.get("dtype", "bfloat16"))
   k0, k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 4)
-  q = jax.random.normal(k0, (b, t, n, d), jnp.bfloat16)
-  k = jax.random.normal(k1, (b, t, kh, d), jnp.bfloat16)
-  v = jax.random.normal(k2, (b, t, kh, d), jnp.bfloat16)
+  q = jax.random.normal(k0, (b, t, n, d), dtype)
+  k = jax.random.normal(k1, (b, t, kh, d), dtype)
+  v = jax.random.normal(k2, (b, t, kh, d), dtype)
   # The mask or bias travels as a jit argument: closed over, a [B, N, T, S]
   # array would be baked into the program as a gigabyte constant.
   extra = cfg.get("extra")
@@ -100,7 +130,10 @@ def run_one(cfg, impl):
   else:
     x = None
   attn = _attention(impl)
-  call = lambda q, k, v, x: attn(q, k, v, is_causal=causal, **({extra: x} if extra else {}))
+  kwargs = dict(is_causal=causal)
+  if cfg.get("window"):
+    kwargs["local_window_size"] = tuple(cfg["window"])
+  call = lambda q, k, v, x: attn(q, k, v, **kwargs, **({extra: x} if extra else {}))
   fwd = jax.jit(call)
   fb = jax.jit(jax.grad(lambda q, k, v, x: jnp.sum(call(q, k, v, x).astype(jnp.float32)),
                         argnums=(0, 1, 2)))
@@ -112,9 +145,20 @@ def run_one(cfg, impl):
   return _result(cfg, tf, tfb)
 
 
+def visible_pairs(cfg) -> float:
+  """Query-key pairs a row computes: T^2, halved when causal; with a window
+  (left, right) the pairs inside it."""
+  t = cfg["T"]
+  if cfg.get("window"):
+    left, right = cfg["window"]
+    right = 0 if cfg["causal"] else right
+    return sum(min(i + right, t - 1) - max(i - left, 0) + 1 for i in range(t))
+  return t * t * (0.5 if cfg["causal"] else 1.0)
+
+
 def _result(cfg, fwd_s, fwdbwd_s):
   """A row's times (seconds) as the printed and saved fields."""
-  flops = 4.0 * cfg["B"] * cfg["N"] * cfg["T"] ** 2 * cfg["D"] * (0.5 if cfg["causal"] else 1.0)
+  flops = 4.0 * cfg["B"] * cfg["N"] * cfg["D"] * visible_pairs(cfg)
   return dict(fwd_ms=fwd_s * 1e3, fwdbwd_ms=fwdbwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12,
               fwdbwd_tflops=3.5 * flops / fwdbwd_s / 1e12)
 
@@ -213,6 +257,41 @@ def print_packed(rows) -> None:
       print(f"<!-- {variant}: {r['error']} -->")
 
 
+def _extras(cfg) -> str:
+  """The table's "extra" cell: mask, bias, window, a dtype other than bf16."""
+  parts = [cfg["extra"]] if cfg.get("extra") else []
+  if cfg.get("window"): parts.append("window {}".format(cfg["window"][0]))
+  if cfg.get("dtype", "bfloat16") != "bfloat16": parts.append(cfg["dtype"])
+  return ", ".join(parts)
+
+
+def plot_ratios(results, path: str) -> None:
+  """A bar chart of ours / cuDNN per row (forward and forward+backward), with
+  the 1.0 line, written to `path` (needs matplotlib, in the demo extra)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  labels, fwd, fb = [], [], []
+  for r in results:
+    ours, cudnn = r.get("cuda", {}), r.get("cudnn", {})
+    ratio = lambda key: ours[key] / cudnn[key] if key in ours and key in cudnn else 0.0
+    labels.append(row_label(r))
+    fwd.append(ratio("fwd_tflops"))
+    fb.append(ratio("fwdbwd_tflops"))
+  fig, ax = plt.subplots(figsize=(10, 0.28 * len(labels) + 1.5))
+  y = range(len(labels))
+  ax.barh([i - 0.2 for i in y], fwd, height=0.4, label="forward")
+  ax.barh([i + 0.2 for i in y], fb, height=0.4, label="forward+backward")
+  ax.axvline(1.0, color="k", lw=0.8)
+  ax.set_yticks(list(y), labels, fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlabel("jax_fatrain cuda / cuDNN (TFLOP/s ratio; > 1 is faster)")
+  ax.set_title(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+  ax.legend(loc="best")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
 def cuda_unavailable_reason() -> str | None:
   """Why this process cannot benchmark our ``cuda`` kernels, or None."""
   from jax_fatrain import _registry
@@ -238,6 +317,7 @@ def main(argv=None):
                   help="measure each row in N rounds, the implementations' order rotated, "
                        "and report the medians (steadier tables; N x the time)")
   ap.add_argument("--json", help="also write the raw rows here")
+  ap.add_argument("--plot", help="also write a PNG of the ours/cuDNN ratios here")
   ap.add_argument("--packed", action="store_true",
                   help="packed sequences instead: ours with segment ids vs ours dense "
                        "causal vs cuDNN with the materialised mask (see the module doc)")
@@ -279,7 +359,7 @@ def main(argv=None):
                          if key in ours and key in cudnn else "-")
     xla = row.get("xla")
     print(f"| {cfg['B']} | {cfg['N']}:{cfg['K']} | {cfg['T']} | {cfg['D']} | "
-          f"{'yes' if cfg['causal'] else 'no'} | {cfg.get('extra', '')} | "
+          f"{'yes' if cfg['causal'] else 'no'} | {_extras(cfg)} | "
           f"{fmt(ours, 'fwd_tflops')} | {fmt(cudnn, 'fwd_tflops')} | {fmt(xla, 'fwd_tflops')} | "
           f"{fmt(ours, 'fwdbwd_tflops')} | {fmt(cudnn, 'fwdbwd_tflops')} | "
           f"{fmt(xla, 'fwdbwd_tflops')} | {ratio('fwd_tflops')} | {ratio('fwdbwd_tflops')} |",
@@ -287,11 +367,14 @@ def main(argv=None):
     for impl, r in row.items():
       if "error" in r:
         print(f"<!-- {impl}: {r['error']} -->", flush=True)
-  print("\nTFLOP/s (FlashAttention convention: fwd 4·B·N·T·S·D, /2 causal; f+b 3.5x fwd); "
-        "ratio = cuda / cudnn.")
+  print("\nTFLOP/s (FlashAttention convention: fwd 4·B·N·T·S·D, /2 causal, the pairs inside "
+        "a window; f+b 3.5x fwd); ratio = cuda / cudnn.")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
+  if args.plot:
+    plot_ratios(results, args.plot)
+    print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

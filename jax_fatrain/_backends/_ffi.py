@@ -1,4 +1,4 @@
-"""What every FFI-backed implementation (cpu, cuda, metal_emulated) shares.
+"""What every FFI-backed implementation (cpu, cuda, metal, metal_emulated) shares.
 
 The C++ handlers of all backends take the same operands in the same order
 (q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids[, o,
@@ -8,6 +8,8 @@ placeholders and flagged by ``has_*``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +87,51 @@ def lse_result(q, config: AttentionConfig) -> jax.ShapeDtypeStruct:
   """lse: float32 [B, N, T]."""
   b, t, n = q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis]
   return result((b, n, t), jnp.float32, q)
+
+
+def stage_functions(target_prefix: str, register: Callable[[], None], *,
+                    workspace: Callable | None = None, extra_attributes: Callable | None = None):
+  """(forward, backward, bias_grad) of an implementation whose C++ handlers
+  are the FFI targets ``{target_prefix}_forward``, ``_backward`` and
+  ``_bias_grad`` (cpu, cuda), with the signatures every implementation shares
+  (``_registry.Implementation``).
+
+  ``register()`` registers the targets (once) before a call is built.
+  ``workspace(q, k, config, stage, q_segment_ids)``, where given, is one more
+  result, the scratch memory the handler needs (dropped from what the
+  functions return); ``extra_attributes(config)`` adds attributes.
+  """
+
+  def call(stage, results, q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids,
+           kv_segment_ids, *after):
+    register()
+    if workspace is not None:
+      results = results + (workspace(q, k, config, stage, q_segment_ids),)
+    extra = extra_attributes(config) if extra_attributes is not None else {}
+    outs = jax.ffi.ffi_call(f"{target_prefix}_{stage}", results)(
+        q, k, v, *optional_operands(bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                                    kv_segment_ids),
+        *after, **attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids, **extra))
+    return outs[:-1] if workspace is not None else outs
+
+  def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
+              kv_segment_ids=None):
+    o, lse = call("forward", (result(q.shape, q.dtype, q), lse_result(q, config)), q, k, v,
+                  bias, mask, q_lengths, kv_lengths, config, q_segment_ids, kv_segment_ids)
+    return o, lse
+
+  def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+               q_segment_ids=None, kv_segment_ids=None):
+    dq, dk, dv = call("backward", (result(q.shape, q.dtype, q), result(k.shape, k.dtype, k),
+                                   result(v.shape, v.dtype, v)),
+                      q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids,
+                      kv_segment_ids, o, lse, d_o)
+    return dq, dk, dv
+
+  def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
+                q_segment_ids=None, kv_segment_ids=None):
+    (dbias,) = call("bias_grad", (result(bias.shape, jnp.float32, bias),), q, k, v, bias, mask,
+                    q_lengths, kv_lengths, config, q_segment_ids, kv_segment_ids, o, lse, d_o)
+    return dbias
+
+  return forward, backward, bias_grad

@@ -1,13 +1,11 @@
 """The ``cpu`` implementation: XLA FFI calls into the C++ kernels of cpp/cpu/.
 
-The three functions here have the signature every implementation shares (see
-``_config.py``); shapes of the results are computed here, before any kernel runs.
+Its forward, backward and bias gradient are ``_ffi.stage_functions`` over the
+extension's handlers (``jax_fatrain_cpu_*``); shapes of the results are computed
+there, before any kernel runs.
 """
 
 from __future__ import annotations
-
-import jax
-import jax.numpy as jnp
 
 from jax_fatrain._backends import _ffi
 from jax_fatrain._registry import Implementation
@@ -21,10 +19,6 @@ else:
   IMPORT_ERROR = None
 
 MAX_HEAD_DIM = 256
-
-_FORWARD = "jax_fatrain_cpu_forward"
-_BACKWARD = "jax_fatrain_cpu_backward"
-_BIAS_GRAD = "jax_fatrain_cpu_bias_grad"
 
 _registered: set = set()
 
@@ -57,37 +51,7 @@ def tile_sizes() -> tuple[int, int]:
   return tuple(_extension().tile_sizes())
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
-            kv_segment_ids=None):
-  _register_targets()
-  call = jax.ffi.ffi_call(
-      _FORWARD, (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config)))
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                               q_segment_ids, kv_segment_ids),
-              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
-
-
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
-             q_segment_ids=None, kv_segment_ids=None):
-  _register_targets()
-  call = jax.ffi.ffi_call(
-      _BACKWARD,
-      (_ffi.result(q.shape, q.dtype, q), _ffi.result(k.shape, k.dtype, k),
-       _ffi.result(v.shape, v.dtype, v)))
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                               q_segment_ids, kv_segment_ids),
-              o, lse, d_o,
-              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
-
-
-def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
-              q_segment_ids=None, kv_segment_ids=None):
-  _register_targets()
-  call = jax.ffi.ffi_call(_BIAS_GRAD, _ffi.result(bias.shape, jnp.float32, bias))
-  return call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                               q_segment_ids, kv_segment_ids),
-              o, lse, d_o,
-              **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
+forward, backward, bias_grad = _ffi.stage_functions("jax_fatrain_cpu", _register_targets)
 
 
 IMPLEMENTATION = None if IMPORT_ERROR is not None else Implementation(

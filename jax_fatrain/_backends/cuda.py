@@ -1,7 +1,8 @@
 """The ``cuda`` implementation: XLA FFI calls into the CUDA kernels of cpp/cuda/.
 
-Mirrors ``cpu.py``: the same operands, placeholders and attribute dictionary,
-plus ``deterministic``. The extension ``_cuda_ffi`` is optional: it is built only
+Like ``cpu.py``, ``_ffi.stage_functions`` over the extension's handlers
+(``jax_fatrain_cuda_*``), plus a ``deterministic`` attribute and a scratch
+result each handler needs (sized by the extension). The extension ``_cuda_ffi`` is optional: it is built only
 with ``-C cmake.define.JAX_FATRAIN_CUDA=ON`` where nvcc exists, and without it
 ``IMPORT_ERROR`` says why ``implementation="cuda"`` is unavailable.
 
@@ -40,10 +41,6 @@ else:
     IMPORT_ERROR = None
 
 MAX_HEAD_DIM = 256
-
-_FORWARD = "jax_fatrain_cuda_forward"
-_BACKWARD = "jax_fatrain_cuda_backward"
-_BIAS_GRAD = "jax_fatrain_cuda_bias_grad"
 
 _registered: set = set()
 
@@ -103,11 +100,6 @@ def _register_targets() -> None:
   _ffi.register_targets(_cuda_ffi, "CUDA", _registered)
 
 
-def _attributes(config: AttentionConfig, bias, mask, q_lengths, kv_lengths, q_segment_ids):
-  return _ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                         deterministic=config.deterministic)
-
-
 def _workspace(q, k, config: AttentionConfig, stage: str, q_segment_ids):
   """The uint8 scratch result a stage's handler needs (sized by the extension)."""
   b, t, n, d = (q.shape[0], q.shape[config.seq_axis], q.shape[config.head_axis],
@@ -117,46 +109,9 @@ def _workspace(q, k, config: AttentionConfig, stage: str, q_segment_ids):
   return _ffi.result((size,), jnp.uint8, q)
 
 
-def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,
-            kv_segment_ids=None):
-  _register_targets()
-  call = jax.ffi.ffi_call(
-      _FORWARD,
-      (_ffi.result(q.shape, q.dtype, q), _ffi.lse_result(q, config),
-       _workspace(q, k, config, "forward", q_segment_ids)),
-  )
-  o, lse, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                                    q_segment_ids, kv_segment_ids),
-                   **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
-  return o, lse
-
-
-def backward(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
-             q_segment_ids=None, kv_segment_ids=None):
-  _register_targets()
-  call = jax.ffi.ffi_call(
-      _BACKWARD,
-      (_ffi.result(q.shape, q.dtype, q), _ffi.result(k.shape, k.dtype, k),
-       _ffi.result(v.shape, v.dtype, v),
-       _workspace(q, k, config, "backward", q_segment_ids)),
-  )
-  dq, dk, dv, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                                       q_segment_ids, kv_segment_ids),
-                       o, lse, d_o,
-                       **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
-  return dq, dk, dv
-
-
-def bias_grad(q, k, v, bias, mask, q_lengths, kv_lengths, o, lse, d_o, config,
-              q_segment_ids=None, kv_segment_ids=None):
-  _register_targets()
-  call = jax.ffi.ffi_call(_BIAS_GRAD, (_ffi.result(bias.shape, jnp.float32, bias),
-                                       _workspace(q, k, config, "bias_grad", q_segment_ids)))
-  dbias, _ = call(q, k, v, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                                  q_segment_ids, kv_segment_ids),
-                  o, lse, d_o,
-                  **_attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
-  return dbias
+forward, backward, bias_grad = _ffi.stage_functions(
+    "jax_fatrain_cuda", _register_targets, workspace=_workspace,
+    extra_attributes=lambda config: dict(deterministic=config.deterministic))
 
 
 # Our CUDA kernels behind FFI handlers on the CUDA platform.

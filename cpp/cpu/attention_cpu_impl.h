@@ -837,6 +837,52 @@ static inline void prep_row(float* s, int64_t nc, float scale, const float* brow
   }
 }
 
+// One tile's scores, prepared a row at a time for the softmax (prep_row):
+// the bias, the visible interval, the mask and the segment ids of each row.
+// Query-major tiles (the forward and dQ) have a query per row and keys from
+// col0 along it; key-major tiles (dK and dV) have a key per row and queries
+// from col0: the same scores, read along the other axis.
+template <bool kQueryMajor>
+struct TileScores {
+  static constexpr int kRowAxis = kQueryMajor ? 2 : 3, kColAxis = kQueryMajor ? 3 : 2;
+  const Geo& g;
+  int64_t b, col0, ncols, nc, te, se, bbase, mbase;
+  bool partial;               // classify()'s verdict 1: some scores are masked
+  const int32_t* seg_cols;    // the columns' segment ids, null without ids
+
+  TileScores(const Geo& g_, int64_t b_, int64_t n, int64_t col0_, int64_t ncols_, int64_t nc_,
+             int cls, int64_t te_, int64_t se_)
+      : g(g_), b(b_), col0(col0_), ncols(ncols_), nc(nc_), te(te_), se(se_),
+        bbase((b_ % g_.bdims[0]) * g_.bstr[0] + (n % g_.bdims[1]) * g_.bstr[1]),
+        mbase((b_ % g_.mdims[0]) * g_.mstr[0] + (n % g_.mdims[1]) * g_.mstr[1]),
+        partial(cls == 1),
+        seg_cols(g_.qseg == nullptr ? nullptr
+                 : kQueryMajor      ? g_.kvseg + b_ * g_.S + col0_
+                                    : g_.qseg + b_ * g_.T + col0_) {}
+
+  // Row `row` (a query, or a key) of raw dot products in srow [nc] becomes
+  // base-2 scores with -inf where masked; brow [nc] is scratch for its bias.
+  void prep(float* srow, int64_t row, float* brow) const {
+    const float* bp = nullptr;
+    if (g.bias) {
+      bias_gather(g, bbase + row * g.bstr[kRowAxis] + col0 * g.bstr[kColAxis], g.bstr[kColAxis],
+                  ncols, brow);
+      for (int64_t c = ncols; c < nc; ++c) brow[c] = 0.0f;
+      bp = brow;
+    }
+    int64_t lo = 1, hi = 0;  // empty: the row is past its sequence's length
+    if (kQueryMajor ? row < te : row < se) {
+      lo = (kQueryMajor ? row_lo(g, row) : col_lo(g, row)) - col0;
+      hi = (kQueryMajor ? row_hi(g, row, se) : col_hi(g, row, te)) - col0;
+    }
+    const int32_t seg_row =
+        seg_cols == nullptr ? 0 : kQueryMajor ? g.qseg[b * g.T + row] : g.kvseg[b * g.S + row];
+    prep_row(srow, nc, g.scale, bp, partial, lo, hi,
+             g.mask ? g.mask + mbase + row * g.mstr[kRowAxis] + col0 * g.mstr[kColAxis] : nullptr,
+             g.mstr[kColAxis], ncols, seg_cols, seg_row);
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Packing.
 // ---------------------------------------------------------------------------
@@ -975,8 +1021,6 @@ static void fwd_item(FwdState& s, int64_t idx) {
     KTh = s.KTw + (b * g.KH + kh) * g.Sp * Dk;
     Vh = s.Vw + (b * g.KH + kh) * g.Sp * Dp / 2;
   }
-  int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
-  int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
   int64_t kt_begin, kt_end, visited = 0;
   key_tile_range(g, b, qt, &kt_begin, &kt_end);
   for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
@@ -984,25 +1028,11 @@ static void fwd_item(FwdState& s, int64_t idx) {
     int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
     ++visited;
-    const int32_t* seg_cols = g.qseg ? g.kvseg + b * g.S + j0 : nullptr;
+    const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
     score_gemm<Pk>(ni, nc, Dk, Qa, Dp / kP, KTh + kt * Dk * BK, BK, Sb, BK);
     for (int64_t r = 0; r < ni; ++r) {
-      int64_t i = i0 + r;
       float* srow = Sb + r * BK;
-      const float* bp = nullptr;
-      if (g.bias) {
-        bias_gather(g, bbase + i * g.bstr[2] + j0 * g.bstr[3], g.bstr[3], nj, brow);
-        for (int64_t c = nj; c < nc; ++c) brow[c] = 0.0f;
-        bp = brow;
-      }
-      int64_t lo = 1, hi = 0;
-      if (i < te) {
-        lo = row_lo(g, i) - j0;
-        hi = row_hi(g, i, se) - j0;
-      }
-      prep_row(srow, nc, g.scale, bp, cls == 1, lo, hi,
-               g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj,
-               seg_cols, seg_cols ? g.qseg[b * g.T + i] : 0);
+      scores.prep(srow, i0 + r, brow);
       vf mx = bc(-kInf);
       for (int64_t c = 0; c < nc; c += W) mx = vmax(mx, ld(srow + c));
       float mnew = fmaxs(mrow[r], hmax(mx));
@@ -1180,27 +1210,12 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
   const float* Lb = s.Lb + qh * g.Tp;
   const float* Dr = s.Drow + qh * g.Tp;
-  int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
-  int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
-  const int32_t* seg_cols = g.qseg ? g.kvseg + b * g.S + j0 : nullptr;
+  const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
   for (int64_t r = 0; r < ni; ++r) {
     int64_t i = i0 + r;
     float* srow = Sb + r * BK;
     float* dprow = dPb + r * BK;
-    const float* bp = nullptr;
-    if (g.bias) {
-      bias_gather(g, bbase + i * g.bstr[2] + j0 * g.bstr[3], g.bstr[3], nj, brow);
-      for (int64_t c = nj; c < nc; ++c) brow[c] = 0.0f;
-      bp = brow;
-    }
-    int64_t lo = 1, hi = 0;
-    if (i < te) {
-      lo = row_lo(g, i) - j0;
-      hi = row_hi(g, i, se) - j0;
-    }
-    prep_row(srow, nc, g.scale, bp, cls == 1, lo, hi,
-             g.mask ? g.mask + mbase + i * g.mstr[2] + j0 * g.mstr[3] : nullptr, g.mstr[3], nj,
-             seg_cols, seg_cols ? g.qseg[b * g.T + i] : 0);
+    scores.prep(srow, i, brow);
     vf vL = bc(Lb[i]), vD = bc(Dr[i]);
     for (int64_t c = 0; c < nc; c += W) {
       vf p = vexp2(ld(srow + c) - vL);
@@ -1264,30 +1279,14 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
   const int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
   const float* Lb = s.Lb + qh * g.Tp;
   const float* Dr = s.Drow + qh * g.Tp;
-  const int64_t bbase = (b % g.bdims[0]) * g.bstr[0] + (n % g.bdims[1]) * g.bstr[1];
-  const int64_t mbase = (b % g.mdims[0]) * g.mstr[0] + (n % g.mdims[1]) * g.mstr[1];
-  const int32_t* seg_cols = g.qseg ? g.qseg + b * g.T + i0 : nullptr;
+  const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
   score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
   score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
                  BQ);
   for (int64_t r = 0; r < nj; ++r) {
-    int64_t j = j0 + r;
     float* srow = St + r * BQ;
     float* dprow = dPt + r * BQ;
-    const float* bp = nullptr;
-    if (g.bias) {
-      bias_gather(g, bbase + j * g.bstr[3] + i0 * g.bstr[2], g.bstr[2], ni, brow);
-      for (int64_t c = ni; c < ncq; ++c) brow[c] = 0.0f;
-      bp = brow;
-    }
-    int64_t lo = 1, hi = 0;
-    if (j < se) {
-      lo = col_lo(g, j) - i0;
-      hi = col_hi(g, j, te) - i0;
-    }
-    prep_row(srow, ncq, g.scale, bp, cls == 1, lo, hi,
-             g.mask ? g.mask + mbase + j * g.mstr[3] + i0 * g.mstr[2] : nullptr, g.mstr[2],
-             ni, seg_cols, seg_cols ? g.kvseg[b * g.S + j] : 0);
+    scores.prep(srow, j0 + r, brow);
     for (int64_t c = 0; c < ncq; c += W) {
       vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
       st(srow + c, p);

@@ -56,21 +56,33 @@ CASES = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def inputs_and_reference(case: Case):
+  """A case's inputs (seeded by its id) and jax.nn's results on them.
+
+  Computed once per process and shared by every implementation that runs the
+  case (here and in test_metal_emulator.py / test_metal_standin.py): the
+  reference's compilation costs more than most kernels' runs, and it is the
+  same for all of them.
+  """
+  x = make_inputs(case, seed=zlib.crc32(case.id.encode()))
+  return x, reference_results(case, x)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_values_and_gradients(case, implementation):
-  x = make_inputs(case, seed=zlib.crc32(case.id.encode()))
-  assert_matches_reference(case, x, results(case, x, implementation),
-                           reference_results(case, x))
+  x, want = inputs_and_reference(case)
+  assert_matches_reference(case, x, results(case, x, implementation), want)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_unbatched_rank3(implementation):
   case = Case(batch=1)
   x = make_inputs(case, seed=1)
-  out = jax_fatrain.dot_product_attention(x.q[0], x.k[0], x.v[0],
-                                          implementation=implementation)
-  ref = jax.nn.dot_product_attention(x.q[0], x.k[0], x.v[0])
+  out = jax.jit(functools.partial(jax_fatrain.dot_product_attention,
+                                  implementation=implementation))(x.q[0], x.k[0], x.v[0])
+  ref = jax.jit(jax.nn.dot_product_attention)(x.q[0], x.k[0], x.v[0])
   assert out.shape == x.q.shape[1:]
   assert relative_error(out, ref) < 1e-4
 
@@ -85,10 +97,9 @@ def test_bias_of_minus_infinity_is_a_mask(implementation):
   def loss(q, k, v, **kw):
     out = jax_fatrain.dot_product_attention(q, k, v, implementation=implementation, **kw)
     return jnp.sum(out * x.cotangent), out
-  (_, out_mask), g_mask = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-      x.q, x.k, x.v, mask=x.mask)
-  (_, out_bias), g_bias = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-      x.q, x.k, x.v, bias=bias)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, out_mask), g_mask = step(x.q, x.k, x.v, mask=x.mask)
+  (_, out_bias), g_bias = step(x.q, x.k, x.v, bias=bias)
   np.testing.assert_allclose(out_bias, out_mask, rtol=1e-5, atol=1e-6)
   for a, b in zip(g_bias, g_mask):
     assert np.all(np.isfinite(a))
@@ -101,24 +112,39 @@ def test_bias_of_minus_infinity_is_a_mask(implementation):
 # elementwise bound holds for cpu and xla; the GPU kernels are held to the
 # norm-wise bounds of attention_cases.TOLERANCE (Metal's float32 dV misses this
 # one by about 15% on the 256 x 8 case, run through the emulator).
-@pytest.mark.parametrize("implementation", ["cpu", "xla"])
-@pytest.mark.parametrize("q_len,kv_len,causal",
-                         [(8, 256, False), (256, 8, False), (7, 8, False), (300, 300, True)])
-def test_elementwise_float32(q_len, kv_len, causal, implementation):
+def _elementwise_inputs(q_len, kv_len):
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.uniform(1, 2, (2, n, 4, 64)), jnp.float32)
              for n in (q_len, kv_len, kv_len))
   d_out = jax.random.normal(jax.random.PRNGKey(42), q.shape, jnp.float32)
+  return q, k, v, d_out
 
-  def run(fn):
-    out, vjp = jax.vjp(fn, q, k, v)
+
+def _values_and_vjp(attention, q, k, v, d_out):
+  """(out, (dq, dk, dv)) of ``attention``, one jitted function."""
+  def run(q, k, v, d_out):
+    out, vjp = jax.vjp(attention, q, k, v)
     return out, vjp(d_out)
+  return jax.jit(run)(q, k, v, d_out)
 
+
+@functools.lru_cache(maxsize=None)
+def _elementwise_reference(q_len, kv_len, causal):
+  """jax.nn in float32 at precision "highest"; the same for both implementations."""
   with jax.default_matmul_precision("highest"):
-    want, want_grads = run(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="xla"))
-  got, got_grads = run(lambda q, k, v: jax_fatrain.dot_product_attention(
-      q, k, v, is_causal=causal, implementation=implementation))
+    return _values_and_vjp(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                             implementation="xla"),
+                           *_elementwise_inputs(q_len, kv_len))
+
+
+@pytest.mark.parametrize("implementation", ["cpu", "xla"])
+@pytest.mark.parametrize("q_len,kv_len,causal",
+                         [(8, 256, False), (256, 8, False), (7, 8, False), (300, 300, True)])
+def test_elementwise_float32(q_len, kv_len, causal, implementation):
+  want, want_grads = _elementwise_reference(q_len, kv_len, causal)
+  got, got_grads = _values_and_vjp(functools.partial(
+      jax_fatrain.dot_product_attention, is_causal=causal, implementation=implementation),
+      *_elementwise_inputs(q_len, kv_len))
   atol, rtol = ELEMENTWISE_F32["out"]
   np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg="out")
   atol, rtol = ELEMENTWISE_F32["grad"]

@@ -47,34 +47,42 @@ def _tokens(seed):
   return jnp.asarray(rng.integers(0, VOCAB, size=(BATCH, LENGTH + 1)), jnp.int32)
 
 
+def _nnx_training(attention_fn):
+  """Losses of 5 Adam steps of NnxLM and the gradients of its first step."""
+  model = NnxLM(attention_fn, nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss, grads
+  losses = []
+  for i in range(5):
+    loss, grads = step(model, optimizer, _tokens(i))
+    losses.append(float(loss))
+    if i == 0:
+      first_grads = jax.tree.leaves(nnx.state(grads, nnx.Param))
+  return losses, first_grads
+
+
+@functools.lru_cache(maxsize=None)
+def _nnx_reference():
+  """The reference run, the same for every implementation."""
+  return _nnx_training(_reference_fn())
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_nnx_training_steps_match_reference(implementation):
-  ours_fn = jax_fatrain.flax_attention_fn(implementation=implementation)
-  models = {name: NnxLM(fn, nnx.Rngs(0))
-            for name, fn in (("ours", ours_fn), ("reference", _reference_fn()))}
-  losses = {}
-  for name, model in models.items():
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, tokens):
-      def loss_fn(model):
-        logits = model(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits, tokens[:, 1:]).mean()
-      loss, grads = nnx.value_and_grad(loss_fn)(model)
-      optimizer.update(model, grads)
-      return loss, grads
-    losses[name] = []
-    for i in range(5):
-      loss, grads = step(model, optimizer, _tokens(i))
-      losses[name].append(float(loss))
-      if i == 0:
-        first_grads = jax.tree.leaves(nnx.state(grads, nnx.Param))
-        losses[name + "_grads"] = first_grads
-  np.testing.assert_allclose(losses["ours"], losses["reference"], rtol=2e-5)
-  assert losses["ours"][-1] < losses["ours"][0]
-  assert relative_error(_flat(losses["ours_grads"]), _flat(losses["reference_grads"])) < 1e-4
+  losses, grads = _nnx_training(jax_fatrain.flax_attention_fn(implementation=implementation))
+  want_losses, want_grads = _nnx_reference()
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+  assert losses[-1] < losses[0]
+  assert relative_error(_flat(grads), _flat(want_grads)) < 1e-4
 
 
 class LinenLM(linen.Module):
@@ -89,18 +97,34 @@ class LinenLM(linen.Module):
     return linen.Dense(VOCAB)(linen.LayerNorm()(x))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_linen_gradients_match_reference(implementation):
-  tokens = _tokens(7)
-  ours = LinenLM(jax_fatrain.flax_attention_fn(implementation=implementation))
-  ref = LinenLM(_reference_fn())
-  params = ours.init(jax.random.key(0), tokens[:, :-1])
+@functools.lru_cache(maxsize=None)
+def _linen_params():
+  """LinenLM's initial parameters (its attention_fn has none of its own)."""
+  return jax.jit(LinenLM(_reference_fn()).init)(jax.random.key(0), _tokens(7)[:, :-1])
 
-  def loss(model, params):
+
+def _linen_loss_and_grads(attention_fn):
+  """Loss and parameter gradients of LinenLM on one batch, one jitted call."""
+  tokens = _tokens(7)
+  model = LinenLM(attention_fn)
+  params = _linen_params()
+
+  def loss(params):
     logits = model.apply(params, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-  got_loss, got = jax.jit(jax.value_and_grad(functools.partial(loss, ours)))(params)
-  want_loss, want = jax.value_and_grad(functools.partial(loss, ref))(params)
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@functools.lru_cache(maxsize=None)
+def _linen_reference():
+  return _linen_loss_and_grads(_reference_fn())
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_linen_gradients_match_reference(implementation):
+  got_loss, got = _linen_loss_and_grads(
+      jax_fatrain.flax_attention_fn(implementation=implementation))
+  want_loss, want = _linen_reference()
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   assert relative_error(_flat(got), _flat(want)) < 1e-4
 

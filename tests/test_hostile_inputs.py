@@ -12,6 +12,8 @@ cannot see passes a non-finite value on to that query's row in jax.nn
 keys (docs/design.md).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,21 +55,40 @@ def _inputs(operand: str, value: float):
   return q, k, v, bias, ct
 
 
-def _run(attention, q, k, v, bias, ct):
-  """out, lse and the gradients in q, k, v, bias (float32 numpy)."""
-  def loss(q, k, v, bias):
+@functools.lru_cache(maxsize=None)
+def _step(attention):
+  """One jitted (grads, (out, lse)) per attention function: every problem here
+  has the same shapes, so each implementation compiles once and the
+  non-finite values are data."""
+  def loss(q, k, v, bias, ct):
     out, lse = attention(q, k, v, bias)
     return jnp.sum(out * ct), (out, lse)
-  grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      q, k, v, bias)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def _run(attention, q, k, v, bias, ct):
+  """out, lse and the gradients in q, k, v, bias (float32 numpy)."""
+  grads, (out, lse) = _step(attention)(q, k, v, bias, ct)
   return {name: np.asarray(a, np.float32) for name, a in
           zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse) + tuple(grads))}
+
+
+@functools.lru_cache(maxsize=None)
+def _ours(implementation):
+  return functools.partial(jax_fatrain.dot_product_attention, implementation=implementation,
+                           return_residual=True)
 
 
 def _reference(q, k, v, bias):
   with jax.default_matmul_precision("highest"):
     return jax.nn.dot_product_attention(q, k, v, bias, implementation="xla",
                                         return_residual=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_results(operand, value):
+  """jax.nn's results of one problem, the same for every implementation."""
+  return _run(_reference, *_inputs(operand, value))
 
 
 def _assert_same_non_finite(name, got, want):
@@ -82,10 +103,8 @@ def _assert_same_non_finite(name, got, want):
 @pytest.mark.parametrize("operand", ["query", "key", "value", "bias"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 def test_non_finite_input_propagates_like_jax_nn(implementation, operand, value):
-  q, k, v, bias, ct = _inputs(operand, value)
-  ours = _run(lambda *a: jax_fatrain.dot_product_attention(
-      *a, implementation=implementation, return_residual=True), q, k, v, bias, ct)
-  want = _run(_reference, q, k, v, bias, ct)
+  ours = _run(_ours(implementation), *_inputs(operand, value))
+  want = _reference_results(operand, value)
   # The value must reach jax.nn's outputs (else the case tests nothing),
   # except a -inf bias: that is a mask, and everything stays finite.
   all_finite = all(np.isfinite(a).all() for a in want.values() if a is not want["lse"])

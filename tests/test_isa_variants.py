@@ -83,11 +83,28 @@ def _supported(isa: str) -> bool:
   return needs[isa] <= flags
 
 
-def _run(isa: str, *extra: str) -> None:
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+  """A JAX compilation cache shared by this module's processes.
+
+  The compiled programs do not depend on the ISA: the variant is chosen inside
+  the CPU extension when a process first calls it, and the programs call the
+  kernels by their FFI target's name. So every process after the first loads
+  the same programs instead of compiling them again, and still runs its own
+  variant (cpu_isa() is checked, and test_bf16_pair_path sees the variants'
+  results differ).
+  """
+  return tmp_path_factory.mktemp("jax_compilation_cache")
+
+
+def _run(isa: str, cache, *extra: str) -> None:
   if not _supported(isa):
     pytest.skip(f"this CPU cannot run the {isa} variant")
   env = dict(os.environ, JAX_FATRAIN_CPU_ISA=isa,
-             PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+             JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   result = subprocess.run([sys.executable, "-c", SCRIPT, isa, *extra], env=env, cwd=HERE,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
@@ -96,17 +113,17 @@ def _run(isa: str, *extra: str) -> None:
 
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx2_bf16_emulated", "avx512",
                                  "avx512_bf16"])
-def test_forced_isa_matches_reference(isa):
-  _run(isa)
+def test_forced_isa_matches_reference(isa, compilation_cache):
+  _run(isa, compilation_cache)
 
 
 # The pair path must really run: its bf16 results differ from the f32 path's
 # (P and dS are rounded to bf16 before their products), its f32 ones do not.
 @pytest.mark.parametrize("isa,f32_variant", [("avx2_bf16_emulated", "avx2"),
                                              ("avx512_bf16", "avx512")])
-def test_bf16_pair_path(isa, f32_variant, tmp_path):
-  _run(isa, str(tmp_path / "pairs.npz"))
-  _run(f32_variant, str(tmp_path / "f32.npz"))
+def test_bf16_pair_path(isa, f32_variant, tmp_path, compilation_cache):
+  _run(isa, compilation_cache, str(tmp_path / "pairs.npz"))
+  _run(f32_variant, compilation_cache, str(tmp_path / "f32.npz"))
   pairs, f32 = np.load(tmp_path / "pairs.npz"), np.load(tmp_path / "f32.npz")
   for key in f32.files:
     if key.startswith("f32"):

@@ -226,7 +226,15 @@ def test_concurrent_calls():
 # ---------------------------------------------------------------------------
 # In fresh processes: what happens once per process (device, library).
 # ---------------------------------------------------------------------------
-def _in_fresh_process(ext: Path, device: str, body: str) -> dict:
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+  """A JAX compilation cache shared by the fresh processes below: they compile
+  the same programs (the stand-in's extension is called by its FFI targets'
+  names, so each process still runs its own, planted bugs included)."""
+  return tmp_path_factory.mktemp("jax_compilation_cache")
+
+
+def _in_fresh_process(ext: Path, device: str, body: str, cache: Path) -> dict:
   script = textwrap.dedent(f"""
       import json, os, sys
       sys.path[:0] = [{str(TESTS)!r}]
@@ -237,8 +245,11 @@ def _in_fresh_process(ext: Path, device: str, body: str) -> dict:
       import jax_fatrain
       result = {{}}
   """) + body + "\nprint('RESULT ' + json.dumps(result))\n"
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=600, cwd=TESTS)
+                        timeout=600, cwd=TESTS, env=env)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
   return json.loads(lines[-1][len("RESULT "):])
@@ -260,10 +271,10 @@ _TRY_METAL = textwrap.dedent("""
 """)
 
 
-def test_host_compiles_library_once_with_ieee_math(metal):
+def test_host_compiles_library_once_with_ieee_math(metal, compilation_cache):
   """One library per process, from the packaged source, MSL 3.1, fast math off
   (fully masked rows need IEEE infinities)."""
-  r = _in_fresh_process(standin.build(), "apple8", _TRY_METAL)
+  r = _in_fresh_process(standin.build(), "apple8", _TRY_METAL, compilation_cache)
   assert r["first"] == r["second"] == "ok", r
   report = r["report"]
   assert report["counters"]["libraries_from_source"] == 1
@@ -272,11 +283,11 @@ def test_host_compiles_library_once_with_ieee_math(metal):
   assert report["language_version"] == (3 << 16) + 1  # MTLLanguageVersion3_1
 
 
-def test_library_compile_failure(metal):
+def test_library_compile_failure(metal, compilation_cache):
   ext = standin.build()
   r = _in_fresh_process(ext, "apple8", textwrap.dedent("""
       standin.fail("library", "program_source:12:5: error: use of undeclared identifier 'x' (injected)")
-  """) + _TRY_METAL)
+  """) + _TRY_METAL, compilation_cache)
   for attempt in ("first", "second"):  # the library is compiled once per process
     assert "jax_fatrain metal: compiling the Metal kernels failed: program_source:12:5: " \
            "error: use of undeclared identifier 'x' (injected)" in r[attempt], r
@@ -285,12 +296,12 @@ def test_library_compile_failure(metal):
   assert r["report"]["findings"] == []
 
 
-def test_library_source_must_be_the_packaged_one(metal):
+def test_library_source_must_be_the_packaged_one(metal, compilation_cache):
   ext = standin.build()
   r = _in_fresh_process(ext, "apple8", textwrap.dedent("""
       packaged = metal.kernel_source
       metal.kernel_source = lambda: packaged().replace("threadgroup_barrier", "threadgroup_barier", 1)
-  """) + _TRY_METAL)
+  """) + _TRY_METAL, compilation_cache)
   assert "compiling the Metal kernels failed: the source differs from the one this " \
          "stand-in's library was built from, at line" in r["first"], r
   assert "threadgroup_barier" in r["first"]
@@ -300,12 +311,12 @@ def test_library_source_must_be_the_packaged_one(metal):
     ("apple6", "is not an Apple7+ (M1 or newer) GPU with Metal 3"),
     ("none", "no Metal device (MTLCreateSystemDefaultDevice returned nil)"),
 ])
-def test_unsupported_device_makes_metal_unavailable(metal, device, reason):
+def test_unsupported_device_makes_metal_unavailable(metal, device, reason, compilation_cache):
   ext = standin.build()
   r = _in_fresh_process(ext, device, textwrap.dedent("""
       result["available"] = jax_fatrain.available_implementations()
       result["import_error"] = metal.IMPORT_ERROR
-  """) + _TRY_METAL)
+  """) + _TRY_METAL, compilation_cache)
   assert "metal" not in r["available"] and reason in r["import_error"], r
   assert "implementation 'metal' is not available" in r["first"] and reason in r["first"], r
   assert r["cpu_after"] == 8 * 64
@@ -326,7 +337,7 @@ _PLANTED_CASES = {
 
 
 @pytest.mark.parametrize("plant", sorted(standin.PLANTED))
-def test_planted_host_bug_is_caught(metal, plant):
+def test_planted_host_bug_is_caught(metal, plant, compilation_cache):
   assert set(_PLANTED_CASES) == set(standin.PLANTED)
   ext = _build_or_skip(plant)
   r = _in_fresh_process(ext, "apple8", textwrap.dedent(f"""
@@ -337,5 +348,5 @@ def test_planted_host_bug_is_caught(metal, plant):
           t.check_against_emulated(case)
         except Exception as e:
           result["failures"].append(type(e).__name__ + ": " + str(e)[:400])
-  """))
+  """), compilation_cache)
   assert r["failures"], f"planted bug {plant!r} passed every check"

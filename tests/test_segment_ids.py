@@ -121,15 +121,17 @@ def test_vmap_over_segment_ids(implementation):
   grad = jax.grad(loss, argnums=(0, 1, 2))
   batched = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0, 0, 0)))(
       q, k, v, q_seg, kv_seg, ct)
+  single_grad = jax.jit(grad)
   for i in range(3):
-    single = grad(q[i], k, v, q_seg[i], kv_seg[i], ct[i])
+    single = single_grad(q[i], k, v, q_seg[i], kv_seg[i], ct[i])
     for got, want in zip(batched, single):
       assert relative_error(got[i], want) < 1e-5
   # Unmapped ids with a mapped query: the same packing for every element.
-  out = jax.vmap(lambda q: attn(q, k, v, q_segment_ids=q_seg[0], kv_segment_ids=kv_seg[0]))(q)
+  packed = lambda q, q_seg, kv_seg: attn(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  out = jax.jit(jax.vmap(packed, in_axes=(0, None, None)))(q, q_seg[0], kv_seg[0])
+  single_out = jax.jit(packed)
   for i in range(3):
-    want = attn(q[i], k, v, q_segment_ids=q_seg[0], kv_segment_ids=kv_seg[0])
-    assert relative_error(out[i], want) < 1e-6
+    assert relative_error(out[i], single_out(q[i], q_seg[0], kv_seg[0])) < 1e-6
 
 
 def test_segment_ids_get_no_cotangent():
@@ -139,7 +141,7 @@ def test_segment_ids_get_no_cotangent():
   def loss(q, q_seg, kv_seg):
     return jnp.sum(jax_fatrain.dot_product_attention(
         q, x.k, x.v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, implementation="xla"))
-  dq, d_qseg, d_kvseg = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)(
+  dq, d_qseg, d_kvseg = jax.jit(jax.grad(loss, argnums=(0, 1, 2), allow_int=True))(
       x.q, x.q_segment_ids, x.kv_segment_ids)
   assert d_qseg.dtype == jax.dtypes.float0 and d_kvseg.dtype == jax.dtypes.float0
   assert d_qseg.shape == x.q_segment_ids.shape
@@ -152,11 +154,12 @@ def test_one_segment_equals_no_segment_ids():
   x = make_inputs(case, seed=6)
   ids_q, ids_kv = jnp.full((2, 90), 7, jnp.int32), jnp.full((2, 90), 7, jnp.int32)
   for impl in IMPLEMENTATIONS:
-    plain = jax_fatrain.dot_product_attention(x.q, x.k, x.v, is_causal=True,
-                                              implementation=impl)
-    packed = jax_fatrain.dot_product_attention(x.q, x.k, x.v, is_causal=True,
-                                               q_segment_ids=ids_q, kv_segment_ids=ids_kv,
-                                               implementation=impl)
+    attn = functools.partial(jax_fatrain.dot_product_attention, is_causal=True,
+                             implementation=impl)
+    # The ids are arguments, not constants XLA could fold away.
+    plain, packed = jax.jit(lambda q, k, v, q_seg, kv_seg: (
+        attn(q, k, v), attn(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)))(
+            x.q, x.k, x.v, ids_q, ids_kv)
     assert relative_error(packed, plain) < 1e-6, impl
 
 

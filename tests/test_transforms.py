@@ -32,8 +32,9 @@ def test_vmap_matches_a_loop(implementation):
     return jnp.sum(attn(q, k, v, bias) * ct)
   grad = jax.grad(loss, argnums=(0, 1, 2, 3))
   batched = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0, 0)))(q, k, v, bias, ct)
+  single_grad = jax.jit(grad)
   for i in range(3):
-    single = grad(q[i], k, v, bias[i], ct[i])
+    single = single_grad(q[i], k, v, bias[i], ct[i])
     for got, want in zip(batched, single):
       assert relative_error(got[i], want) < 1e-5
 
@@ -62,17 +63,34 @@ def test_vmap_of_bias_grad_with_unmapped_broadcast_bias(implementation):
   def dbias(q, k, v, bias):
     return jax.grad(lambda b: jnp.sum(jax_fatrain.dot_product_attention(
         q, k, v, b, implementation=implementation) ** 2))(bias)
-  got = jax.vmap(dbias, in_axes=(0, None, None, None))(q, xs[0].k, xs[0].v, xs[0].bias)
+  got = jax.jit(jax.vmap(dbias, in_axes=(0, None, None, None)))(q, xs[0].k, xs[0].v,
+                                                                 xs[0].bias)
+  single = jax.jit(dbias)
   for i in range(2):
-    want = dbias(q[i], xs[0].k, xs[0].v, xs[0].bias)
+    want = single(q[i], xs[0].k, xs[0].v, xs[0].bias)
     assert got[i].shape == want.shape == xs[0].bias.shape
     assert relative_error(got[i], want) < 1e-5
 
 
+_CHECKPOINT_CASE = Case(q_len=21, kv_len=21, is_causal=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpoint_reference():
+  """Gradients of the two layers with jax.nn, the same for every implementation."""
+  x = make_inputs(_CHECKPOINT_CASE, seed=5)
+
+  def ref_layers(q, k, v):
+    h = q
+    for _ in range(2):
+      h = jax.nn.dot_product_attention(h, k, v, is_causal=True) + h
+    return jnp.sum(h ** 2)
+  return jax.jit(jax.grad(ref_layers, argnums=(0, 1, 2)))(x.q, x.k, x.v)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_checkpoint_and_scan(implementation):
-  case = Case(q_len=21, kv_len=21, is_causal=True)
-  x = make_inputs(case, seed=5)
+  x = make_inputs(_CHECKPOINT_CASE, seed=5)
   attn = functools.partial(jax_fatrain.dot_product_attention, is_causal=True,
                            implementation=implementation)
 
@@ -80,14 +98,8 @@ def test_checkpoint_and_scan(implementation):
     def body(h, _):
       return jax.checkpoint(lambda h: attn(h, k, v))(h) + h, None
     return jnp.sum(jax.lax.scan(body, q, None, length=2)[0] ** 2)
-
-  def ref_layers(q, k, v):
-    h = q
-    for _ in range(2):
-      h = jax.nn.dot_product_attention(h, k, v, is_causal=True) + h
-    return jnp.sum(h ** 2)
   got = jax.jit(jax.grad(layers, argnums=(0, 1, 2)))(x.q, x.k, x.v)
-  want = jax.grad(ref_layers, argnums=(0, 1, 2))(x.q, x.k, x.v)
+  want = _checkpoint_reference()
   for g, w in zip(got, want):
     assert relative_error(g, w) < 1e-4
 

@@ -8,11 +8,12 @@ the tests below run that child once and assert on its lines.
 
 Checked: sharded results and gradients equal unsharded ones (batch, heads,
 GQA groups, split GQA groups, MQA, batch x heads, sequence ring, sequence x
-batch / heads, causal on and off, cpu and xla); bias/mask/lengths with
-batch x head sharding, bias gradient included; segment ids under batch x
-heads sharding and through ring attention; the collectives in the
-compiled HLO per sharding; a clear error for what ring attention does not
-support; a Flax NNX training step over a 2x4 (data x model) mesh.
+batch / heads; causal on and off; every sharding on cpu, each way of
+partitioning on xla: see CAUSAL); bias/mask/lengths with batch x head
+sharding, bias gradient included; segment ids under batch x heads sharding
+and through ring attention; the collectives in the compiled HLO per
+sharding; a clear error for what ring attention does not support; a Flax
+NNX training step over a 2x4 (data x model) mesh.
 """
 
 from __future__ import annotations
@@ -26,24 +27,52 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name: (batch, q_len, kv_len, q_heads, kv_heads, q spec, kv spec, causal
-# values). Specs are over the mesh ("x": 2, "y": 4); the layout is BTNH.
+# name: (batch, q_len, kv_len, q_heads, kv_heads, q spec, kv spec). Specs are
+# over the mesh ("x": 2, "y": 4); the layout is BTNH.
 XY = ("x", "y")
 SHARDINGS = {
-    "batch": (8, 32, 32, 4, 2, (XY,), (XY,), (False, True)),
-    "heads": (2, 32, 32, 8, 8, (None, None, XY), (None, None, XY), (False, True)),
-    "gqa_groups": (2, 32, 32, 8, 4, (None, None, "y"), (None, None, "y"), (False, True)),
-    "gqa_split_groups": (2, 32, 32, 8, 2, (None, None, "y"), (None, None, None), (False, True)),
-    "mqa": (2, 32, 32, 8, 1, (None, None, "y"), (), (True,)),
-    "batch_x_heads": (2, 32, 32, 8, 4, ("x", None, "y"), ("x", None, "y"), (False, True)),
-    "seq": (1, 64, 64, 4, 2, (None, XY), (None, XY), (False, True)),
-    "seq_t_ne_s": (1, 32, 48, 4, 2, (None, "y"), (None, "y"), (False,)),
-    "batch_x_seq": (2, 64, 64, 4, 2, ("x", "y"), ("x", "y"), (False, True)),
-    "heads_x_seq": (1, 32, 32, 4, 4, (None, "x", "y"), (None, "x", "y"), (False, True)),
+    "batch": (8, 32, 32, 4, 2, (XY,), (XY,)),
+    "heads": (2, 32, 32, 8, 8, (None, None, XY), (None, None, XY)),
+    "gqa_groups": (2, 32, 32, 8, 4, (None, None, "y"), (None, None, "y")),
+    "gqa_split_groups": (2, 32, 32, 8, 2, (None, None, "y"), (None, None, None)),
+    "mqa": (2, 32, 32, 8, 1, (None, None, "y"), ()),
+    "batch_x_heads": (2, 32, 32, 8, 4, ("x", None, "y"), ("x", None, "y")),
+    "seq": (1, 64, 64, 4, 2, (None, XY), (None, XY)),
+    "seq_t_ne_s": (1, 32, 48, 4, 2, (None, "y"), (None, "y")),
+    "batch_x_seq": (2, 64, 64, 4, 2, ("x", "y"), ("x", "y")),
+    "heads_x_seq": (1, 32, 32, 4, 4, (None, "x", "y"), (None, "x", "y")),
 }
 IMPLS = ("cpu", "xla")
+
+# The partitioning (_sharding.py) is the same for every implementation, which
+# is only the per-device callee, and causal changes it only where the
+# sequence is sharded (ring attention's zig-zag layout): batch and head
+# shardings hand the flag to the unchanged kernel. So cpu runs every sharding,
+# causal on and off where the sequence is sharded and one of the two
+# (alternating) elsewhere; xla runs each way of partitioning once: no
+# collective (batch x heads), split GQA groups (all-reduce of dK/dV), ring
+# attention with and without causal, and ring x batch.
+CAUSAL = {
+    "cpu": {"batch": (True,), "heads": (False,), "gqa_groups": (True,),
+            "gqa_split_groups": (False,), "mqa": (True,), "batch_x_heads": (False,),
+            "seq": (False, True), "seq_t_ne_s": (False,), "batch_x_seq": (False, True),
+            "heads_x_seq": (False, True)},
+    "xla": {"batch_x_heads": (True,), "gqa_split_groups": (False,), "seq": (False, True),
+            "batch_x_seq": (True,)},
+}
 CASE_NAMES = [f"{impl}-{name}-{'causal' if c else 'full'}"
-              for impl in IMPLS for name, spec in SHARDINGS.items() for c in spec[-1]]
+              for impl in IMPLS for name, causals in CAUSAL[impl].items() for c in causals]
+
+# Bias / mask / lengths under batch x heads sharding, on one problem: the bias
+# shapes per implementation (xla: a broadcast one, whose gradient is summed).
+BIAS_DIMS = {"B": 2, "N": 8, "T": 24, "S": 40, "1": 1}
+BIAS_SHAPES = {"cpu": ("BNTS", "1N1S", "B11S"), "xla": ("1N1S",)}
+# Segment ids: (sharding, causal) per implementation.
+SEGMENT_CASES = {
+    "cpu": [(name, causal) for name in ("batch_x_heads", "seq", "batch_x_seq")
+            for causal in ("full", "causal")],
+    "xla": [("batch_x_heads", "full"), ("seq", "causal")],
+}
 
 # Collectives that must not appear in the compiled forward+backward, per
 # sharding (and the ones that must).
@@ -110,7 +139,8 @@ def _child():  # pragma: no cover - runs in the subprocess
 
   # 1. Sharded == unsharded, and the collectives of each sharding.
   for impl in IMPLS if not only else ():
-    for name, (b, t, s, n, kh, qs, ks, causals) in SHARDINGS.items():
+    for name, causals in CAUSAL[impl].items():
+      b, t, s, n, kh, qs, ks = SHARDINGS[name]
       for causal in causals:
         case = f"{impl}-{name}-{'causal' if causal else 'full'}"
         try:
@@ -134,8 +164,10 @@ def _child():  # pragma: no cover - runs in the subprocess
   mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
   ql = jnp.asarray([17, 24], jnp.int32)
   kvl = jnp.asarray([40, 29], jnp.int32)
+  assert (b, n, t, s) == tuple(BIAS_DIMS[d] for d in "BNTS")
   for impl in IMPLS:
-    for bias_shape in ((b, n, t, s), (1, n, 1, s), (b, 1, 1, s)):
+    for symbols in BIAS_SHAPES[impl]:
+      bias_shape = tuple(BIAS_DIMS[d] for d in symbols)
       case = f"{impl}-bias{''.join(map(str, bias_shape))}-mask-lengths-batch_x_heads"
       try:
         bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
@@ -173,26 +205,28 @@ def _child():  # pragma: no cover - runs in the subprocess
       ids[i, cuts] = 1
     return jnp.asarray(np.cumsum(ids, axis=1), jnp.int32)
 
+  segment_shardings = {
+      "batch_x_heads": (2, 32, 8, 4, ("x", None, "y"), ("x", None)),
+      "seq": (1, 64, 4, 2, (None, XY), (None, XY)),
+      "batch_x_seq": (2, 64, 4, 2, ("x", "y"), ("x", "y")),
+  }
   for impl in IMPLS:
-    for name, (b, t, n, kh, qs, seg_spec) in {
-        "batch_x_heads": (2, 32, 8, 4, ("x", None, "y"), ("x", None)),
-        "seq": (1, 64, 4, 2, (None, XY), (None, XY)),
-        "batch_x_seq": (2, 64, 4, 2, ("x", "y"), ("x", "y")),
-    }.items():
-      for causal in (False, True):
-        case = f"{impl}-segments-{name}-{'causal' if causal else 'full'}"
-        try:
-          q, k, v, ct = inputs(b, t, t, n, kh, seed=len(case))
-          ids = packed_ids(b, t, seed=len(case))
-          f = packed_fwd_bwd(impl, causal)
-          want = jax.jit(f)(q, k, v, ct, ids, ids)
-          sharded = jax.jit(f, in_shardings=(sh(qs),) * 4 + (sh(seg_spec),) * 2)
-          hlo = sharded.lower(q, k, v, ct, ids, ids).compile().as_text()
-          got = sharded(q, k, v, ct, ids, ids)
-          errors = [rel(g, w) for g, w in zip(got, want)]
-          emit(case, max(errors) < 1e-5, errors=errors, collectives=collectives(hlo))
-        except Exception as e:  # pylint: disable=broad-except
-          emit(case, False, error=f"{type(e).__name__}: {e}"[:2000])
+    for name, causal_name in SEGMENT_CASES[impl]:
+      b, t, n, kh, qs, seg_spec = segment_shardings[name]
+      causal = causal_name == "causal"
+      case = f"{impl}-segments-{name}-{causal_name}"
+      try:
+        q, k, v, ct = inputs(b, t, t, n, kh, seed=len(case))
+        ids = packed_ids(b, t, seed=len(case))
+        f = packed_fwd_bwd(impl, causal)
+        want = jax.jit(f)(q, k, v, ct, ids, ids)
+        sharded = jax.jit(f, in_shardings=(sh(qs),) * 4 + (sh(seg_spec),) * 2)
+        hlo = sharded.lower(q, k, v, ct, ids, ids).compile().as_text()
+        got = sharded(q, k, v, ct, ids, ids)
+        errors = [rel(g, w) for g, w in zip(got, want)]
+        emit(case, max(errors) < 1e-5, errors=errors, collectives=collectives(hlo))
+      except Exception as e:  # pylint: disable=broad-except
+        emit(case, False, error=f"{type(e).__name__}: {e}"[:2000])
 
   # 3. What ring attention does not support fails clearly.
   q, k, v, ct = inputs(1, 32, 32, 4, 2)
@@ -350,22 +384,24 @@ def test_sharded_equals_unsharded(results, case):
     assert "all-to-all" not in r["collectives"], r
 
 
-@pytest.mark.parametrize("impl", ["cpu", "xla"])
-@pytest.mark.parametrize("bias", ["bias2824_40", "bias181_40", "bias2114_0"])
+@pytest.mark.parametrize("impl, bias", [(impl, symbols) for impl in IMPLS
+                                        for symbols in BIAS_SHAPES[impl]])
 def test_bias_mask_lengths_batch_x_heads(results, impl, bias):
-  shape = {"bias2824_40": "282440", "bias181_40": "18140", "bias2114_0": "21140"}[bias]
+  shape = "".join(str(BIAS_DIMS[d]) for d in bias)
   r = _get(results, f"{impl}-bias{shape}-mask-lengths-batch_x_heads")
   assert r["ok"], r
   # No gathers; a bias broadcast over a sharded dim has its gradient summed.
   assert "all-gather" not in r["collectives"] and "all-to-all" not in r["collectives"], r
   assert "collective-permute" not in r["collectives"], r
-  if bias == "bias2824_40":   # nothing broadcast: nothing to sum either
+  if bias == "BNTS":   # nothing broadcast: nothing to sum either
     assert r["collectives"] == [], r
+  else:
+    assert r["collectives"] == ["all-reduce"], r
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("sharding", ["batch_x_heads", "seq", "batch_x_seq"])
-@pytest.mark.parametrize("causal", ["full", "causal"])
+@pytest.mark.parametrize("impl, sharding, causal",
+                         [(impl, name, causal) for impl in IMPLS
+                          for name, causal in SEGMENT_CASES[impl]])
 def test_segment_ids_sharded(results, impl, sharding, causal):
   r = _get(results, f"{impl}-segments-{sharding}-{causal}")
   assert r["ok"], r

@@ -27,9 +27,7 @@ add_library(fatrain_cuda_kernels STATIC
   cpp/cuda/tc_fwd.cu
   cpp/cuda/tc_bwd.cu
   cpp/cuda/tc_dq.cu
-  cpp/cuda/hopper_fwd.cu
   cpp/cuda/hopper_fwd_ws.cu
-  cpp/cuda/hopper_bwd.cu
   cpp/cuda/hopper_bwd_ws.cu
   cpp/cuda/segments.cu
   cpp/cuda/simt.cu)

@@ -21,3 +21,7 @@ def set_launch_recording(on: bool) -> None:
 
 def take_launch_record() -> list[str]:
   """The recorded kernels' symbol names since the last call, oldest first."""
+
+def set_fastest_kernel_family(name: str) -> None:
+  """Caps the kernel families later launches may use: "hopper" (no cap), "mma_sync"
+  or "simt" (a test tool; process-wide). ValueError for any other name."""

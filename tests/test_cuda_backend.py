@@ -118,51 +118,15 @@ LARGE = [
 ]
 
 
-# On a Hopper GPU the wgmma kernels run by default; JAX_FATRAIN_CUDA_KERNELS=
-# mma_sync runs the sm_80 kernels there too, so both families are checked on
-# the one GPU we have. The Hopper forward is by default the warp-specialised
-# kernel (hopper_fwd_ws.cu), and so is the backward (hopper_bwd_ws.cu, except
-# for a mask or bias at head dim 256); "fwd_cp_async" and
-# "bwd_cp_async" run the other ones (hopper_fwd.cu, hopper_bwd.cu), in both
-# backward modes for the backward. At head dim 64 without a mask or bias the
-# warp-specialised backward takes 128-row query steps; "bwd_rows64" runs it
-# with the 64-row steps every other problem takes. The forward there takes
-# three consumer warpgroups without causality or a window, else two;
-# "fwd_consumers2" and "fwd_consumers3" force each, so that both run on every
-# such case. At head dim 256 without a mask or bias the warp-specialised
-# backward takes two blocks per key block: in the atomic mode a cluster that
-# splits the score products between them, in the deterministic mode two
-# blocks that split the head dim; "bwd_d256_split_head" runs the latter in
-# the atomic mode too. With causality the cluster pair folds the key blocks
-# (a cluster does key blocks m and nkb - 1 - m); "bwd_d256_unfolded" runs
-# one key block per cluster. The warp-specialised backward at head dims 64
-# and 128 folds them too (a block does key blocks m and nkb - 1 - m);
-# "bwd_unfolded" runs it, in both modes, with one key block per block.
-# "bwd_heads_outer" runs the warp-specialised backward (both modes) with its
-# query steps head by head instead of tile by tile. "bwd_d256_shared_keys"
-# runs the kernel whose two consumers share 64 keys, in both modes, and
-# "bwd_d256_dq_atomics" runs that one with the float2 atomics it used for dQ
-# before its tensor reductions.
+# Each case runs in both dQ modes on the kernels a Hopper GPU picks by
+# default, and on the sm_80 mma.sync kernels (kernel_family("mma_sync")), so
+# both tensor-core families are checked on one GPU; the D = 256 cases with a
+# window or ids also on the SIMT kernels, the fallback where a GPU lacks the
+# shared memory of a tensor-core kernel.
 def _kernel_rows(case):
-  rows = [(False, "default"), (True, "default"), (False, "mma_sync"), (False, "fwd_cp_async")]
-  # The two Hopper backwards differ without a mask or bias, and at head dims
-  # 64 and 128 with one of them (staged; with both, the mma.sync backward runs).
-  # Segment ids turn staging off (attention_cuda.cu, staged_score_bytes).
-  plain = case.mask_shape is None and case.bias_shape is None
-  one = (case.mask_shape is None) != (case.bias_shape is None) and case.segments is None
-  if plain or (case.head_dim in (64, 128) and one):
-    rows += [(False, "bwd_cp_async"), (True, "bwd_cp_async"), (False, "bwd_heads_outer"),
-             (True, "bwd_heads_outer")]
-    if case.is_causal and case.head_dim in (64, 128):
-      rows += [(False, "bwd_unfolded"), (True, "bwd_unfolded")]
-  if plain and case.head_dim == 64:
-    rows += [(False, "bwd_rows64"), (True, "bwd_rows64"), (False, "fwd_consumers2"),
-             (False, "fwd_consumers3")]
-  if plain and case.head_dim == 256:
-    rows += [(False, "bwd_d256_shared_keys"), (True, "bwd_d256_shared_keys"),
-             (False, "bwd_d256_dq_atomics"), (False, "bwd_d256_split_head")]
-    if case.is_causal:
-      rows += [(False, "bwd_d256_unfolded")]
+  rows = [(False, "hopper"), (True, "hopper"), (False, "mma_sync")]
+  if case.head_dim == 256 and (case.window is not None or case.segments is not None):
+    rows.append((False, "simt"))
   return [pytest.param(case, d, k, id=f"{case.id}-{'det' if d else 'atomic'}-{k}")
           for d, k in rows]
 
@@ -171,84 +135,53 @@ def _on_hopper():
   return getattr(jax.devices("cuda")[0], "compute_capability", None) == "9.0"
 
 
-def _expected_kernels(case, deterministic, kernels):
+def _expected_kernels(case, deterministic, family):
   """(must, never): patterns that some launched kernel's name must match, and
-  patterns that none may, for what row `kernels` chooses on an sm_90 GPU
-  (cpp/cuda/launch.h says how each kernel is chosen). Names are demangled
+  patterns that none may, for what `family` picks on an sm_90 GPU
+  (cpp/cuda/kernel_choice.h has the rules). Names are demangled
   (`_cuda.recording_launches`): "bwd_ws_kernel<__nv_bfloat16, 64, true, 0,
-  128>(...)". Where the choice depends on which masks are staged (tested by
-  the cases' results), only what the row forces is checked."""
-  plain = case.mask_shape is None and case.bias_shape is None
-  d = case.head_dim
+  128>(...)". Whether a mask or bias is staged depends on its layout, so
+  rows with one check only what does not."""
+  if family == "simt":
+    return [r"\bfwd_kernel<", r"\bdkdv_kernel<"], [r"_tc_kernel<|_ws_"]
   # dQ: the deterministic mode's own kernel, or the float32 scratch converted.
   must = [r"\bdq_tc_kernel<" if deterministic else r"\bdq_convert_kernel<"]
-  never = []
-  if kernels == "mma_sync":
-    return must + [r"\bfwd_tc_kernel<", r"\bbwd_tc_kernel<"], [r"wgmma|_ws_"]
-  if kernels == "fwd_cp_async":
-    must.append(r"\bfwd_wgmma_kernel<")
-    never.append(r"\bfwd_ws_kernel<")
+  if family == "mma_sync":
+    return must + [r"\bfwd_tc_kernel<", r"\bbwd_tc_kernel<"], [r"_ws_"]
+  plain = case.mask_shape is None and case.bias_shape is None
+  d = case.head_dim
+  must.append(r"\bfwd_ws_kernel<")
+  three = r"WsTile<64, 128, 0, 3>"
+  never = [r"\bfwd_tc_kernel<"]
+  if d == 64 and plain and not case.is_causal and case.window is None:
+    must.append(three)
   else:
-    must.append(r"\bfwd_ws_kernel<")
-  if kernels.startswith("fwd_consumers"):
-    must.append(rf"WsTile<64, 128, 0, {kernels[-1]}>")
-  if kernels == "bwd_cp_async":
-    must.append(r"\bbwd_wgmma_(d256_)?kernel<")
-    never.append(r"\bbwd_ws_")
-  elif kernels == "bwd_rows64":
-    must.append(r"\bbwd_ws_kernel<[^>]*, 64>")
-  elif kernels == "bwd_d256_shared_keys":
-    must.append(r"\bbwd_ws_d256_kernel<")
-  elif kernels == "bwd_d256_dq_atomics":
-    must.append(r"\bbwd_ws_d256_kernel<[^>]*, true, false>")
-  elif kernels == "bwd_d256_split_head":
-    must.append(r"\bbwd_ws_split_head_kernel<")
-  elif plain and d in (64, 128):
+    never.append(three)
+  if plain and d in (64, 128):
     # 128-row query steps at D = 64 without a mask or bias, else 64.
     must.append(rf"\bbwd_ws_kernel<[^>]*, {d}, (true|false), 0, {128 if d == 64 else 64}>")
-  elif plain:  # D = 256, default, heads outer or unfolded
+  elif plain:
     must.append(r"\bbwd_ws_split_head_kernel<" if deterministic else
                 r"\bbwd_ws_cluster_pair_kernel<")
+  elif d == 256:
+    must.append(r"\bbwd_tc_kernel<")
   return must, never
 
 
-@pytest.mark.parametrize("case,deterministic,kernels",
+@pytest.mark.parametrize("case,deterministic,family",
                          [row for case in LARGE for row in _kernel_rows(case)])
-def test_multi_tile_against_reference(case, deterministic, kernels, monkeypatch):
-  if kernels == "fwd_cp_async":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD", "cp_async")
-  elif kernels == "bwd_cp_async":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD", "cp_async")
-  elif kernels == "bwd_heads_outer":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ORDER", "heads_outer")
-  elif kernels == "bwd_rows64":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS", "64")
-  elif kernels == "bwd_d256_shared_keys":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
-  elif kernels == "bwd_d256_split_head":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "split_head")
-  elif kernels == "bwd_d256_unfolded":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_FOLD", "off")
-  elif kernels == "bwd_unfolded":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD", "off")
-  elif kernels == "bwd_d256_dq_atomics":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256", "shared_keys")
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ", "atomics")
-  elif kernels.startswith("fwd_consumers"):
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS", kernels[-1])
-  elif kernels != "default":
-    monkeypatch.setenv("JAX_FATRAIN_CUDA_KERNELS", kernels)
+def test_multi_tile_against_reference(case, deterministic, family):
   x = make_inputs(case, seed=7)
   ref_out, ref_lse, ref_grads = _reference_results(case)
-  with _cuda.recording_launches() as launched:
+  with _cuda.kernel_family(family), _cuda.recording_launches() as launched:
     out, lse = jax.block_until_ready(jax.jit(lambda q, k, v: jax_fatrain.dot_product_attention(
         q, k, v, implementation="cuda", return_residual=True, **x.kwargs(case)))(
             x.q, x.k, x.v))
     grads = jax.block_until_ready(_grads(case, x, deterministic, runs=1)[0])
-  # The row ran the kernels it asked for (an environment variable that no
-  # longer selects anything would otherwise test the default twice).
+  # The row ran the kernels it asked for (a cap that no longer selects
+  # anything would otherwise test the default twice).
   if _on_hopper():
-    must, never = _expected_kernels(case, deterministic, kernels)
+    must, never = _expected_kernels(case, deterministic, family)
     for pattern in must:
       assert any(re.search(pattern, name) for name in launched), (pattern, launched)
     for pattern in never:

@@ -34,13 +34,11 @@ run() {  # NAME PYTEST_ARGS...
   shift
   start "$name" python3 -m pytest -q -p no:cacheprovider "$@"
 }
-sanitize() {  # NAME TOOL [ENV=VALUE...] [-- SCRIPT_ARGS...]: our kernels only
+sanitize() {  # NAME TOOL [-- SCRIPT_ARGS...]: our kernels only
   local name=$1 tool=$2
   shift 2
-  local env=()
-  while [[ $# -gt 0 && $1 != -- ]]; do env+=("$1"); shift; done
   [[ ${1:-} == -- ]] && shift
-  start "$name" env "${env[@]}" compute-sanitizer --tool "$tool" --kernel-name kns=fatrain \
+  start "$name" compute-sanitizer --tool "$tool" --kernel-name kns=fatrain \
     --error-exitcode 3 python3 tools/cuda_sanitize.py "$@"
 }
 # test_cuda_backend.py by head dim and dQ mode, then the shared suite's
@@ -49,8 +47,8 @@ run d64_atomic "$backend" -k "d64 and atomic"
 run d64_det "$backend" -k "d64 and det"
 run d128_atomic "$backend" -k "d128 and atomic"
 run d128_det "$backend" -k "d128 and det"
-run d256_default "$backend" -k "d256 and default"
-run backend_rest "$backend" -k "not d64 and not d128 and not (d256 and default)"
+run d256_hopper "$backend" -k "d256 and hopper"
+run backend_rest "$backend" -k "not d64 and not d128 and not (d256 and hopper)"
 run attention tests/test_attention.py -k "cuda and not compiles"
 run transforms_errors tests/test_transforms.py tests/test_errors.py \
   -k "cuda or none_picks or dq_mode"
@@ -62,7 +60,7 @@ run shared_rest tests -k "cuda and not compiles" --ignore "$backend" \
   # leaves the emulator out)
 sanitize san_memcheck memcheck
 sanitize san_memcheck_det memcheck -- --deterministic
-sanitize san_memcheck_sm80 memcheck JAX_FATRAIN_CUDA_KERNELS=mma_sync
+sanitize san_memcheck_sm80 memcheck -- --family mma_sync
 sanitize san_racecheck racecheck -- --quick
 wait
 

@@ -2,13 +2,12 @@
 under compute-sanitizer (tools/cuda_gpu_tests.sh runs it that way):
 
   compute-sanitizer --tool memcheck --kernel-name kns=fatrain \
-      python3 tools/cuda_sanitize.py [--deterministic] [--quick]
+      python3 tools/cuda_sanitize.py [--deterministic] [--family F] [--quick]
 
-Which kernel families run follows the process's kernel choice (the
-environment that tools/cuda_gpu_tests.sh sets, e.g. JAX_FATRAIN_CUDA_KERNELS=
-mma_sync). Each case is also checked against jax.nn, so that a kernel the
-sanitizer passes but that computes the wrong thing still fails. The last line
-lists the distinct kernels that ran.
+--family caps the kernel families (hopper, the default's kernels; mma_sync;
+simt). Each case is also checked against jax.nn, so that a kernel the
+sanitizer passes but that computes the wrong thing still fails. The output
+ends with the distinct kernels that ran.
 """
 
 import argparse
@@ -66,6 +65,8 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--deterministic", action="store_true",
                       help="the deterministic backward (its own dQ kernel)")
+  parser.add_argument("--family", default="hopper", choices=("hopper", "mma_sync", "simt"),
+                      help="the fastest kernel family to use (default: every one)")
   parser.add_argument("--quick", action="store_true",
                       help="one causal case per head dim and a packed one (for racecheck, "
                            "which is slower still)")
@@ -74,7 +75,7 @@ def main() -> int:
   cases = [CASES[i] for i in QUICK] if args.quick else CASES
   for case in cases:
     x = make_inputs(case, seed=3)
-    with _cuda.recording_launches() as launched:
+    with _cuda.kernel_family(args.family), _cuda.recording_launches() as launched:
       got = jax.block_until_ready(results(case, x, "cuda", deterministic=args.deterministic))
     assert_matches_reference(case, x, got, reference_results(case, x))
     kernels.update(launched)

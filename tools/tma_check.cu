@@ -1,7 +1,7 @@
 // Checks the TMA primitives of cpp/cuda/tma.cuh on a Hopper GPU: a tile loaded
 // by bulk tensor copies (one per 64-column block, completing on an mbarrier)
 // must equal, byte for byte, the same tile loaded by load_tile_sw128 (the
-// cp.async loader of hopper_fwd.cu and hopper_bwd.cu), rows past the sequence end included
+// cp.async reference loader of wgmma.cuh), rows past the sequence end included
 // (zeros). The operand has padded head and sequence strides, as a sliced
 // [B, T, N, D] array would. Two loads reuse one mbarrier, so its phase bit
 // is exercised as a pipeline would.

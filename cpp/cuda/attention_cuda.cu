@@ -15,6 +15,7 @@
 
 #include "cuda/attention_cuda.h"
 #include "cuda/common.cuh"
+#include "cuda/kernel_choice.h"
 #include "cuda/launch.h"
 
 namespace fatrain::cuda {
@@ -53,12 +54,11 @@ const char* check_score(const ScoreTensor& t, const AttentionProblem& p, const c
   return nullptr;
 }
 
-bool force_simt() {
-  static const bool force = [] {
-    const char* v = std::getenv("JAX_FATRAIN_CUDA_FORCE_SIMT");
-    return v != nullptr && v[0] == '1';
-  }();
-  return force;
+// The fastest kernel family launches may use (set_fastest_kernel_family).
+std::atomic<int> g_fastest_family{static_cast<int>(KernelFamily::kHopper)};
+
+KernelFamily fastest_allowed() {
+  return static_cast<KernelFamily>(g_fastest_family.load(std::memory_order_relaxed));
 }
 
 bool aligned16(const SeqTensor& t) {
@@ -66,10 +66,15 @@ bool aligned16(const SeqTensor& t) {
          t.seq_stride % 8 == 0 && t.head_stride % 8 == 0;
 }
 
-bool tensor_core_ok(const AttentionProblem& p, DType dtype) {
-  if (force_simt()) return false;
-  if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
-  return p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
+// Runs the first family that takes the problem, from `first` on: each
+// launcher returns cudaErrorNotSupported for a problem it does not take.
+template <class Hopper, class MmaSync, class Simt>
+cudaError_t launch_from(KernelFamily first, Hopper&& hopper, MmaSync&& mma_sync, Simt&& simt) {
+  cudaError_t err = cudaErrorNotSupported;
+  if (first == KernelFamily::kHopper) err = hopper();
+  if (err == cudaErrorNotSupported && first != KernelFamily::kSimt) err = mma_sync();
+  if (err == cudaErrorNotSupported) err = simt();
+  return err;
 }
 
 size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
@@ -166,7 +171,19 @@ const char* validate_problem(const AttentionProblem& p) {
 }
 
 const char* selected_path(const AttentionProblem& problem, DType dtype) {
-  return tensor_core_ok(problem, dtype) ? "tensor_core" : "simt";
+  return first_family(dtype, problem.head_dim, true, fastest_allowed()) == KernelFamily::kSimt
+             ? "simt"
+             : "tensor_core";
+}
+
+bool set_fastest_kernel_family(std::string_view name) {
+  KernelFamily family;
+  if (name == "hopper") family = KernelFamily::kHopper;
+  else if (name == "mma_sync") family = KernelFamily::kMmaSync;
+  else if (name == "simt") family = KernelFamily::kSimt;
+  else return false;
+  g_fastest_family.store(static_cast<int>(family), std::memory_order_relaxed);
+  return true;
 }
 
 namespace {
@@ -245,15 +262,13 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
     if (const char* e = cuda_error(launch_segment_tables(&p, scratch, stream), "segment tables"))
       return e;
   }
-  const bool tc = tensor_core_ok(problem, op.q.dtype) && aligned16(op.q) && aligned16(op.k) &&
-                  aligned16(op.v) && aligned16(op.o);
-  cudaError_t err = cudaErrorNotSupported;
-  if (tc && wgmma_allowed()) {
-    if (hopper_fwd_use_ws()) err = launch_fwd_wgmma_ws(p, op.q.dtype, stream);
-    if (err == cudaErrorNotSupported) err = launch_fwd_wgmma(p, op.q.dtype, stream);
-  }
-  if (tc && err == cudaErrorNotSupported) err = launch_fwd_tc(p, op.q.dtype, stream);
-  if (err == cudaErrorNotSupported) err = launch_fwd_simt(p, op.q.dtype, stream);
+  const DType dt = op.q.dtype;
+  const bool aligned = aligned16(op.q) && aligned16(op.k) && aligned16(op.v) && aligned16(op.o);
+  const cudaError_t err = launch_from(
+      first_family(dt, problem.head_dim, aligned, fastest_allowed()),
+      [&] { return launch_fwd_hopper(p, dt, stream); },
+      [&] { return launch_fwd_tc(p, dt, stream); },
+      [&] { return launch_fwd_simt(p, dt, stream); });
   return cuda_error(err, "forward launch");
 }
 
@@ -281,37 +296,32 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   }
   const DType dt = op.q.dtype;
   if (const char* e = cuda_error(launch_dsum(p, dt, stream), "backward dsum")) return e;
-  const bool tc = tensor_core_ok(problem, dt) && aligned16(op.q) && aligned16(op.k) &&
-                  aligned16(op.v) && aligned16(op.o) && aligned16(op.d_o) &&
-                  aligned16(op.dq) && aligned16(op.dk) && aligned16(op.dv);
-  if (tc) {
-    // The Hopper kernels where they apply (launch.h), else mma.sync.
-    auto bwd_tc = [&](bool atomic_dq) {
-      cudaError_t e = cudaErrorNotSupported;
-      if (wgmma_allowed()) {
-        if (hopper_bwd_use_ws()) e = launch_bwd_wgmma_ws(p, dt, atomic_dq, stream);
-        if (e == cudaErrorNotSupported) e = launch_bwd_wgmma(p, dt, atomic_dq, stream);
-      }
-      return e == cudaErrorNotSupported ? launch_bwd_tc(p, dt, atomic_dq, stream) : e;
-    };
-    cudaError_t err;
-    if (deterministic) {
-      err = bwd_tc(false);  // dK, dV
-      if (err == cudaSuccess) err = launch_dq_tc(p, dt, stream);
-    } else {
-      p.dq_acc =
-          reinterpret_cast<float*>(static_cast<char*>(scratch) + align256(rows * sizeof(float)));
-      if (const char* e = cuda_error(
-              cudaMemsetAsync(p.dq_acc, 0, rows * problem.head_dim * sizeof(float), stream),
-              "backward dq scratch memset"))
-        return e;
-      err = bwd_tc(true);
-      if (err == cudaSuccess) err = launch_dq_convert(p, dt, stream);
-    }
-    // Not enough shared memory on this GPU: the SIMT kernels compute all three.
-    if (err != cudaErrorNotSupported) return cuda_error(err, "backward (tensor core)");
+  const bool aligned = aligned16(op.q) && aligned16(op.k) && aligned16(op.v) &&
+                       aligned16(op.o) && aligned16(op.d_o) && aligned16(op.dq) &&
+                       aligned16(op.dk) && aligned16(op.dv);
+  const KernelFamily first = first_family(dt, problem.head_dim, aligned, fastest_allowed());
+  const bool atomic_dq = !deterministic;
+  if (atomic_dq && first != KernelFamily::kSimt) {
+    // The tensor-core backwards add dQ into float32 scratch; dq_convert
+    // writes it out. The deterministic mode's dQ has a kernel of its own.
+    p.dq_acc =
+        reinterpret_cast<float*>(static_cast<char*>(scratch) + align256(rows * sizeof(float)));
+    if (const char* e = cuda_error(
+            cudaMemsetAsync(p.dq_acc, 0, rows * problem.head_dim * sizeof(float), stream),
+            "backward dq scratch memset"))
+      return e;
   }
-  return cuda_error(launch_bwd_simt(p, dt, stream), "backward (simt)");
+  // A tensor-core family computes dK, dV (and the atomic dQ), then dQ
+  // follows; SIMT computes all three in one.
+  auto with_dq = [&](cudaError_t err) {
+    if (err != cudaSuccess) return err;
+    return atomic_dq ? launch_dq_convert(p, dt, stream) : launch_dq_tc(p, dt, stream);
+  };
+  const cudaError_t err = launch_from(
+      first, [&] { return with_dq(launch_bwd_hopper(p, dt, atomic_dq, stream)); },
+      [&] { return with_dq(launch_bwd_tc(p, dt, atomic_dq, stream)); },
+      [&] { return launch_bwd_simt(p, dt, stream); });
+  return cuda_error(err, "backward launch");
 }
 
 const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradOperands& op,

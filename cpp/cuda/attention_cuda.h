@@ -11,10 +11,10 @@
 // L in natural log float32 [B, Nq, T], a row with no visible key has O = 0,
 // L = -inf and zero gradients.
 //
-// Paths:
+// Paths (kernel_choice.h has the rules):
 //  * bf16 / f16 with head_dim 64, 128 or 256 (16-byte aligned operands): tensor
-//    cores (mma.sync m16n8k16 + ldmatrix + cp.async), FA-2 tiling, float32
-//    accumulation, online softmax in base 2.
+//    cores, FA-2 tiling, float32 accumulation, online softmax in base 2; on
+//    Hopper warp-specialised wgmma/TMA kernels, elsewhere mma.sync.
 //  * everything else (float32 operands, other head dims): a plain float32
 //    SIMT path (one warp per row), exact to float32 rounding, slow.
 //  * backward: D = rowsum(dO∘O) pre-kernel; KV-tile-outer kernel with dK/dV
@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -71,9 +72,15 @@ const char* attention_bias_grad(const AttentionProblem& problem,
 // Which path a problem takes ("tensor_core" or "simt"), for tests/benchmarks.
 const char* selected_path(const AttentionProblem& problem, DType dtype);
 
+// Caps the kernel families later launches may use (kernel_choice.h), for
+// tests, which run every kept family on one GPU: "hopper" (no cap, the
+// default), "mma_sync" (the sm_80 kernels, then SIMT) or "simt". Returns
+// false, changing nothing, for any other name. Process-wide.
+bool set_fastest_kernel_family(std::string_view name);
+
 // A record of the kernels the entry points launch, for tests: several
-// kernels can serve one problem and environment variables choose among them
-// (launch.h), so a test that forces one checks here that it ran. While
+// kernels can serve one problem (kernel_choice.h), so a test that expects
+// one checks here that it ran. While
 // recording is on, every launch appends its kernel's name (cudaFuncGetName,
 // demangled where the C++ runtime can: "...bwd_ws_kernel<__nv_bfloat16, 64,
 // true, 0, 128>(...)"); take_launch_record returns the names since the last

@@ -1,8 +1,7 @@
-// The pieces the two Hopper backward kernels share (internal): the query
-// steps a key block walks, the per-step products and elementwise work of a
-// warpgroup that owns 64 keys, and the final dK / dV store. hopper_bwd.cu loads
-// its tiles with cp.async from every thread, hopper_bwd_ws.cu with TMA from a
-// producer warp; both keep dK and dV of their keys in wgmma accumulators.
+// The pieces of the Hopper backward kernels (hopper_bwd_ws.cu; internal):
+// the query steps a key block walks, the per-step products and elementwise
+// work of a warpgroup that owns 64 keys, and the final dK / dV store. The
+// kernels keep dK and dV of their keys in wgmma accumulators.
 #pragma once
 
 #include <type_traits>
@@ -15,7 +14,7 @@ namespace fatrain::cuda {
 // Query rows per backward step (one wgmma M or N of 64).
 constexpr int kBwdBQ = 64;
 
-// The staged-score instances both D <= 128 Hopper backwards have (a mask or a
+// The staged-score instances of the D <= 128 Hopper backward (a mask or a
 // 16-bit bias, KParams::staged, at head dims 64 and 128): calls
 // launch(std::integral_constant<int, D>, std::integral_constant<int, EB>) for
 // p's, else returns cudaErrorNotSupported.
@@ -33,26 +32,10 @@ cudaError_t launch_staged_bwd(const KParams& p, Launch&& launch) {
 }
 
 // dQ rows [i0, i0 + 64) x columns [col0, col0 + NC) of head h, a 64 x NC
-// wgmma accumulator, added to the float32 scratch with float2 atomics.
-template <int NC>
-__device__ __forceinline__ void add_dq_tile(const KParams& p, const float (&dq)[NC / 2], int b,
-                                            int h, int i0, int col0, int wq, int lane) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = i0 + acc_row(wq, lane, 2 * r);
-    if (i >= p.T) continue;
-    float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.N + h) * p.T + i) * p.D + col0;
-#pragma unroll
-    for (int j = 0; j < NC / 8; ++j)
-      atomicAdd(reinterpret_cast<float2*>(dst + acc_col(j, lane, 0)),
-                make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-  }
-}
-
-// add_dq_tile with float4 atomics (sm_90): lanes 2t and 2t + 1 swap a pair
-// of columns, so that the even lane holds four consecutive columns of its
-// row lane / 4 and the odd lane four of row lane / 4 + 8; half the atomic
-// instructions of the float2 form.
+// wgmma accumulator, added to the float32 scratch with float4 atomics
+// (sm_90): lanes 2t and 2t + 1 swap a pair of columns, so that the even lane
+// holds four consecutive columns of its row lane / 4 and the odd lane four
+// of row lane / 4 + 8; half the atomic instructions of float2 ones.
 template <int NC>
 __device__ __forceinline__ void add_dq_tile_v4(const KParams& p, const float (&dq)[NC / 2], int b,
                                                int h, int i0, int col0, int wq, int lane) {
@@ -109,17 +92,15 @@ __device__ __forceinline__ void store_dk_dv(const KParams& p, const float (&dk)[
   }
 }
 
-// The order of a key block's query steps.
-//   kHeadsOuter: head by head, each head's query tiles ascending.
-//   kTilesDown, kTilesUp: tile by tile (descending, ascending), at each
-//     tile every query head of the group.
-// Blocks of one KV head run at the same time and read the same Q and dO
-// tiles only if they walk them in step: with causality key block j's
-// queries start at tile j (for 128-row tiles), so head by head every block
-// reads its own tiles, while tiles down from the last one all blocks read
-// the same tile until each reaches its own first; L2 then serves one copy
-// (and the dQ rows all blocks add to). See launch.h for what it measured.
-enum class StepOrder : int { kHeadsOuter, kTilesDown, kTilesUp };
+// The order of a key block's query steps: tile by tile (descending or
+// ascending), at each tile every query head of the group. Blocks of one KV
+// head run at the same time and read the same Q and dO tiles only if they
+// walk them in step: with causality key block j's queries start at tile j
+// (for 128-row tiles), so tiles down from the last one all blocks read the
+// same tile until each reaches its own first; L2 then serves one copy (and
+// the dQ rows all blocks add to). Head by head instead, every block would
+// read its own tiles (docs/cuda.md has the difference).
+enum class StepOrder : int { kTilesDown, kTilesUp };
 
 // The query steps one key block walks: the G query heads of its KV head,
 // each times the query tiles of BQ rows that can see keys [j0, j0 + BK), in
@@ -130,7 +111,7 @@ struct QuerySteps {
   int G, kvh, qt_begin, nq, total;
   StepOrder order;
   __device__ __forceinline__ void init(const KParams& p, HeadMask& hm, int b, int kvh_, int j0,
-                                       int BK, StepOrder order_ = StepOrder::kHeadsOuter) {
+                                       int BK, StepOrder order_) {
     G = p.N / p.K;
     kvh = kvh_;
     order = order_;
@@ -139,12 +120,10 @@ struct QuerySteps {
     total = G * nq;
   }
   __device__ __forceinline__ int head(int it) const {
-    return kvh * G + (order == StepOrder::kHeadsOuter ? it / nq : it % G);
+    return kvh * G + it % G;
   }
   __device__ __forceinline__ int row0(int it) const {
-    const int tile = order == StepOrder::kHeadsOuter ? it % nq
-                     : order == StepOrder::kTilesUp  ? it / G
-                                                     : nq - 1 - it / G;
+    const int tile = order == StepOrder::kTilesUp ? it / G : nq - 1 - it / G;
     return (qt_begin + tile) * BQ;
   }
 };
@@ -365,27 +344,6 @@ __device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[
     acc_to_a<E>(dpt, kk, a);
     Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<BQ>(cQ, 0, kk), 1);
   }
-  wgmma_commit();
-}
-
-// dV += Pᵀ dO and dK += dSᵀ Q on columns [col0, col0 + NC), with Pᵀ and dSᵀ
-// read from [BK keys][kBwdBQ queries] SW128 tiles (K-major) and dO, Q
-// MN-major; one commit group.
-template <class E, int NC, int BK>
-__device__ __forceinline__ void issue_dv_dk_from_smem(float (&dv)[NC / 2], float (&dk)[NC / 2],
-                                                      uint32_t cP, uint32_t cdS, uint32_t cdO,
-                                                      uint32_t cQ, int col0) {
-  fence_regs(dv);
-  fence_regs(dk);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kBwdBQ / 16; ++kk)
-    Wgmma<E, NC>::template ss<0, 1>(dv, desc_k_major<BK>(cP, 0, kk),
-                                    desc_mn_major<kBwdBQ>(cdO, col0, kk), 1);
-#pragma unroll
-  for (int kk = 0; kk < kBwdBQ / 16; ++kk)
-    Wgmma<E, NC>::template ss<0, 1>(dk, desc_k_major<BK>(cdS, 0, kk),
-                                    desc_mn_major<kBwdBQ>(cQ, col0, kk), 1);
   wgmma_commit();
 }
 

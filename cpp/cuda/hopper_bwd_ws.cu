@@ -2,18 +2,17 @@
 // warpgroups that never meet at a block-wide barrier (sm_90a only): head
 // dims 64 and 128 (bwd_ws_kernel, without a mask or bias or with one that
 // qualifies for staging, KParams::staged) and 256 (without a mask or bias:
-// bwd_ws_cluster_pair_kernel, bwd_ws_split_head_kernel or
-// bwd_ws_d256_kernel, further down).
+// bwd_ws_cluster_pair_kernel or bwd_ws_split_head_kernel, further down;
+// kernel_choice.h says which runs where).
 //
-// Why: hopper_bwd.cu loads each step's Q and dO with cp.async from all 256
-// threads and meets at two block-wide barriers per step (before the step, and
-// before dQ += dS K, which needs both warpgroups' dS), so both warpgroups run
-// the same phase at the same time and the tensor cores idle through every
-// softmax and dS phase (docs/cuda.md, "Profiles").
+// Why the producer warp and barrier-free consumers: loading each step's Q and
+// dO from all threads and meeting at block-wide barriers (before the step,
+// and before dQ += dS K, which needs both warpgroups' dS) makes both
+// warpgroups run the same phase at the same time, so the tensor cores idle
+// through every softmax and dS phase (docs/cuda.md, "Profiles").
 //
 // Grid (ceil(S / 128), K, B), one block per key block of 128 keys; with
-// causality (unless JAX_FATRAIN_CUDA_HOPPER_BWD_FOLD=off) half that, rounded
-// up: block m folds key blocks nkb - 1 - m and m (nkb of them), one after
+// causality half that, rounded up: block m folds key blocks nkb - 1 - m and m (nkb of them), one after
 // the other, so that every block has about the same work. Three warpgroups:
 //   warpgroup 0, the producer: gives its registers back; one warp loads K and
 //     V of the key block once (TMA; a folded block's second ones once both
@@ -26,7 +25,7 @@
 //     of the key block and keeps their dK, dV in registers until the key
 //     block's last step. Per step it:
 //     1. Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (ss wgmma); Pᵀ = exp2(Sᵀ - L); dV += Pᵀ dO (rs);
-//        dSᵀ = Pᵀ (dPᵀ - D); dK += dSᵀ Q (rs) -- as in hopper_bwd.cu;
+//        dSᵀ = Pᵀ (dPᵀ - D); dK += dSᵀ Q (rs);
 //     2. (atomic mode) stores its 64 keys of dSᵀ, 16-bit, into the step's dSᵀ
 //        buffer and arrives on that buffer's "ready" mbarrier;
 //     3. (atomic mode) computes the previous step's dQ columns
@@ -55,6 +54,7 @@
 // Rows past T read as zeros (the tensor maps' bounds) with L = +inf, so they
 // add nothing. The deterministic mode skips 2 and 3 (tc_dq.cu computes dQ).
 #include "cuda/hopper_bwd_common.cuh"
+#include "cuda/kernel_choice.h"
 #include "cuda/launch.h"
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
@@ -64,7 +64,7 @@ namespace {
 
 constexpr int kConsumers = 2, kBK = 64 * kConsumers, kBQ = kBwdBQ;
 // Query rows per step of bwd_ws_kernel at head dim 64 without a mask or bias
-// (hopper_bwd_query_rows()): twice kBQ, so that each step's waits and small
+// (kernel_choice.h, hopper_bwd_query_rows): twice kBQ, so that each step's waits and small
 // products serve twice the work (Sᵀ and dPᵀ become 64 x 128, dV and dK reduce
 // over 128 queries).
 constexpr int kBQWide = 2 * kBwdBQ;
@@ -79,12 +79,10 @@ constexpr int kBQWide = 2 * kBwdBQ;
 struct KeyBlockUnits {
   int m, nkb, count;
   bool short_first;
-  StepOrder order;
-  __device__ __forceinline__ KeyBlockUnits(const KParams& p, int m_, int folded,
-                                           StepOrder order_)
-      : m(m_), nkb((p.S + kBK - 1) / kBK), order(order_) {
+  __device__ __forceinline__ KeyBlockUnits(const KParams& p, int m_, int folded)
+      : m(m_), nkb((p.S + kBK - 1) / kBK) {
     count = folded && nkb - 1 - m != m ? 2 : 1;
-    short_first = folded && order != StepOrder::kHeadsOuter;
+    short_first = folded;
   }
   // Unit `unit`'s first key (returned) and its query steps.
   template <int BQ>
@@ -92,7 +90,8 @@ struct KeyBlockUnits {
                                        QuerySteps<BQ>& steps) const {
     const bool key_block_m = (unit == 0) != short_first;
     const int j0 = (key_block_m ? m : nkb - 1 - m) * kBK;
-    steps.init(p, hm, b, kvh, j0, kBK, short_first && unit == 1 ? StepOrder::kTilesUp : order);
+    steps.init(p, hm, b, kvh, j0, kBK,
+               short_first && unit == 1 ? StepOrder::kTilesUp : StepOrder::kTilesDown);
     return j0;
   }
 };
@@ -101,24 +100,25 @@ constexpr int kStages = 2;
 
 struct BwdTensorMaps {
   CUtensorMap q, d_o, k, v;
-  CUtensorMap dq_acc;  // the float32 dQ scratch (atomic mode at D = 64 and 128; REDUCE_DQ)
+  CUtensorMap dq_acc;  // the float32 dQ scratch (atomic mode at D = 64 and 128)
 };
 
-// A block's mbarriers, 8 bytes each from `base`, for STAGES slots of Q and dO.
-template <int STAGES>
-struct BwdBarrierSet {
-  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2 + STAGES + 1;
+// bwd_ws_kernel's mbarriers, 8 bytes each from `base`, for kStages slots of
+// Q and dO.
+struct BwdBarriers {
+  static constexpr int STAGES = kStages;
+  static constexpr int kCount = 1 + 2 * STAGES + 4 + 2 + 1;
   uint32_t base;
   // K and V landed; every consumer thread is done with them (bwd_ws_kernel
   // with folded key blocks: the next unit's K and V may be loaded).
   __device__ __forceinline__ uint32_t kv_full() const { return base; }
-  __device__ __forceinline__ uint32_t kv_empty() const { return base + 8 * (7 + 3 * STAGES); }
+  __device__ __forceinline__ uint32_t kv_empty() const { return base + 8 * (7 + 2 * STAGES); }
   // Slot s's Q, dO (bytes) and row statistics (the producer warp's 32 lanes)
   // landed; every consumer thread is done with it.
   __device__ __forceinline__ uint32_t full(int s) const { return base + 8 * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return base + 8 * (1 + STAGES + s); }
-  // Both consumers wrote their part of shared buffer u (dSᵀ; at D = 256 also
-  // Pᵀ); both are done reading it.
+  // Both consumers wrote their part of shared buffer u (dSᵀ); both are done
+  // reading it.
   __device__ __forceinline__ uint32_t ready(int u) const {
     return base + 8 * (1 + 2 * STAGES + u);
   }
@@ -131,21 +131,13 @@ struct BwdBarrierSet {
   __device__ __forceinline__ uint32_t scores_empty() const {
     return base + 8 * (6 + 2 * STAGES);
   }
-  // Both consumers staged their dQ of the step in slot s (bwd_ws_d256_kernel
-  // with REDUCE_DQ).
-  __device__ __forceinline__ uint32_t dq_staged(int s) const {
-    return base + 8 * (7 + 2 * STAGES + s);
-  }
-  // One thread initialises them, before the block-wide barrier;
-  // empty_arrivals: the arrivals that free a slot (every consumer thread, or
-  // the one thread that adds the staged dQ).
-  __device__ __forceinline__ void init(int empty_arrivals = kConsumers * 128) const {
+  // One thread initialises them, before the block-wide barrier.
+  __device__ __forceinline__ void init() const {
     mbar_init(kv_full(), 1);
     mbar_init(kv_empty(), kConsumers * 128);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 32);
-      mbar_init(empty(s), empty_arrivals);
-      mbar_init(dq_staged(s), kConsumers * 128);
+      mbar_init(empty(s), kConsumers * 128);
     }
     for (int u = 0; u < 2; ++u) {
       mbar_init(ready(u), kConsumers * 128);
@@ -156,7 +148,6 @@ struct BwdBarrierSet {
     fence_mbar_init();
   }
 };
-using BwdBarriers = BwdBarrierSet<kStages>;
 
 // Which part of a step's dQ (BQ queries x D) consumer c computes: with
 // 64-row steps, all 64 queries x columns [c D / 2, (c + 1) D / 2); with
@@ -323,8 +314,7 @@ __device__ __forceinline__ void produce(const BwdTensorMaps& maps, const KParams
 
 template <class E, int D, bool ATOMIC, int EB, int BQ>
 __global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p, const int folded,
-                  const StepOrder order) {
+    bwd_ws_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p, const int folded) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdWsLayout<D, EB, BQ>;
   using Dq = DqSplit<D, BQ>;
@@ -343,7 +333,7 @@ __global__ void __launch_bounds__(kNT, 1)
   // The block's key blocks (KeyBlockUnits). A step's number g counts on over
   // the units, so that every barrier's phases (Q/dO slots, dSᵀ buffers, the
   // staged score slot) do too; K and V have one buffer, refilled per unit.
-  const KeyBlockUnits units(p, static_cast<int>(blockIdx.x), folded, order);
+  const KeyBlockUnits units(p, static_cast<int>(blockIdx.x), folded);
   // Unit `unit`'s first key and query steps, for the producer and consumers.
   auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<BQ>& steps) {
     return units.start(unit, p, b, kvh, hm, steps);
@@ -482,200 +472,18 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-// head_dim 256, shared keys (JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys;
-// bwd_ws_split_head_kernel and bwd_ws_cluster_pair_kernel below are faster,
-// the first by 11-18% forward + backward on the GQA 16:2 rows on an H200).
-// dK and dV of 64 keys x 256 take 256 registers per thread, so
-// here, as in hopper_bwd.cu's D = 256 kernel, both consumers share the
-// block's 64 keys and split the head dim: consumer c keeps dK, dV columns
-// [128 c, 128 c + 128). Per step it computes Sᵀ, dPᵀ for the 64 keys x
-// queries [32 c, 32 c + 32), writes its Pᵀ and dSᵀ columns (16-bit) into the
-// step's buffer pair, and once both consumers' are there ("ready") adds
-// dV += Pᵀ dO, dK += dSᵀ Q on its columns and (atomic mode) dQ = dS K on the
-// same columns. Two buffer pairs: a consumer overwrites one only once both
-// consumers are done with it ("done"), so neither waits for the other at the
-// start of a step.
-// The atomic mode adds dQ by tensor reductions (REDUCE_DQ, the default), as
-// at D <= 128, staged where the step's Q and dO were: there is no room for a
-// staging area of its own. Consumer c's dQ (64 queries x 128 columns,
-// float32, 32 KB) fits exactly in its own column halves of the slot's Q and
-// dO (16 KB each), which after the "ready" barrier only its own dV and dK
-// products read. It writes them as four boxes of 64 rows x 32 columns and
-// arrives on the slot's "dq_staged" barrier; warp 1 of the producer
-// warpgroup (the dQ warp) then adds the step's eight boxes with one tensor
-// reduction each and gives the slot back to the producer once they have read
-// it. (Issued by the consumers, 32 reductions of 16-row boxes per step, each
-// sits behind a per-lane loop the compiler builds for its operands; the
-// dQ warp takes those loops off the consumers, which then wait for the
-// slot's refill behind the reductions instead.) So the refill has the rest
-// of the next step instead of a whole one.
-// JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics selects float2 atomics instead
-// (slower; docs/cuda.md).
-constexpr int kBK256 = 64;
-
-struct BwdWsLayout256 {
-  static constexpr int D = 256;
-  static constexpr int kKVBytes = kBK256 * D * 2;    // K, or V
-  static constexpr int kQBytes = kBQ * D * 2;        // one slot of Q, or dO
-  static constexpr int kPBytes = kBK256 * kBQ * 2;   // one Pᵀ or dSᵀ buffer
-  static constexpr int kStatBytes = kBQ * 4;
-  static constexpr int kK = 0, kV = kK + kKVBytes, kQ = kV + kKVBytes,
-                       kDO = kQ + kStages * kQBytes, kP = kDO + kStages * kQBytes,
-                       kDS = kP + 2 * kPBytes, kL = kDS + 2 * kPBytes,
-                       kDsum = kL + kStages * kStatBytes, kBars = kDsum + kStages * kStatBytes;
-  static constexpr int kSmemBytes = kBars + 8 * BwdBarriers::kCount + 1024;  // + alignment slack
-  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
-};
-
-template <class E, bool ATOMIC, bool REDUCE_DQ = false>
-__global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_d256_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
-  static_assert(ATOMIC || !REDUCE_DQ, "the deterministic mode computes no dQ here");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = BwdWsLayout256;
-  constexpr int D = 256, BK = kBK256, DW = D / 2, QW = kBQ / 2;
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
-  auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
-  const uint32_t sK = base + L::kK, sV = base + L::kV, sQ = base + L::kQ, sdO = base + L::kDO;
-  const uint32_t sP = base + L::kP, sdS = base + L::kDS;
-  float* sL = reinterpret_cast<float*>(smem_ptr(base + L::kL));
-  float* sDs = reinterpret_cast<float*>(smem_ptr(base + L::kDsum));
-  const BwdBarriers bar{base + L::kBars};
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * BK;
-  HeadMask hm;
-  QuerySteps<> steps;
-  steps.init(p, hm, b, kvh, j0, BK);
-  const int total = steps.total;
-
-  // REDUCE_DQ: the dQ warp alone frees a slot (see above).
-  if (tid == 0) bar.init(REDUCE_DQ ? 1 : kConsumers * 128);
-  __syncthreads();  // the last block-wide barrier: producer threads exit early
-
-  if (wg == 0) {
-    setmaxnreg_dec<24>();
-    if (total == 0) return;
-    if (warp == 0) {
-      produce<D, BK, 0, kBQ>(maps, p, bar, BwdTiles{sK, sV, sQ, sdO, 0, sL, sDs}, steps, b, kvh,
-                             j0, lane);
-    } else if (REDUCE_DQ && warp == 1 && lane == 0) {
-      for (int it = 0; it < total; ++it) {
-        const int s = it % kStages;
-        const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
-        mbar_wait(bar.dq_staged(s), (it / kStages) & 1);
-        // Consumer c's boxes: columns [128 c, 128 c + 64) in its half of
-        // the Q slot, the next 64 in its half of the dO slot.
-        constexpr int kBoxesPerConsumer = DW / 32;
-#pragma unroll
-        for (int x = 0; x < kConsumers * kBoxesPerConsumer; ++x) {
-          const int c = x / kBoxesPerConsumer, q = x % kBoxesPerConsumer;
-          tma_reduce_add_4d(&maps.dq_acc,
-                            (q < kBoxesPerConsumer / 2 ? cQ : cdO) + c * 2 * kBQ * 128 +
-                                (q & 1) * kBQ * 128,
-                            32 * x, steps.row0(it), steps.head(it), b);
-        }
-        bulk_commit();
-        bulk_wait_read<0>();
-        mbar_arrive(bar.empty(s));
-      }
-      bulk_wait<0>();  // the slots stay valid until the reductions are done
-    }
-    return;
-  }
-
-  setmaxnreg_inc<240>();
-  const int c = wg - 1, wq = warp & 3;
-  const int key_w0 = wq * 16;  // the warp's 16 keys, relative to j0
-  const int q_w0 = c * QW;     // the consumer's 32 queries in Sᵀ, dPᵀ, relative to i0
-
-  float dk[DW / 2], dv[DW / 2], st[QW / 2], dpt[QW / 2];
-#pragma unroll
-  for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < QW / 2; ++i) st[i] = dpt[i] = 0.f;
-
-  if (total > 0) mbar_wait(bar.kv_full(), 0);
-  for (int it = 0; it < total; ++it) {
-    const int s = it % kStages, u = it & 1;
-    const int h = steps.head(it), i0 = steps.row0(it);
-    hm.init(p, b, h, kLog2e);
-    const uint32_t cQ = sQ + s * L::kQBytes, cdO = sdO + s * L::kQBytes;
-    const uint32_t cP = sP + u * L::kPBytes, cdS = sdS + u * L::kPBytes;
-    const float* cL = sL + s * kBQ;
-    const float* cDs = sDs + s * kBQ;
-    mbar_wait(bar.full(s), (it / kStages) & 1);
-
-    // Sᵀ and dPᵀ for the 64 keys x this consumer's 32 queries.
-    issue_st_dpt<E, D, BK, QW>(st, dpt, sK, sV, 0, cQ, cdO, q_w0);
-    wgmma_wait<1>();
-    fence_regs(st);
-
-    const bool full_tile =
-        hm.tile_is_full(i0 + q_w0, i0 + q_w0 + QW, j0 + key_w0, j0 + key_w0 + 16);
-    compute_pt<0, 0, QW>(st, hm, p.scale_log2, cL, i0, j0, key_w0, q_w0, lane, full_tile,
-                         nullptr);
-    if (it >= 2) mbar_wait(bar.done(u), ((it >> 1) - 1) & 1);  // both read it two steps ago
-    store_key_major<E, BK, QW>(smem_ptr(cP), st, key_w0, q_w0, lane);
-    wgmma_wait<0>();
-    fence_regs(dpt);
-    compute_dst<QW>(dpt, st, cDs, q_w0, lane);
-    store_key_major<E, BK, QW>(smem_ptr(cdS), dpt, key_w0, q_w0, lane);
-    fence_proxy_async();  // the products below read them through the async proxy
-    mbar_arrive(bar.ready(u));
-    mbar_wait(bar.ready(u), (it >> 1) & 1);  // the other consumer's queries too
-
-    // dV += Pᵀ dO, dK += dSᵀ Q on columns [128 c, 128 c + 128).
-    issue_dv_dk_from_smem<E, DW, BK>(dv, dk, cP, cdS, cdO, cQ, c * DW);
-
-    // dQ (64 queries x this consumer's 128 columns) += dS K.
-    if constexpr (ATOMIC) {
-      float dq[DW / 2];
-      issue_dq<E, DW, BK>(dq, cdS, sK, c * DW);
-      wgmma_wait<0>();
-      fence_regs(dq);
-      fence_regs(dv);
-      fence_regs(dk);
-      mbar_arrive(bar.done(u));
-      if constexpr (REDUCE_DQ) {
-        // Columns [0, 64) of the consumer's 128 into its half of Q (column
-        // blocks 2c, 2c + 1 of the slot, 8 KB each: one 64-row box each),
-        // columns [64, 128) into its half of dO; the dQ warp adds them.
-        write_dq_rows<DW / 2, kBQ>(reinterpret_cast<const float(&)[DW / 4]>(dq[0]),
-                                   smem_ptr(cQ + c * 2 * kBQ * 128), 16 * wq, lane);
-        write_dq_rows<DW / 2, kBQ>(reinterpret_cast<const float(&)[DW / 4]>(dq[DW / 4]),
-                                   smem_ptr(cdO + c * 2 * kBQ * 128), 16 * wq, lane);
-        fence_proxy_async();  // the reductions read them through the async proxy
-        mbar_arrive(bar.dq_staged(s));
-      } else {
-        mbar_arrive(bar.empty(s));
-        add_dq_tile<DW>(p, dq, b, h, i0, c * DW, wq, lane);
-      }
-    } else {
-      wgmma_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      mbar_arrive(bar.done(u));
-      mbar_arrive(bar.empty(s));
-    }
-  }
-
-  store_dk_dv<E, DW>(p, dk, dv, b, kvh, j0, c * DW, wq, lane);
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
-}
-
-// head_dim 256, split head (the default in the deterministic mode, and
-// where bwd_ws_cluster_pair_kernel's pair of blocks does not fit; launch.h
-// says how to select it or bwd_ws_d256_kernel instead). The decomposition
+// head_dim 256, split head (the deterministic mode, and where
+// bwd_ws_cluster_pair_kernel's pair of blocks does not fit; kernel_choice.h,
+// hopper_bwd_256). The decomposition
 // cuDNN's D = 256 kernel uses (docs/cuda.md): a block owns 128 keys, as
 // bwd_ws_kernel does at D = 128, but only one 128-column half of their dK,
 // dV and of dQ; the grid has two blocks per key block, one per half, that
 // both compute the full Sᵀ and dPᵀ (contracted over all 256 columns).
 // That is 1.4x the tensor work of the problem, for dK and dV of 64 keys x
 // 128 columns per consumer (what fits the registers) and a dQ of 64
-// queries x 128 columns per 128 keys instead of per 64: half
-// bwd_ws_d256_kernel's float32 dQ traffic per product.
+// queries x 128 columns per 128 keys instead of per 64 (as with two
+// consumers sharing 64 keys and splitting the head dim): half the float32 dQ
+// traffic per product.
 // Consumer c owns keys [64 c, 64 c + 64) and, per step, computes dQ columns
 // [64 c, 64 c + 64) of the half over all 128 keys, a step late, as
 // bwd_ws_kernel does (the dSᵀ buffers, "ready" and "done").
@@ -690,8 +498,7 @@ __global__ void __launch_bounds__(kNT, 1)
 // after dK += dSᵀ Q. The consumers issue Sᵀ, dPᵀ over the parts in the order
 // they land. dQ goes to the float32 scratch with float4 atomics
 // (add_dq_tile_v4; a little faster than float2): no room is left for
-// staging tensor reductions. It is faster than bwd_ws_d256_kernel
-// (docs/cuda.md has the figures).
+// staging tensor reductions.
 struct SplitHeadBarriers {
   // The four parts of a step's Q and dO, in the order their readers finish
   // and the producer refills them.
@@ -750,8 +557,7 @@ __device__ __forceinline__ void load_half_blocks(uint32_t tile, const CUtensorMa
 
 template <class E, bool ATOMIC>
 __global__ void __launch_bounds__(kNT, 1)
-    bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
-                             const StepOrder order) {
+    bwd_ws_split_head_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = SplitHeadLayout;
   using Bars = SplitHeadBarriers;
@@ -770,7 +576,7 @@ __global__ void __launch_bounds__(kNT, 1)
   const int j0 = (blockIdx.x >> 1) * kBK;
   HeadMask hm;
   QuerySteps<> steps;
-  steps.init(p, hm, b, kvh, j0, kBK, order);
+  steps.init(p, hm, b, kvh, j0, kBK, StepOrder::kTilesDown);
   const int total = steps.total;
 
   if (tid == 0) bar.init();
@@ -904,8 +710,7 @@ __global__ void __launch_bounds__(kNT, 1)
 }
 
 // head_dim 256 by a pair of blocks that share the score products (the
-// default in the atomic mode; JAX_FATRAIN_CUDA_HOPPER_BWD_D256=split_head
-// runs bwd_ws_split_head_kernel instead). It is the fastest D = 256
+// atomic mode; kernel_choice.h, hopper_bwd_256). It is the fastest D = 256
 // backward here (docs/cuda.md has the figures).
 // bwd_ws_split_head_kernel's two blocks of a key block each compute all of
 // Sᵀ and dPᵀ (a reduction over the whole head dim) and use them for their
@@ -1030,7 +835,7 @@ __device__ __forceinline__ void send_warp_rows(uint32_t src, uint32_t bar, uint3
 template <class E>
 __global__ void __launch_bounds__(kNT, 1)
     bwd_ws_cluster_pair_kernel(const __grid_constant__ BwdTensorMaps maps, const KParams p,
-                               const int folded, const StepOrder order) {
+                               const int folded) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = PairLayout;
   using Bars = PairBarriers;
@@ -1056,7 +861,7 @@ __global__ void __launch_bounds__(kNT, 1)
   // tile nt - 1 - t in its first unit (key block nkb - 1 - m: 2m + 2
   // tiles), then at tile t - 2 in its second (key block m, from tile 2m
   // on), so the clusters of a KV head read at most two tiles at a time.
-  const KeyBlockUnits units(p, static_cast<int>(blockIdx.x >> 1), folded, order);
+  const KeyBlockUnits units(p, static_cast<int>(blockIdx.x >> 1), folded);
   // Unit `unit`'s first key and query steps, for the producer and consumers.
   auto start_unit = [&](int unit, HeadMask& hm, QuerySteps<>& steps) {
     return units.start(unit, p, b, kvh, hm, steps);
@@ -1315,11 +1120,6 @@ __global__ void __launch_bounds__(kNT, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-// The query step order of the kernels below (launch.h).
-inline StepOrder step_order() {
-  return hopper_bwd_tiles_outer() ? StepOrder::kTilesDown : StepOrder::kHeadsOuter;
-}
-
 // Tensor maps of the four operands: Q and dO in boxes of a query step's bq
 // rows, K and V of a key block's bk.
 inline cudaError_t make_bwd_maps(BwdTensorMaps* maps, const KParams& p, int bk, int bq) {
@@ -1344,29 +1144,13 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   if (make_bwd_maps(&maps, p, kBK, BQ) != cudaSuccess) return cudaErrorNotSupported;
   if (ATOMIC && make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B) != cudaSuccess)
     return cudaErrorNotSupported;
-  // With causality key block j sees the queries from 128 j on, so its work
-  // falls with j and the grid's last wave ends in a tail of idle SMs.
-  // Folded, block m does key blocks nkb - 1 - m and m (the kernel says in
-  // which order), as launch_cluster_pair's clusters do: every block about
-  // the same work.
+  // Folded (kernel_choice.h), block m does key blocks nkb - 1 - m and m (the
+  // kernel says in which order).
   const int nkb = (p.S + kBK - 1) / kBK;
-  const int folded = p.causal && hopper_bwd_fold_causal() ? 1 : 0;
+  const int folded = hopper_bwd_folds_key_blocks(p) ? 1 : 0;
   dim3 grid(folded ? (nkb + 1) / 2 : nkb, p.K, p.B);
   return launch_with_smem(kernel, grid, kNT, BwdWsLayout<D, EB, BQ>::kSmemBytes, stream, maps,
-                          p, folded, step_order());
-}
-
-template <class E, bool ATOMIC, bool REDUCE_DQ = false>
-cudaError_t launch_d256(const KParams& p, cudaStream_t stream) {
-  auto* kernel = bwd_ws_d256_kernel<E, ATOMIC, REDUCE_DQ>;
-  if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
-  BwdTensorMaps maps;
-  if (make_bwd_maps(&maps, p, kBK256, kBQ) != cudaSuccess) return cudaErrorNotSupported;
-  if (REDUCE_DQ && make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B,
-                                           /*box_rows=*/kBQ) != cudaSuccess)
-    return cudaErrorNotSupported;
-  dim3 grid((p.S + kBK256 - 1) / kBK256, p.K, p.B);
-  return launch_with_smem(kernel, grid, kNT, BwdWsLayout256::kSmemBytes, stream, maps, p);
+                          p, folded);
 }
 
 template <class E, bool ATOMIC>
@@ -1376,8 +1160,7 @@ cudaError_t launch_split_head(const KParams& p, cudaStream_t stream) {
   BwdTensorMaps maps;
   if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
   dim3 grid(2 * ((p.S + kBK - 1) / kBK), p.K, p.B);  // two halves per key block, adjacent
-  return launch_with_smem(kernel, grid, kNT, SplitHeadLayout::kSmemBytes, stream, maps, p,
-                          step_order());
+  return launch_with_smem(kernel, grid, kNT, SplitHeadLayout::kSmemBytes, stream, maps, p);
 }
 
 // bwd_ws_cluster_pair_kernel: two blocks per key block, one cluster.
@@ -1389,14 +1172,12 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
   if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
   if (cudaError_t e = allow_smem(kernel, PairLayout::kSmemBytes); e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
-  // With causality key block j sees the queries from 128 j on, so its work
-  // falls with j, and one cluster per key block left SMs idle for 22% of
-  // the kernel's cycles at GQA 16:2 T = 2048 (Nsight Compute, SM active
-  // cycles; 4% without causality). Folded, cluster m does key blocks m and
-  // nkb - 1 - m (the kernel says in which order): every cluster about the
-  // same work, and the clusters of one head still start together.
+  // Folded (kernel_choice.h), cluster m does key blocks m and nkb - 1 - m
+  // (the kernel says in which order), and the clusters of one head still
+  // start together. Unfolded, SMs sat idle for 22% of the kernel's cycles at
+  // GQA 16:2 T = 2048 causal (Nsight Compute, SM active cycles).
   const int nkb = (p.S + kBK - 1) / kBK;
-  const int folded = p.causal && hopper_bwd_d256_fold_causal() ? 1 : 0;
+  const int folded = hopper_bwd_folds_key_blocks(p) ? 1 : 0;
   config.gridDim = dim3(2 * (folded ? (nkb + 1) / 2 : nkb), p.K, p.B);  // a pair: adjacent blocks
   config.blockDim = dim3(kNT);
   config.dynamicSmemBytes = PairLayout::kSmemBytes;
@@ -1416,7 +1197,7 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
     cudaGetLastError();
     return cudaErrorNotSupported;
   }
-  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, maps, p, folded, step_order());
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, maps, p, folded);
   if (e == cudaSuccess) record_launch(kernel);
   return e;
 }
@@ -1430,29 +1211,27 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   }
   switch (p.D) {
     case 64:
-      return hopper_bwd_query_rows() == kBQ ? launch<E, 64, ATOMIC>(p, stream)
-                                            : launch<E, 64, ATOMIC, 0, kBQWide>(p, stream);
+      static_assert(kBQWide == 128, "hopper_bwd_query_rows chooses between 64 and 128");
+      return hopper_bwd_query_rows(p) == kBQWide ? launch<E, 64, ATOMIC, 0, kBQWide>(p, stream)
+                                                 : launch<E, 64, ATOMIC>(p, stream);
     case 128: return launch<E, 128, ATOMIC>(p, stream);
     case 256:
       if constexpr (ATOMIC) {
-        if (hopper_bwd_d256_cluster_pair()) {
+        if (hopper_bwd_256(ATOMIC) == Hopper256Backward::kClusterPair) {
+          // Where no pair of blocks fits the GPU: the split head.
           if (cudaError_t e = launch_cluster_pair<E>(p, stream); e != cudaErrorNotSupported)
             return e;
         }
       }
-      if (hopper_bwd_d256_split_head()) return launch_split_head<E, ATOMIC>(p, stream);
-      if constexpr (ATOMIC) {
-        if (hopper_bwd_d256_dq_by_tensor_reduce()) return launch_d256<E, true, true>(p, stream);
-      }
-      return launch_d256<E, ATOMIC>(p, stream);  // deterministic, or float2 atomics
+      return launch_split_head<E, ATOMIC>(p, stream);
     default: return cudaErrorNotSupported;
   }
 }
 
 }  // namespace
 
-cudaError_t launch_bwd_wgmma_ws(const KParams& p, DType dtype, bool atomic_dq,
-                                cudaStream_t stream) {
+cudaError_t launch_bwd_hopper(const KParams& p, DType dtype, bool atomic_dq,
+                              cudaStream_t stream) {
   if (dtype == DType::kBF16) {
     return atomic_dq ? launch_d<__nv_bfloat16, true>(p, stream)
                      : launch_d<__nv_bfloat16, false>(p, stream);

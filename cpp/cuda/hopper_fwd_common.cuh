@@ -1,7 +1,6 @@
 // The per-warpgroup pieces of the Hopper forward kernels (internal): the
 // online softmax of one 64 x BK score tile in wgmma accumulator layout, the
-// rescale of O, and the final O / logsumexp store. Used by hopper_fwd.cu and
-// hopper_fwd_ws.cu, which differ only in how tiles reach shared memory.
+// rescale of O, and the final O / logsumexp store (hopper_fwd_ws.cu).
 #pragma once
 
 #include "cuda/common.cuh"

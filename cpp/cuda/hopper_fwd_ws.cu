@@ -2,9 +2,6 @@
 // warpgroups that take turns on the tensor cores (FlashAttention-3's
 // warp specialisation and ping-pong; sm_90a only).
 //
-// The default Hopper forward, 1.1-1.6x faster than hopper_fwd.cu (launch.h's
-// hopper_fwd_use_ws has the numbers).
-//
 // Grid (ceil(T / 128), N, B), three warpgroups:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg) and one
 //     thread loads Q once, then K and V tiles of BK keys into kStages slots
@@ -12,22 +9,21 @@
 //     "full" mbarrier; before refilling a slot it waits on its "empty"
 //     mbarrier, which every consumer thread arrives on once done with it.
 //   warpgroups 1 and 2, the consumers: query rows [64 c, 64 c + 64) of the
-//     block each (c = warpgroup - 1), the same per-tile work as hopper_fwd.cu
-//     (S_t = Q K_tᵀ and O += P_{t-1} V_{t-1} issued together, softmax of S_t
-//     while the second runs). Named barriers order their issues: consumer c
+//     block each (c = warpgroup - 1): per key tile, S_t = Q K_tᵀ and
+//     O += P_{t-1} V_{t-1} issued together, the softmax of S_t while the
+//     second runs. Named barriers order their issues: consumer c
 //     issues its products only after the other consumer issued its own, so
 //     one warpgroup's softmax runs while the other's products do.
 //   At D = 64 without a mask, bias, causality or window, three consumers
 //     (192-row blocks) take turns round robin, as FlashAttention-3 does at
-//     that head dim, where a 64 x 128 tile's softmax takes about as long as
-//     its two products (three_consumers_pay has the numbers;
-//     JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 or 3 forces either).
+//     that head dim (kernel_choice.h, hopper_fwd_consumers).
 // Tiles past the sequence ends read as zeros (the tensor maps' bounds). A
 // mask or 16-bit bias that qualifies for staging (KParams::staged) is copied
 // a tile ahead by each consumer for its own 64 rows (cp.async, 16-byte
 // chunks; no other warpgroup reads them, so a barrier over the consumer's own
 // 128 threads orders the slots); otherwise each score reads its own.
 #include "cuda/hopper_fwd_common.cuh"
+#include "cuda/kernel_choice.h"
 #include "cuda/launch.h"
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
@@ -43,7 +39,7 @@ struct FwdTensorMaps {
 
 // EB: bytes per element of a staged mask (1) or bias (2), 0 for none.
 // CONSUMERS: consumer warpgroups, 64 query rows each (2; 3 at D = 64, see
-// three_consumers_pay); with 3 the block has 512 threads and a consumer's
+// hopper_fwd_consumers); with 3 the block has 512 threads and a consumer's
 // register budget drops to 160 (the producer's 24 plus 3 x 160 fit the
 // 4 x 128 the block starts with).
 template <int D_, int BK_, int EB_ = 0, int CONSUMERS_ = 2>
@@ -253,25 +249,12 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(kernel, grid, Tile::kNT, Tile::kSmemBytes, stream, maps, p);
 }
 
-// Whether the three-consumer blocks (192 rows) beat the two-consumer ones at
-// D = 64 (measured: docs/cuda.md). Without causality they are faster; with
-// it there is no clear winner, since a 192-row block's diagonal tiles mask
-// more of their work and fewer, longer blocks balance worse, so causal
-// problems keep two. A window is treated like causality (not measured).
-inline bool three_consumers_pay(const KParams& p) {
-  return !p.causal && p.wl < 0 && p.wr < 0;
-}
-
 template <class E, bool LOADED>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   switch (p.D) {
     case 64:
-      // Three consumers only without a mask or bias: reading scores one at
-      // a time spills at their 160 registers.
       if constexpr (!LOADED) {
-        const int forced = hopper_fwd_consumers_forced();
-        if (forced == 3 || (forced == 0 && three_consumers_pay(p)))
-          return launch<E, WsTile<64, 128, 0, 3>, false>(p, stream);
+        if (hopper_fwd_consumers(p) == 3) return launch<E, WsTile<64, 128, 0, 3>, false>(p, stream);
       }
       return launch<E, WsTile<64, 128>, LOADED>(p, stream);
     case 128: return launch<E, WsTile<128, 128>, LOADED>(p, stream);
@@ -303,7 +286,7 @@ cudaError_t launch_e(const KParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_fwd_wgmma_ws(const KParams& p, DType dtype, cudaStream_t stream) {
+cudaError_t launch_fwd_hopper(const KParams& p, DType dtype, cudaStream_t stream) {
   return dtype == DType::kBF16 ? launch_e<__nv_bfloat16>(p, stream)
                                : launch_e<__half>(p, stream);
 }

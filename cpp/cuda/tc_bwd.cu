@@ -256,22 +256,14 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(bwd_tc_kernel<E, D, ATOMIC, MIN_BLOCKS>, grid, kNT, kSmem, stream, p);
 }
 
-// Tuning knob for measuring on a new GPU: JAX_FATRAIN_CUDA_BWD_TILE=1 runs
-// one block per SM with uncapped registers. Two blocks measured 1.2x faster
-// in forward+backward on an H200 at D = 64 and 128.
-int tile_choice() {
-  static const int choice = env_tuning_choice("JAX_FATRAIN_CUDA_BWD_TILE");
-  return choice;
-}
-
+// Two blocks per SM at D = 64 and 128 (their registers capped to fit): 1.2x
+// faster forward+backward on an H200 than one block with uncapped registers.
+// At D = 256 one block fills the shared memory.
 template <class E, bool ATOMIC>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
-  const bool two = tile_choice() == 0;  // default: two blocks per SM
   switch (p.D) {
-    case 64:
-      return two ? launch<E, 64, ATOMIC, 2>(p, stream) : launch<E, 64, ATOMIC, 1>(p, stream);
-    case 128:
-      return two ? launch<E, 128, ATOMIC, 2>(p, stream) : launch<E, 128, ATOMIC, 1>(p, stream);
+    case 64: return launch<E, 64, ATOMIC, 2>(p, stream);
+    case 128: return launch<E, 128, ATOMIC, 2>(p, stream);
     case 256: return launch<E, 256, ATOMIC, 1>(p, stream);
     default: return cudaErrorInvalidValue;
   }

@@ -203,29 +203,15 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   return launch_with_smem(fwd_tc_kernel<E, Tile>, grid, Tile::NT, Tile::kSmemBytes, stream, p);
 }
 
-// Tuning knob for measuring tile shapes on a new GPU:
-// JAX_FATRAIN_CUDA_FWD_TILE=<index into the per-head-dim lists below>.
-int tile_choice() {
-  static const int choice = env_tuning_choice("JAX_FATRAIN_CUDA_FWD_TILE");
-  return choice;
-}
-
-// Index 0 of each list is the default: the fastest measured on an H200
-// (tools/cuda_tile_sweep.py). More resident warps beat larger warp tiles
-// (MR = 2 measured slower at every head dim): the kernel is latency bound.
+// The tile of each head dim: the fastest of the shapes measured on an H200
+// (docs/cuda.md). More resident warps beat larger warp tiles (MR = 2 was
+// slower at every head dim): the kernel is latency bound.
 template <class E>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
-  const int c = tile_choice();
   switch (p.D) {
-    case 64:
-      if (c == 1) return launch<E, FwdTile<64, 8, 1, 64, 2>>(p, stream);
-      return launch<E, FwdTile<64, 4, 1, 64, 4>>(p, stream);
-    case 128:
-      if (c == 1) return launch<E, FwdTile<128, 4, 1, 32, 4>>(p, stream);
-      return launch<E, FwdTile<128, 8, 1, 64, 2>>(p, stream);
-    case 256:
-      if (c == 1) return launch<E, FwdTile<256, 4, 1, 32, 2>>(p, stream);
-      return launch<E, FwdTile<256, 8, 1, 32, 1>>(p, stream);
+    case 64: return launch<E, FwdTile<64, 4, 1, 64, 4>>(p, stream);
+    case 128: return launch<E, FwdTile<128, 8, 1, 64, 2>>(p, stream);
+    case 256: return launch<E, FwdTile<256, 8, 1, 32, 1>>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -27,7 +27,9 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 }
 
 // Copies rows [r0, r0 + ROWS) of a [*, C] 16-bit sequence slice into a SW128
-// tile by cp.async; rows >= rmax are zero-filled.
+// tile by cp.async; rows >= rmax are zero-filled. The reference layout that
+// tools/tma_check.cu and tools/wgmma_layout_check.cu hold the TMA copies and
+// wgmma descriptors to.
 template <int ROWS, int C, int NT>
 __device__ __forceinline__ void load_tile_sw128(uint32_t tile, const uint16_t* base,
                                                 int64_t row_stride, int r0, int rmax, int tid) {

@@ -232,4 +232,14 @@ NB_MODULE(_cuda_ffi, m) {
         "Starts or stops recording the kernels the handlers launch (a test tool).");
   m.def("take_launch_record", &fatrain::cuda::take_launch_record,
         "The recorded kernels' symbol names since the last call, oldest first.");
+  m.def(
+      "set_fastest_kernel_family",
+      [](const std::string& name) {
+        if (!fatrain::cuda::set_fastest_kernel_family(name))
+          throw nb::value_error(("kernel family must be \"hopper\", \"mma_sync\" or \"simt\", "
+                                 "got \"" + name + "\"").c_str());
+      },
+      nb::arg("name"),
+      "Caps the kernel families later launches may use: \"hopper\" (no cap), \"mma_sync\" "
+      "or \"simt\" (a test tool; process-wide).");
 }

@@ -67,9 +67,8 @@ def has_tensor_core_kernels(dtype, head_dim: int) -> bool:
 def recording_launches():
   """Records which of our CUDA kernels run inside the ``with`` block (a test tool).
 
-  Several kernels can serve one problem, and environment variables choose
-  among them (``cpp/cuda/launch.h``); a test that forces one checks that it
-  ran::
+  Several kernels can serve one problem (``cpp/cuda/kernel_choice.h``); a
+  test that expects one checks that it ran::
 
     with _cuda.recording_launches() as launched:
       jax.block_until_ready(f(q, k, v))
@@ -92,6 +91,21 @@ def recording_launches():
   finally:
     _cuda_ffi.set_launch_recording(False)
     launched.extend(_cuda_ffi.take_launch_record())
+
+
+@contextlib.contextmanager
+def kernel_family(name: str):
+  """Caps the kernel families our CUDA launches use inside the ``with`` block
+  (a test tool, process-wide): ``"hopper"`` (no cap, the default),
+  ``"mma_sync"`` (the sm_80 kernels, so that both run on one Hopper GPU) or
+  ``"simt"``. ``cpp/cuda/kernel_choice.h`` has the rules within a family."""
+  if _cuda_ffi is None:
+    raise RuntimeError(f"jax_fatrain's CUDA backend is unavailable: {IMPORT_ERROR}")
+  _cuda_ffi.set_fastest_kernel_family(name)
+  try:
+    yield
+  finally:
+    _cuda_ffi.set_fastest_kernel_family("hopper")
 
 
 def _register_targets() -> None:

@@ -1,34 +1,28 @@
-"""Times the `cuda` kernels' tile shapes on the GPU at hand (a tuning aid).
+"""Times the `cuda` kernels per configuration on the GPU at hand (a tuning aid).
 
-    JAX_FATRAIN_CUDA_FWD_TILE=i JAX_FATRAIN_CUDA_BWD_TILE=j python tools/cuda_tile_sweep.py
-    JAX_FATRAIN_CUDA_HOPPER_FWD_TILE=i python tools/cuda_tile_sweep.py  # wgmma kernels
-    JAX_FATRAIN_CUDA_HOPPER_FWD=cp_async python tools/cuda_tile_sweep.py  # the cp.async Hopper fwd
-    JAX_FATRAIN_CUDA_HOPPER_BWD=cp_async python tools/cuda_tile_sweep.py  # the cp.async Hopper bwd
-    JAX_FATRAIN_CUDA_HOPPER_BWD_ROWS=64 python tools/cuda_tile_sweep.py  # 64-row bwd steps at D=64
-    JAX_FATRAIN_CUDA_HOPPER_FWD_CONSUMERS=2 python tools/cuda_tile_sweep.py  # 2-consumer fwd, D=64
-    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys python tools/cuda_tile_sweep.py --head-dim 256
-    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=shared_keys JAX_FATRAIN_CUDA_HOPPER_BWD_D256_DQ=atomics \
-        python tools/cuda_tile_sweep.py --head-dim 256
-    JAX_FATRAIN_CUDA_HOPPER_BWD_D256=split_head python tools/cuda_tile_sweep.py --head-dim 256
-    JAX_FATRAIN_CUDA_KERNELS=mma_sync python tools/cuda_tile_sweep.py   # sm_80 kernels
-    python tools/cuda_tile_sweep.py --impl cudnn        # the reference, same configs
-    python tools/cuda_tile_sweep.py --head-dim 64       # only the D=64 configurations
-    python tools/cuda_tile_sweep.py --seq-len 1024      # T=1024, same tokens per batch
-    python tools/cuda_tile_sweep.py --causal            # the same configurations, causal
+    python tools/cuda_sweep.py                      # the kernels a GPU picks by default
+    python tools/cuda_sweep.py --family mma_sync    # the sm_80 kernels, on Hopper too
+    python tools/cuda_sweep.py --impl cudnn         # the reference, same configs
+    python tools/cuda_sweep.py --head-dim 64        # only the D=64 configurations
+    python tools/cuda_sweep.py --seq-len 1024       # T=1024, same tokens per batch
+    python tools/cuda_sweep.py --causal             # the same configurations, causal
+
+To compare a kernel change, build both versions and run this once with each
+(same call, same GPU).
 
 Prints one line per configuration: forward and forward+backward TFLOP/s
 (FlashAttention convention, as jax_fatrain.benchmark_cuda) and, for `cuda`,
 the relative error of O and of the gradients against cuDNN on the same inputs,
-so that a tile shape that computes the wrong thing cannot look fast.
+so that a kernel that computes the wrong thing cannot look fast.
 """
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 
 from jax_fatrain import benchmark_cuda as bench
+from jax_fatrain._backends import cuda as _cuda
 
 CONFIGS = [
     dict(B=4, N=32, K=32, T=4096, D=64, causal=False),
@@ -70,12 +64,15 @@ def main():
   ap.add_argument("--seq-len", type=int,
                   help="this T instead of each configuration's, at the same tokens per batch")
   ap.add_argument("--causal", action="store_true", help="every configuration causal")
+  ap.add_argument("--family", default="hopper", choices=("hopper", "mma_sync", "simt"),
+                  help="the fastest kernel family ours may use (cpp/cuda/kernel_choice.h)")
   args = ap.parse_args()
-  env = lambda name: os.environ.get(f"JAX_FATRAIN_CUDA_{name}", "-")
-  tag = (f"{env('KERNELS')} fwd={env('FWD_TILE')}/{env('HOPPER_FWD_TILE')}/{env('HOPPER_FWD')}/"
-         f"{env('HOPPER_FWD_CONSUMERS')} "
-         f"bwd={env('BWD_TILE')}/{env('HOPPER_BWD')}/{env('HOPPER_BWD_ROWS')}/"
-         f"{env('HOPPER_BWD_D256')}/{env('HOPPER_BWD_D256_DQ')}" if args.impl == "cuda" else args.impl)
+  tag = f"cuda {args.family}" if args.impl == "cuda" else args.impl
+  with _cuda.kernel_family(args.family):
+    sweep(args, tag)
+
+
+def sweep(args, tag):
   for cfg in CONFIGS:
     if args.head_dim and cfg["D"] not in args.head_dim:
       continue

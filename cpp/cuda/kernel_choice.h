@@ -1,0 +1,77 @@
+// Which kernel serves a problem: every rule in one place, as pure functions
+// of the problem (and, through the launchers' fallbacks, of the GPU). The
+// measurements behind each rule are in docs/cuda.md.
+//
+// Families, fastest first; a launcher that cannot serve a problem returns
+// cudaErrorNotSupported and the next family takes it:
+//   kHopper   warp-specialised wgmma/TMA kernels (hopper_fwd_ws.cu,
+//             hopper_bwd_ws.cu); bf16/f16 at D = 64/128/256 on a GPU running
+//             sm_90a code. The backward takes no mask or bias at D = 256 and
+//             only a staged one (KParams::staged) at D = 64 and 128.
+//   kMmaSync  mma.sync tensor-core kernels (tc_fwd.cu, tc_bwd.cu, tc_dq.cu),
+//             sm_80 and later; bf16/f16 at D = 64/128/256, any mask or bias.
+//   kSimt     float32-accumulating SIMT kernels (simt.cu): every dtype and
+//             head dim, and GPUs without the shared memory a tensor-core
+//             kernel needs (the D = 256 backward on an A100).
+#pragma once
+
+#include "cuda/attention_cuda.h"
+#include "cuda/common.cuh"
+
+namespace fatrain::cuda {
+
+enum class KernelFamily : int { kHopper = 0, kMmaSync = 1, kSimt = 2 };
+
+// The first family a problem may use: kSimt for float32, head dims other
+// than 64/128/256, and operands not 16-byte aligned (the tensor-core kernels
+// copy 16 bytes at a time); else kHopper. `fastest_allowed` caps it (tests
+// run every kept family on one GPU through set_fastest_kernel_family).
+inline KernelFamily first_family(DType dtype, int64_t head_dim, bool operands_aligned,
+                                 KernelFamily fastest_allowed) {
+  const bool tensor_core = (dtype == DType::kBF16 || dtype == DType::kF16) &&
+                           (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+                           operands_aligned;
+  const KernelFamily first = tensor_core ? KernelFamily::kHopper : KernelFamily::kSimt;
+  return static_cast<int>(first) < static_cast<int>(fastest_allowed) ? fastest_allowed : first;
+}
+
+// Hopper forward: consumer warpgroups of 64 query rows each. Three at D = 64
+// without a mask, bias, causality or window (there a 64 x 128 tile's softmax
+// takes about as long as its two products, so a third consumer keeps the
+// tensor cores busy); else two. With causality the 192-row blocks mask more
+// of their diagonal tiles and balance worse; a mask or bias read one score
+// at a time, or the general softmax a non-positive scale takes, spills at a
+// third consumer's 160 registers.
+inline int hopper_fwd_consumers(const KParams& p) {
+  const bool plain = p.mask == nullptr && p.bias == nullptr && p.scale_log2 > 0.f;
+  return p.D == 64 && plain && !p.causal && p.wl < 0 && p.wr < 0 ? 3 : 2;
+}
+
+// Hopper backward at D = 64 and 128: query rows per step. 128 at D = 64
+// without a mask or bias (a 64-row step's products and waits are too small
+// to keep the tensor cores busy there); else 64 (at D = 128 a 128-row step's
+// dK and dV do not fit the registers beside it; a staged score slot of 128
+// rows does not fit the shared memory).
+inline int hopper_bwd_query_rows(const KParams& p) {
+  return p.D == 64 && p.mask == nullptr && p.bias == nullptr ? 128 : 64;
+}
+
+// Hopper backward: with causality key block j sees the queries from j on, so
+// its work falls with j and one block (or cluster) per key block ends in a
+// tail of idle SMs. Folded, block m does key blocks m and nkb - 1 - m: every
+// block about the same work.
+inline bool hopper_bwd_folds_key_blocks(const KParams& p) { return p.causal != 0; }
+
+// Hopper backward at D = 256 (dK and dV of 64 keys x 256 columns fill a
+// thread's registers, so two blocks share each key block):
+//   kClusterPair  in the atomic mode: a thread-block cluster whose two blocks
+//                 split the score products (5 products per step instead of
+//                 7); where no pair fits the GPU, kSplitHead.
+//   kSplitHead    in the deterministic mode: each block computes all of S
+//                 and dP and keeps one 128-column half of dK, dV and dQ.
+enum class Hopper256Backward : int { kClusterPair, kSplitHead };
+inline Hopper256Backward hopper_bwd_256(bool atomic_dq) {
+  return atomic_dq ? Hopper256Backward::kClusterPair : Hopper256Backward::kSplitHead;
+}
+
+}  // namespace fatrain::cuda

@@ -6,12 +6,16 @@
 # longest process sets the time, docs/testing.md has it for an H200; one
 # after the other they take several times that), for the GPU machine after
 # tools/cuda_device_build.sh:
-#   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S] [NAME_REGEX]
+#   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S] [tests|sanitizers|NAME_REGEX]
 # Each process writes OUTDIR/NAME.txt (default /tmp/cuda_gpu_tests) and is
-# stopped after TIMEOUT_S seconds (default 540); NAME_REGEX runs only the
-# processes whose names match. Prints one line per process and exits non-zero
-# when a test failed, the sanitizer reported an error or a process did not
-# finish. Without a GPU every test skips.
+# stopped after TIMEOUT_S seconds (default 540). The third argument runs only
+# the pytest processes ("tests"), only the sanitizer ones ("sanitizers"), or
+# the processes whose names match NAME_REGEX. All thirteen at once share one
+# GPU and its host's cores (on an H200 most were still running after 7
+# minutes), so "tests" and "sanitizers" are best run one after the other.
+# Prints one line per process and exits non-zero when a test failed, the
+# sanitizer reported an error or a process did not finish. Without a GPU
+# every test skips.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/cuda_gpu_tests}
@@ -25,7 +29,11 @@ names=()
 start() {  # NAME COMMAND...: one process in the background, if NAME is selected
   local name=$1
   shift
-  [[ $name =~ $only ]] || return 0
+  case $only in
+    tests) [[ $name != san_* ]] || return 0 ;;
+    sanitizers) [[ $name == san_* ]] || return 0 ;;
+    *) [[ $name =~ $only ]] || return 0 ;;
+  esac
   names+=("$name")
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1 &
 }
@@ -38,6 +46,9 @@ sanitize() {  # NAME TOOL [-- SCRIPT_ARGS...]: our kernels only
   local name=$1 tool=$2
   shift 2
   [[ ${1:-} == -- ]] && shift
+  # XLA's autotuner would time its candidate kernels under the sanitizer
+  # (minutes), and its command buffers replay kernels as CUDA graphs: both off.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
   start "$name" compute-sanitizer --tool "$tool" --kernel-name kns=fatrain \
     --error-exitcode 3 python3 tools/cuda_sanitize.py "$@"
 }

@@ -180,7 +180,9 @@ __device__ __forceinline__ void store_o_lse(const KParams& p, const float (&o)[D
     const float lt = quad_sum(l[r]);
     const int row = row0 + r * 8;
     if (row >= p.T) continue;
-    const bool live = lt > 0.f;
+    // A row that saw a key has l >= 1, or NaN when a score was NaN or +inf: that
+    // NaN must reach O and L as in jax.nn. l == 0 only where no key was seen.
+    const bool live = lt != 0.f;
     const float inv = live ? 1.f / lt : 0.f;
     E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
 #pragma unroll

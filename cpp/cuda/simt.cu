@@ -78,7 +78,9 @@ __global__ void __launch_bounds__(kWarps * 32) fwd_kernel(const KParams p) {
     for (int e = 0; e < kPer; ++e) o[e] = o[e] * alpha + pj * kr[e];
     m = m_new;
   }
-  const bool live = l > 0.f;
+  // A row that saw a key has l >= 1, or NaN when a score was NaN or +inf: that
+  // NaN must reach O and L as in jax.nn. l == 0 only where no key was seen.
+  const bool live = l != 0.f;
   const float inv = live ? 1.f / l : 0.f;
   E* out = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs + i * p.q_ss;
 #pragma unroll

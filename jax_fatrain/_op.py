@@ -3,7 +3,7 @@
 An implementation (``_registry.py``) is three plain functions (forward,
 backward, bias_grad) with the signatures described in ``_config.py``. This module
 
-* wraps each stage in the sharding rules of ``_sharding.py`` and in a batching
+* wraps each stage in the sharding rules of ``_sharding/`` and in a batching
   rule that folds ``vmap``-ed axes into the batch dimension (one kernel launch,
   not a loop; FFI calls have no batching rule of their own), and
 * ties forward and backward together with ``jax.custom_vjp``: the forward
@@ -98,7 +98,7 @@ def _batched(fn: Callable, stage: str) -> Callable:
 def stage(impl: Implementation, name: str, config: AttentionConfig) -> Callable:
   """The callable for stage `name` ("forward", "backward", "bias_grad"),
   cached by implementation, stage and config."""
-  # Sharding (_sharding.py): the stage is wrapped in custom_partitioning so
+  # Sharding (_sharding/): the stage is wrapped in custom_partitioning so
   # that under a multi-device jit each device runs the kernel on its shard
   # (batch/heads: no collectives; a sharded sequence: ring attention). On one
   # device it lowers to the plain call. custom_partitioning has no vmap rule,

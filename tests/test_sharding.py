@@ -44,7 +44,7 @@ SHARDINGS = {
 }
 IMPLS = ("cpu", "xla")
 
-# The partitioning (_sharding.py) is the same for every implementation, which
+# The partitioning (jax_fatrain/_sharding/) is the same for every implementation, which
 # is only the per-device callee, and causal changes it only where the
 # sequence is sharded (ring attention's zig-zag layout): batch and head
 # shardings hand the flag to the unchanged kernel. So cpu runs every sharding,

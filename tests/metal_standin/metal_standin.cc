@@ -1,15 +1,15 @@
-// The Metal stand-in: the Foundation and Metal objects that the macOS host
-// (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc, compiled from the same
-// sources as on a Mac) talks to through metal-cpp, on Linux, with the MSL
-// emulator as the GPU.
+// The Metal stand-in: an implementation of the Foundation and Metal objects
+// that the Metal host code (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc)
+// calls through metal-cpp, with the MSL emulator as the GPU, so that the host
+// code runs unchanged on a machine without Metal.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
 //   memory and, as Metal does, accepts only a page-aligned pointer and length.
-// * Its kernel library is compiled into this extension: the build compiles
-//   the packaged kernel source (what jax_fatrain._backends.metal
-//   passes to newLibraryWithSource) with the MSL emulator and embeds that
-//   text; newLibraryWithSource checks that it is given exactly that text.
+// * Its kernel library is compiled into this extension: the packaged kernel
+//   source (the text jax_fatrain._backends.metal passes to
+//   newLibraryWithSource), compiled by the MSL emulator, with that text
+//   embedded; newLibraryWithSource checks that it is given exactly that text.
 // * Functions are specialised with function-constant values checked as Metal
 //   checks them (every constant the kernel uses has a bool value); pipelines
 //   carry the function and its constants.
@@ -46,8 +46,8 @@
 #include "msl_emulator/runtime.h"
 #include "objc_runtime.h"
 
-// The kernel library's source text, embedded by standin.py's build (an
-// assembler .incbin of the packaged kernel source).
+// The kernel library's source text (tests/metal_standin/standin.py embeds it
+// with an assembler .incbin).
 extern "C" const char fatrain_standin_library_source[];
 extern "C" const char fatrain_standin_library_source_end[];
 

@@ -180,19 +180,15 @@ __device__ __forceinline__ void store_o_lse(const KParams& p, const float (&o)[D
     const float lt = quad_sum(l[r]);
     const int row = row0 + r * 8;
     if (row >= p.T) continue;
-    // A row that saw a key has l >= 1, or NaN when a score was NaN or +inf: that
-    // NaN must reach O and L as in jax.nn. l == 0 only where no key was seen.
-    const bool live = lt != 0.f;
-    const float inv = live ? 1.f / lt : 0.f;
+    const RowEnd end = finish_row(m[r], lt);
     E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       *reinterpret_cast<uint32_t*>(orow + j * 8 + tg * 2) =
-          Cvt<E>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+          Cvt<E>::pack(o[4 * j + 2 * r] * end.inv_l, o[4 * j + 2 * r + 1] * end.inv_l);
     }
     if (tg == 0) {
-      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
-          live ? (m[r] + log2f(lt)) * kLn2 : -INFINITY;
+      p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] = end.lse;
     }
   }
 }

@@ -78,17 +78,14 @@ __global__ void __launch_bounds__(kWarps * 32) fwd_kernel(const KParams p) {
     for (int e = 0; e < kPer; ++e) o[e] = o[e] * alpha + pj * kr[e];
     m = m_new;
   }
-  // A row that saw a key has l >= 1, or NaN when a score was NaN or +inf: that
-  // NaN must reach O and L as in jax.nn. l == 0 only where no key was seen.
-  const bool live = l != 0.f;
-  const float inv = live ? 1.f / l : 0.f;
+  const RowEnd end = finish_row(m, l);
   E* out = static_cast<E*>(p.out) + b * p.q_bs + n * p.q_hs + i * p.q_ss;
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
     const int d = lane + 32 * e;
-    if (d < p.D) out[d] = Cvt<E>::from_f(o[e] * inv);
+    if (d < p.D) out[d] = Cvt<E>::from_f(o[e] * end.inv_l);
   }
-  if (lane == 0) p.lse[row] = live ? (m + log2f(l)) * kLn2 : -INFINITY;
+  if (lane == 0) p.lse[row] = end.lse;
 }
 
 // dS for one (b, n, i, j) given the loaded rows; 0 where invisible.

@@ -181,19 +181,15 @@ __global__ void __launch_bounds__(Tile::NT, Tile::MIN_BLOCKS) fwd_tc_kernel(cons
       const float lt = quad_sum(l[mr][r]);
       const int row = i0 + row_w + mr * 16 + g + r * 8;
       if (row >= p.T) continue;
-      // A row that saw a key has l >= 1, or NaN when a score was NaN or +inf: that
-      // NaN must reach O and L as in jax.nn. l == 0 only where no key was seen.
-      const bool live = lt != 0.f;
-      const float inv = live ? 1.f / lt : 0.f;
+      const RowEnd end = finish_row(m[mr][r], lt);
       E* orow = ob + static_cast<int64_t>(row) * p.q_ss;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
         *reinterpret_cast<uint32_t*>(orow + dt * 8 + tg * 2) =
-            Cvt<E>::pack(acc[mr][dt][2 * r] * inv, acc[mr][dt][2 * r + 1] * inv);
+            Cvt<E>::pack(acc[mr][dt][2 * r] * end.inv_l, acc[mr][dt][2 * r + 1] * end.inv_l);
       }
       if (tg == 0) {
-        p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] =
-            live ? (m[mr][r] + log2f(lt)) * kLn2 : -INFINITY;
+        p.lse[(static_cast<int64_t>(b) * p.N + n) * p.T + row] = end.lse;
       }
     }
   }

@@ -49,3 +49,11 @@ nanobind_add_module(_cuda_ffi NB_STATIC cpp/ffi/cuda_ffi.cc)
 target_include_directories(_cuda_ffi PRIVATE "${XLA_FFI_INCLUDE_DIR}" cpp)
 target_link_libraries(_cuda_ffi PRIVATE fatrain_cuda_kernels CUDA::cudart_static)
 install(TARGETS _cuda_ffi LIBRARY DESTINATION jax_fatrain)
+
+# A standalone check of the kernels against a double-precision reference, with
+# no JAX in the process (cpp/cuda/tests/kernel_check.cc; tools/cuda_gpu_tests.sh
+# runs it under compute-sanitizer). Built only when asked for:
+#   cmake --build BUILD --target fatrain_cuda_kernel_check
+add_executable(fatrain_cuda_kernel_check EXCLUDE_FROM_ALL cpp/cuda/tests/kernel_check.cc)
+target_include_directories(fatrain_cuda_kernel_check PRIVATE cpp)
+target_link_libraries(fatrain_cuda_kernel_check PRIVATE fatrain_cuda_kernels CUDA::cudart_static)

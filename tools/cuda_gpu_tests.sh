@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# Every GPU test of the CUDA backend, as nine pytest processes at once, and
-# compute-sanitizer over one forward and backward of each kernel family
-# (tools/cuda_sanitize.py: memcheck in both backward modes and with the sm_80
-# kernels, racecheck on the default kernels) as four more processes (the
-# longest process sets the time, docs/testing.md has it for an H200; one
-# after the other they take several times that), for the GPU machine after
-# tools/cuda_device_build.sh:
+# Every GPU test of the CUDA backend, as nine pytest processes at once; the
+# standalone kernel check (cpp/cuda/tests/kernel_check.cc: every kernel
+# family in both backward modes against a double-precision reference, no JAX
+# in the process); and compute-sanitizer over that check (memcheck for each
+# family and both backward modes, racecheck on the default kernels) as five
+# more processes. For the GPU machine after tools/cuda_device_build.sh:
 #   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S] [tests|sanitizers|NAME_REGEX]
 # Each process writes OUTDIR/NAME.txt (default /tmp/cuda_gpu_tests) and is
 # stopped after TIMEOUT_S seconds (default 540). The third argument runs only
-# the pytest processes ("tests"), only the sanitizer ones ("sanitizers"), or
-# the processes whose names match NAME_REGEX. All thirteen at once share one
-# GPU and its host's cores (on an H200 most were still running after 7
-# minutes), so "tests" and "sanitizers" are best run one after the other.
-# Prints one line per process and exits non-zero when a test failed, the
-# sanitizer reported an error or a process did not finish. Without a GPU
-# every test skips.
+# the pytest processes and the plain kernel check ("tests"), only the
+# sanitizer ones ("sanitizers"), or the processes whose names match
+# NAME_REGEX. They share one GPU and its host's cores, so "tests" and
+# "sanitizers" are best run one after the other (docs/testing.md has the
+# times). Prints one line per process and exits non-zero when a test or
+# check failed, the sanitizer reported an error or a process did not finish.
+# Without a GPU every test skips and the kernel check reports no GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/cuda_gpu_tests}
@@ -25,6 +24,7 @@ mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
 backend=tests/test_cuda_backend.py
+check=${BUILD_DIR:-/tmp/fatrain_build}/fatrain_cuda_kernel_check
 names=()
 start() {  # NAME COMMAND...: one process in the background, if NAME is selected
   local name=$1
@@ -42,15 +42,11 @@ run() {  # NAME PYTEST_ARGS...
   shift
   start "$name" python3 -m pytest -q -p no:cacheprovider "$@"
 }
-sanitize() {  # NAME TOOL [-- SCRIPT_ARGS...]: our kernels only
+sanitize() {  # NAME TOOL [CHECK_ARGS...]: the kernel check, our kernels only
   local name=$1 tool=$2
   shift 2
-  [[ ${1:-} == -- ]] && shift
-  # XLA's autotuner would time its candidate kernels under the sanitizer
-  # (minutes), and its command buffers replay kernels as CUDA graphs: both off.
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
   start "$name" compute-sanitizer --tool "$tool" --kernel-name kns=fatrain \
-    --error-exitcode 3 python3 tools/cuda_sanitize.py "$@"
+    --error-exitcode 3 "$check" "$@"
 }
 # test_cuda_backend.py by head dim and dQ mode, then the shared suite's
 # cuda cases by file.
@@ -63,6 +59,8 @@ run backend_rest "$backend" -k "not d64 and not d128 and not (d256 and hopper)"
 run attention tests/test_attention.py -k "cuda and not compiles"
 run transforms_errors tests/test_transforms.py tests/test_errors.py \
   -k "cuda or none_picks or dq_mode"
+start kernel_check bash -c "for f in hopper mma_sync simt; do
+  \"$check\" --family \$f && \"$check\" --family \$f --deterministic || exit 1; done"
 run shared_rest tests -k "cuda and not compiles" --ignore "$backend" \
   --ignore tests/test_attention.py --ignore tests/test_transforms.py \
   --ignore tests/test_errors.py --ignore tests/test_metal_emulator.py \
@@ -70,19 +68,28 @@ run shared_rest tests -k "cuda and not compiles" --ignore "$backend" \
   # (the emulator's tests and the stand-in's, which reuses them: the GPU build
   # leaves the emulator out)
 sanitize san_memcheck memcheck
-sanitize san_memcheck_det memcheck -- --deterministic
-sanitize san_memcheck_sm80 memcheck -- --family mma_sync
-sanitize san_racecheck racecheck -- --quick
+sanitize san_memcheck_det memcheck --deterministic
+sanitize san_memcheck_sm80 memcheck --family mma_sync
+sanitize san_memcheck_simt memcheck --family simt
+sanitize san_racecheck racecheck --quick
 wait
 
 status=0
 for name in "${names[@]}"; do
-  if [[ $name == san_* ]]; then
-    # compute-sanitizer's closing line: "========= ERROR SUMMARY: 0 errors".
-    summary=$(grep -E "ERROR SUMMARY" "$out/$name.txt" | tail -1)
-    ran=$(grep -cE "^ok " "$out/$name.txt")
-    [[ -n $summary ]] && summary="$ran cases, ${summary#*= }"
-    if [[ -n $summary && $summary != *" 0 errors"* ]] || grep -q Traceback "$out/$name.txt"; then
+  if [[ $name == san_* || $name == kernel_check ]]; then
+    # compute-sanitizer's closing line: "========= ERROR SUMMARY: 0 errors";
+    # the check's, per run: "ALL PASSED" or "FAILED: ...".
+    ran=$(grep -c "ok-ish" "$out/$name.txt")
+    if [[ $name == san_* ]]; then
+      summary=$(grep -E "ERROR SUMMARY" "$out/$name.txt" | tail -1)
+      [[ -n $summary ]] && summary="$ran cases, ${summary#*= }"
+    else
+      summary=$(grep -cE "^ALL PASSED" "$out/$name.txt")
+      [[ $summary == 6 ]] && summary="$ran cases, 6 runs passed" || summary=""
+      grep -q "no CUDA GPU" "$out/$name.txt" && summary="no GPU, nothing checked"
+    fi
+    if [[ -n $summary && $summary == *errors* && $summary != *" 0 errors"* ]] ||
+       grep -qE "FAIL" "$out/$name.txt"; then
       summary="FAILED: $summary"
     fi
   else

@@ -231,6 +231,43 @@ void record_launch(const void* kernel) {
   g_record.push_back(std::move(readable));
 }
 
+namespace {
+// Tile-visit counters in device memory ({forward, backward}), allocated when
+// counting first starts; g_counting says whether launches pass them.
+enum TileVisitCounter : int { kForwardVisits = 0, kBackwardVisits = 1, kVisitCounters = 2 };
+std::atomic<bool> g_counting{false};
+unsigned long long* g_tile_visits = nullptr;
+std::mutex g_tile_visits_mutex;
+
+unsigned long long* tile_visit_counter(TileVisitCounter which) {
+  return g_counting.load(std::memory_order_relaxed) ? g_tile_visits + which : nullptr;
+}
+}  // namespace
+
+const char* set_tile_visit_counting(bool on) {
+  std::lock_guard<std::mutex> lock(g_tile_visits_mutex);
+  if (on && g_tile_visits == nullptr) {
+    const size_t bytes = kVisitCounters * sizeof(unsigned long long);
+    if (const char* e = cuda_error(cudaMalloc(&g_tile_visits, bytes), "tile-visit counters"))
+      return e;
+    if (const char* e = cuda_error(cudaMemset(g_tile_visits, 0, bytes), "tile-visit counters"))
+      return e;
+  }
+  g_counting.store(on, std::memory_order_relaxed);
+  return nullptr;
+}
+
+std::vector<unsigned long long> take_tile_visits() {
+  std::lock_guard<std::mutex> lock(g_tile_visits_mutex);
+  std::vector<unsigned long long> counts(kVisitCounters, 0);
+  if (g_tile_visits == nullptr) return counts;
+  cudaDeviceSynchronize();
+  cudaMemcpy(counts.data(), g_tile_visits, kVisitCounters * sizeof(unsigned long long),
+             cudaMemcpyDeviceToHost);
+  cudaMemset(g_tile_visits, 0, kVisitCounters * sizeof(unsigned long long));
+  return counts;
+}
+
 // Scratch layouts: forward [segment tables]; backward [dsum | dq_acc (atomic
 // mode) | segment tables]; bias gradient [dsum | segment tables].
 size_t forward_scratch_bytes(const AttentionProblem& p) { return segment_table_bytes(p); }
@@ -257,6 +294,7 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   p.q = op.q.data; p.k = op.k.data; p.v = op.v.data;
   p.out = op.o.data;
   p.lse = op.lse;
+  p.tile_visits = tile_visit_counter(kForwardVisits);
   if (p.q_seg != nullptr) {
     if (scratch == nullptr) return "jax_fatrain cuda: segment ids need scratch memory";
     if (const char* e = cuda_error(launch_segment_tables(&p, scratch, stream), "segment tables"))
@@ -288,6 +326,7 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   p.lse = const_cast<float*>(op.lse);
   const size_t rows = static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len;
   p.dsum = static_cast<float*>(scratch);
+  p.tile_visits = tile_visit_counter(kBackwardVisits);
   if (p.q_seg != nullptr) {
     void* tables = static_cast<char*>(scratch) + backward_scratch_bytes(problem, deterministic) -
                    segment_table_bytes(problem);

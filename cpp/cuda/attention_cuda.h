@@ -89,4 +89,17 @@ bool set_fastest_kernel_family(std::string_view name);
 void set_launch_recording(bool on);
 std::vector<std::string> take_launch_record();
 
+// Counts of the tiles the tensor-core kernels visit, for tests that check what
+// causality, windows and segment ids let them skip: each block adds the
+// length of the tile range it walks (the key tiles of its query rows, or in
+// the backward the query tiles of its keys), once per work item, to its
+// entry point's counter. The units are each kernel's own tiles, so only
+// counts of one kernel family on one shape compare; the SIMT kernels, which
+// walk rows, count nothing. Off by default, and then a launch passes a null
+// counter. Returns nullptr or the CUDA error of allocating the counters.
+const char* set_tile_visit_counting(bool on);
+// The counts {forward, backward} since the last call, which zeroes them;
+// waits for the device first.
+std::vector<unsigned long long> take_tile_visits();
+
 }  // namespace fatrain::cuda

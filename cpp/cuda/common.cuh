@@ -49,6 +49,9 @@ struct KParams {
   // compares the ids themselves.
   const int32_t* q_seg; const int32_t* kv_seg;
   const int2* q_seg_meet; const int2* kv_seg_meet;
+  // The entry point's tile-visit counter (set_tile_visit_counting), null
+  // while counting is off.
+  unsigned long long* tile_visits;
 };
 
 template <class E> struct Cvt;
@@ -226,6 +229,7 @@ struct HeadMask {
       narrow_tiles(p.q_seg_meet + b * ((p.T + kSegGranule - 1) / kSegGranule), i0, i1, tile,
                    first, count);
     }
+    count_tile_visits(p, *count);
   }
   // The query tiles of `tile` rows that keys [j0, j1) are seen by, likewise.
   __device__ __forceinline__ void query_tiles(const KParams& p, int b, int j0, int j1, int tile,
@@ -238,6 +242,13 @@ struct HeadMask {
       narrow_tiles(p.kv_seg_meet + b * ((p.S + kSegGranule - 1) / kSegGranule), j0, j1, tile,
                    first, count);
     }
+    count_tile_visits(p, *count);
+  }
+  // Every block asks for its tile range once per work item, with all its
+  // threads, so thread 0 adds the range's length for the block.
+  __device__ __forceinline__ static void count_tile_visits(const KParams& p, int tiles) {
+    if (p.tile_visits != nullptr && threadIdx.x == 0 && tiles > 0)
+      atomicAdd(p.tile_visits, static_cast<unsigned long long>(tiles));
   }
   // Tiles [*first, *first + *count) of the other side narrowed to the
   // granules that meet[] gives for this side's rows (or keys) [a0, a1).

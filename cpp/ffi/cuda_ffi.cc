@@ -233,6 +233,23 @@ NB_MODULE(_cuda_ffi, m) {
   m.def("take_launch_record", &fatrain::cuda::take_launch_record,
         "The recorded kernels' symbol names since the last call, oldest first.");
   m.def(
+      "set_tile_visit_counting",
+      [](bool on) {
+        if (const char* e = fatrain::cuda::set_tile_visit_counting(on))
+          throw std::runtime_error(e);
+      },
+      nb::arg("on"), "Starts or stops counting the tiles the kernels visit (a test tool).");
+  m.def(
+      "take_tile_visits",
+      []() {
+        const std::vector<unsigned long long> c = fatrain::cuda::take_tile_visits();
+        nb::dict counts;
+        counts["forward"] = c[0];
+        counts["backward"] = c[1];
+        return counts;
+      },
+      "The tile visits {forward, backward} counted since the last call, which zeroes them.");
+  m.def(
       "set_fastest_kernel_family",
       [](const std::string& name) {
         if (!fatrain::cuda::set_fastest_kernel_family(name))

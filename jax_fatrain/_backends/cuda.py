@@ -94,6 +94,33 @@ def recording_launches():
 
 
 @contextlib.contextmanager
+def counting_tile_visits():
+  """Counts the tiles our tensor-core kernels visit inside the ``with`` block
+  (a test tool, process-wide): what causality, windows and segment ids let
+  them skip. ``visits`` is filled when the block exits::
+
+    with _cuda.counting_tile_visits() as visits:
+      jax.block_until_ready(grad(q, k, v))
+    visits  # {"forward": 2176, "backward": 1088}
+
+  Each block adds the length of the tile range it walks (the key tiles of its
+  query rows; in the backward the query tiles of its keys) once per work
+  item. The units are each kernel's own tiles, so compare only counts of one
+  kernel family on one shape; the float32 SIMT kernels count nothing.
+  """
+  if _cuda_ffi is None:
+    raise RuntimeError(f"jax_fatrain's CUDA backend is unavailable: {IMPORT_ERROR}")
+  visits: dict[str, int] = {}
+  _cuda_ffi.set_tile_visit_counting(True)
+  _cuda_ffi.take_tile_visits()  # drop anything counted before
+  try:
+    yield visits
+  finally:
+    visits.update(_cuda_ffi.take_tile_visits())
+    _cuda_ffi.set_tile_visit_counting(False)
+
+
+@contextlib.contextmanager
 def kernel_family(name: str):
   """Caps the kernel families our CUDA launches use inside the ``with`` block
   (a test tool, process-wide): ``"hopper"`` (no cap, the default),

@@ -2,9 +2,9 @@
 # Every GPU test of the CUDA backend, as nine pytest processes at once; the
 # standalone kernel check (cpp/cuda/tests/kernel_check.cc: every kernel
 # family in both backward modes against a double-precision reference, no JAX
-# in the process); and compute-sanitizer over that check (memcheck for each
-# family and both backward modes, racecheck on the default kernels) as five
-# more processes. For the GPU machine after tools/cuda_device_build.sh:
+# in the process); and compute-sanitizer over that check (memcheck and
+# racecheck, each on the default kernels in both backward modes, on the
+# mma_sync kernels and on the SIMT kernels) as eight more processes. For the GPU machine after tools/cuda_device_build.sh:
 #   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S] [tests|sanitizers|NAME_REGEX]
 # Each process writes OUTDIR/NAME.txt (default /tmp/cuda_gpu_tests) and is
 # stopped after TIMEOUT_S seconds (default 540). The third argument runs only
@@ -71,24 +71,28 @@ sanitize san_memcheck memcheck
 sanitize san_memcheck_det memcheck --deterministic
 sanitize san_memcheck_sm80 memcheck --family mma_sync
 sanitize san_memcheck_simt memcheck --family simt
-sanitize san_racecheck racecheck --quick
+sanitize san_racecheck racecheck
+sanitize san_racecheck_det racecheck --deterministic
+sanitize san_racecheck_sm80 racecheck --family mma_sync
+sanitize san_racecheck_simt racecheck --family simt
 wait
 
 status=0
 for name in "${names[@]}"; do
   if [[ $name == san_* || $name == kernel_check ]]; then
-    # compute-sanitizer's closing line: "========= ERROR SUMMARY: 0 errors";
-    # the check's, per run: "ALL PASSED" or "FAILED: ...".
+    # compute-sanitizer's closing line: "========= ERROR SUMMARY: 0 errors"
+    # (memcheck) or "========= RACECHECK SUMMARY: 0 hazards displayed (0
+    # errors, 0 warnings)"; the check's, per run: "ALL PASSED" or "FAILED: ...".
     ran=$(grep -c "ok-ish" "$out/$name.txt")
     if [[ $name == san_* ]]; then
-      summary=$(grep -E "ERROR SUMMARY" "$out/$name.txt" | tail -1)
+      summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$out/$name.txt" | tail -1)
       [[ -n $summary ]] && summary="$ran cases, ${summary#*= }"
     else
       summary=$(grep -cE "^ALL PASSED" "$out/$name.txt")
       [[ $summary == 6 ]] && summary="$ran cases, 6 runs passed" || summary=""
       grep -q "no CUDA GPU" "$out/$name.txt" && summary="no GPU, nothing checked"
     fi
-    if [[ -n $summary && $summary == *errors* && $summary != *" 0 errors"* ]] ||
+    if [[ $summary =~ [1-9][0-9]*\ errors ]] ||
        grep -qE "FAIL" "$out/$name.txt"; then
       summary="FAILED: $summary"
     fi

@@ -4,11 +4,10 @@
 // racecheck):
 //
 //   fatrain_cuda_kernel_check [--family hopper|mma_sync|simt] [--deterministic]
-//                             [--quick] [NAME_FILTER]
+//                             [NAME_FILTER]
 //
 // Runs the forward, backward and bias gradient of every case of
-// cpp/testing/attention_check.h (those whose name contains NAME_FILTER;
-// with --quick one causal case per tensor-core head dim and a packed one)
+// cpp/testing/attention_check.h (those whose name contains NAME_FILTER)
 // and compares each with the double-precision reference there, to the
 // bounds the Python suite holds the kernels to. --family caps the kernel
 // families (kernel_choice.h; default: every one, the fastest first);
@@ -177,22 +176,15 @@ class CudaBackend : public Backend {
   std::string error_;
 };
 
-// One causal case per tensor-core head dim and a packed one: the cases
-// racecheck, many times slower still than memcheck, runs.
-const char* const kQuick[] = {"causal_gqa2_d64_bf16", "causal_gqa4_d128_multitile",
-                              "causal_gqa2_d256_multitile", "segments_sorted_causal_d128"};
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool deterministic = false, quick = false;
+  bool deterministic = false;
   std::string family = "hopper", filter;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--deterministic") {
       deterministic = true;
-    } else if (arg == "--quick") {
-      quick = true;
     } else if (arg == "--family" && i + 1 < argc) {
       family = argv[++i];
     } else if (arg.rfind("--", 0) == 0) {
@@ -218,11 +210,6 @@ int main(int argc, char** argv) {
   int ran = 0;
   for (const Case& c : standard_cases()) {
     if (!filter.empty() && c.name.find(filter) == std::string::npos) continue;
-    if (quick) {
-      bool listed = false;
-      for (const char* name : kQuick) listed |= c.name == name;
-      if (!listed) continue;
-    }
     run_case(c, backend);
     ++ran;
   }

@@ -232,8 +232,8 @@ inline void run_case(const Case& c, Backend& backend) {
   if (c.kvlens) p.kv_lengths = kvlen.data();
 
   // Segment ids: sorted documents of 5 per sequence (ends not on tile
-  // boundaries); with padding the last eighth of each side gets an id of its
-  // own (-1 for queries, -2 for keys).
+  // boundaries); with padding the final len / 8 ids of each side are replaced
+  // by a padding id (-1 for queries, -2 for keys), so those rows see nothing.
   std::vector<int32_t> qseg, kvseg;
   const bool has_seg = c.segments != Segments::kNone;
   if (has_seg) {

@@ -1,12 +1,14 @@
-"""Large problems on the CPU kernels: 64-bit offsets and memory linear in T.
+"""Large problems: 64-bit offsets and memory linear in T.
 
 * A boolean mask of more than 2^31 elements (and a bias shared over batch and
   heads, so B x N x T x S > 2^31 for it too): a few rows of the output, the
   logsumexp, dq and dbias against float64 NumPy on a slice. Every offset into
-  the mask past 2^31 would wrap in 32-bit arithmetic. In CI the problem is
+  the mask past 2^31 would wrap in 32-bit arithmetic. On the CPU kernels in
+  float32; on an NVIDIA GPU also on the CUDA tensor-core kernels (bfloat16,
+  head dim 64). In CI the problem is
   causal with a 200-key window, so the kernels read the mask along its
   diagonal (offsets up to its end) in seconds; the whole mask (about a
-  minute) runs on request.
+  minute on the CPU) runs on request.
 * (on request, ~9 GiB) a bfloat16 query of more than 2^31 elements, forward
   only.
 
@@ -27,6 +29,7 @@ import numpy as np
 import pytest
 
 import jax_fatrain
+from attention_cases import IMPLEMENTATIONS, TOLERANCE, relative_error
 
 HERE = pathlib.Path(__file__).parent
 LARGE = os.environ.get("JAX_FATRAIN_LARGE_TESTS") == "1"
@@ -55,21 +58,37 @@ def _rows_reference(q, k, v, bias, mask_row, ct, scale, b, n, i, group):
   return out, lse, dq, ds
 
 
+# The dtype and head dim each implementation runs the large-mask problem in:
+# float32 on the CPU, where its rows must match to float32 rounding; on CUDA
+# the tensor-core kernels' bfloat16 at D = 64, held to the suite's bfloat16
+# tolerances (attention_cases.TOLERANCE).
+LARGE_MASK_CONFIGS = {"cpu": (np.float32, 16), "cuda": (jnp.bfloat16, 64)}
+
+
+@pytest.mark.parametrize("implementation", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        "cuda" not in IMPLEMENTATIONS, reason="needs the CUDA extension and a GPU")),
+])
 @pytest.mark.parametrize("window", [
     (200, 0),
     pytest.param(None, marks=pytest.mark.skipif(
         not LARGE, reason="the whole mask takes about a minute; set JAX_FATRAIN_LARGE_TESTS=1")),
 ], ids=["causal-window", "whole-mask"])
-def test_mask_of_more_than_2_31_elements(window):
-  b_, n_, t_, s_, kh_, h_ = 2, 16, 8256, 8192, 4, 16
+def test_mask_of_more_than_2_31_elements(window, implementation):
+  dtype, h_ = LARGE_MASK_CONFIGS[implementation]
+  b_, n_, t_, s_, kh_ = 2, 16, 8256, 8192, 4
   assert b_ * n_ * t_ * s_ > 2**31
   group = n_ // kh_
   rng = np.random.default_rng(0)
-  q = rng.standard_normal((b_, t_, n_, h_), np.float32)
-  k = rng.standard_normal((b_, s_, kh_, h_), np.float32)
-  v = rng.standard_normal((b_, s_, kh_, h_), np.float32)
+
+  def operand(shape):  # in `dtype`, and as float32 NumPy holding the same values
+    x = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    return x, np.asarray(x, np.float32)
+  (q, q_np), (k, k_np), (v, v_np) = (operand((b_, t_, n_, h_)), operand((b_, s_, kh_, h_)),
+                                     operand((b_, s_, kh_, h_)))
   bias = rng.standard_normal((1, 1, t_, s_), np.float32)
-  ct = rng.standard_normal((b_, t_, n_, h_), np.float32)
+  ct, ct_np = operand((b_, t_, n_, h_))
   scale = 0.25
   # The mask [B, N, T, S] is one pattern over (T, S), complemented for some
   # (b, n): built inside the jitted function by one elementwise XOR, so only
@@ -90,31 +109,40 @@ def test_mask_of_more_than_2_31_elements(window):
     mask = pattern[None, None] ^ flip[:, :, None, None]
     out, lse = jax_fatrain.dot_product_attention(
         q, k, v, bias, mask, scale=scale, is_causal=window is not None,
-        local_window_size=window, implementation="cpu", return_residual=True)
-    return jnp.sum(out * ct), (out, lse)
+        local_window_size=window, implementation=implementation, return_residual=True)
+    return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), (out, lse)
 
   (dq, dbias), (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 3), has_aux=True))(
       q, k, v, bias, pattern, flip)
-  out, lse, dq, dbias = (np.asarray(a) for a in (out, lse, dq, dbias))
+  out, lse, dq, dbias = (np.asarray(a, np.float32) for a in (out, lse, dq, dbias))
   # Rows at the start, middle and end of the mask; (b, n) = (1, 15) and most
   # of (1, *) lie past 2^31 elements into it.
   rows = [(0, 0, 0), (1, n_ - 1, t_ - 1), (1, n_ - 2, t_ // 2), (1, 7, t_ - 300),
           (0, n_ - 1, 4097)]
   assert max((b * n_ + n) * t_ * s_ + i * s_ for b, n, i in rows) > 2**31
+  tol = TOLERANCE[jnp.bfloat16]
   for b, n, i in rows:
-    want_out, want_lse, want_dq, _ = _rows_reference(q, k, v, bias, mask_row(b, n, i), ct,
-                                                     scale, b, n, i, group)
-    np.testing.assert_allclose(out[b, i, n], want_out, rtol=2e-4, atol=2e-5)
-    np.testing.assert_allclose(lse[b, i, n], want_lse, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dq[b, i, n], want_dq, rtol=2e-3, atol=2e-5)
+    want_out, want_lse, want_dq, _ = _rows_reference(q_np, k_np, v_np, bias, mask_row(b, n, i),
+                                                     ct_np, scale, b, n, i, group)
+    if dtype == np.float32:
+      np.testing.assert_allclose(out[b, i, n], want_out, rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(lse[b, i, n], want_lse, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(dq[b, i, n], want_dq, rtol=2e-3, atol=2e-5)
+    else:
+      assert relative_error(out[b, i, n], want_out) < tol.out, (b, n, i)
+      np.testing.assert_allclose(lse[b, i, n], want_lse, rtol=tol.lse, atol=tol.lse)
+      assert relative_error(dq[b, i, n], want_dq) < tol.grad, (b, n, i)
   # dbias [1, 1, T, S] sums dS over every batch and head: rows of it.
   for i in (0, t_ // 3, t_ - 1):
     want = np.zeros(s_)
     for b in range(b_):
       for n in range(n_):
-        want += _rows_reference(q, k, v, bias, mask_row(b, n, i), ct, scale, b, n, i,
-                                group)[3]
-    np.testing.assert_allclose(dbias[0, 0, i], want, rtol=1e-3, atol=1e-6)
+        want += _rows_reference(q_np, k_np, v_np, bias, mask_row(b, n, i), ct_np, scale, b,
+                                n, i, group)[3]
+    if dtype == np.float32:
+      np.testing.assert_allclose(dbias[0, 0, i], want, rtol=1e-3, atol=1e-6)
+    else:
+      assert relative_error(dbias[0, 0, i], want) < tol.grad, i
 
 
 @pytest.mark.skipif(not LARGE, reason="needs ~9 GiB of memory; set JAX_FATRAIN_LARGE_TESTS=1")

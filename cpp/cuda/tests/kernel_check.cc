@@ -99,13 +99,7 @@ class CudaBackend : public Backend {
   const char* backward(const AttentionProblem& p, const BackwardOperands& ops, int) override {
     DeviceBuffers mem;
     const AttentionProblem dp = stage(p, mem);
-    BackwardOperands d = ops;
-    d.q.data = mem.upload(ops.q.data, q_bytes(p, ops.q.dtype));
-    d.k.data = mem.upload(ops.k.data, kv_bytes(p, ops.k.dtype));
-    d.v.data = mem.upload(ops.v.data, kv_bytes(p, ops.v.dtype));
-    d.o.data = mem.upload(ops.o.data, q_bytes(p, ops.o.dtype));
-    d.d_o.data = mem.upload(ops.d_o.data, q_bytes(p, ops.d_o.dtype));
-    d.lse = mem.upload(ops.lse, lse_bytes(p));
+    BackwardOperands d = upload_backward_inputs(p, ops, mem);
     d.dq.data = mem.alloc(q_bytes(p, ops.dq.dtype), 0xFF);
     d.dk.data = mem.alloc(kv_bytes(p, ops.dk.dtype), 0xFF);
     d.dv.data = mem.alloc(kv_bytes(p, ops.dv.dtype), 0xFF);
@@ -122,13 +116,7 @@ class CudaBackend : public Backend {
   const char* bias_grad(const AttentionProblem& p, const BiasGradOperands& ops, int) override {
     DeviceBuffers mem;
     const AttentionProblem dp = stage(p, mem);
-    BiasGradOperands d = ops;
-    d.q.data = mem.upload(ops.q.data, q_bytes(p, ops.q.dtype));
-    d.k.data = mem.upload(ops.k.data, kv_bytes(p, ops.k.dtype));
-    d.v.data = mem.upload(ops.v.data, kv_bytes(p, ops.v.dtype));
-    d.o.data = mem.upload(ops.o.data, q_bytes(p, ops.o.dtype));
-    d.d_o.data = mem.upload(ops.d_o.data, q_bytes(p, ops.d_o.dtype));
-    d.lse = mem.upload(ops.lse, lse_bytes(p));
+    BiasGradOperands d = upload_backward_inputs(p, ops, mem);
     const size_t db_bytes = product(p.bias.dims) * sizeof(float);
     d.dbias = static_cast<float*>(mem.alloc(db_bytes, 0xFF));
     void* scratch = mem.alloc(cuda::bias_grad_scratch_bytes(dp), 0);
@@ -147,6 +135,20 @@ class CudaBackend : public Backend {
   }
   static size_t lse_bytes(const AttentionProblem& p) {
     return p.batch * p.q_heads * p.q_len * sizeof(float);
+  }
+  // `ops` with device copies of the inputs the backward and the bias
+  // gradient share (q, k, v, o, d_o, lse); the outputs still on the host.
+  template <class Operands>
+  static Operands upload_backward_inputs(const AttentionProblem& p, const Operands& ops,
+                                         DeviceBuffers& mem) {
+    Operands d = ops;
+    d.q.data = mem.upload(ops.q.data, q_bytes(p, ops.q.dtype));
+    d.k.data = mem.upload(ops.k.data, kv_bytes(p, ops.k.dtype));
+    d.v.data = mem.upload(ops.v.data, kv_bytes(p, ops.v.dtype));
+    d.o.data = mem.upload(ops.o.data, q_bytes(p, ops.o.dtype));
+    d.d_o.data = mem.upload(ops.d_o.data, q_bytes(p, ops.d_o.dtype));
+    d.lse = mem.upload(ops.lse, lse_bytes(p));
+    return d;
   }
   // The problem with its lengths, segment ids, bias and mask in device memory.
   static AttentionProblem stage(const AttentionProblem& p, DeviceBuffers& mem) {

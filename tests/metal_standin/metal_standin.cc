@@ -1,7 +1,7 @@
 // The Metal stand-in: an implementation of the Foundation and Metal objects
 // that the Metal host code (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc)
-// calls through metal-cpp, with the MSL emulator as the GPU, so that the host
-// code runs unchanged on a machine without Metal.
+// calls through metal-cpp, with the MSL emulator as the GPU, so that the test
+// suite runs the unmodified host code against the emulated kernels.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
@@ -17,7 +17,7 @@
 //   memory lengths and dispatches; commit runs the dispatches in order on the
 //   emulator. A fault in a kernel (out-of-bounds access, unbound buffer,
 //   missing barrier, ...) becomes the command buffer's error, as a GPU fault
-//   does on a Mac.
+//   does in Metal.
 // * What Metal's API validation would abort on (use of an encoder after
 //   endEncoding, commit twice, a misaligned no-copy buffer, a threadgroup too
 //   large for the pipeline, ...) is recorded as a finding and fails the
@@ -561,7 +561,7 @@ const MethodTable& command_buffer_methods() {
           {"waitUntilCompleted", imp(+[](void* self, SEL) {
              auto* cb = self_as<CommandBuffer>(self);
              if (cb->status == MTL::CommandBufferStatusNotEnqueued) {
-               // On a Mac this never returns.
+               // Metal never returns from this wait.
                record_finding("Metal API: waitUntilCompleted on a command buffer that was never "
                               "committed (it would wait forever)");
              }

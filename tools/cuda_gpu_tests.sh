@@ -4,7 +4,8 @@
 # family in both backward modes against a double-precision reference, no JAX
 # in the process); and compute-sanitizer over that check (memcheck and
 # racecheck, each on the default kernels in both backward modes, on the
-# mma_sync kernels and on the SIMT kernels) as eight more processes. For the GPU machine after tools/cuda_device_build.sh:
+# mma_sync kernels and on the SIMT kernels) as eight more processes. For the
+# GPU machine after tools/cuda_device_build.sh:
 #   bash tools/cuda_gpu_tests.sh [OUTDIR] [TIMEOUT_S] [tests|sanitizers|NAME_REGEX]
 # Each process writes OUTDIR/NAME.txt (default /tmp/cuda_gpu_tests) and is
 # stopped after TIMEOUT_S seconds (default 540). The third argument runs only

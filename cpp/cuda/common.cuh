@@ -397,9 +397,6 @@ __device__ __forceinline__ void stage_score_tile(const KParams& p, int b, int n,
   }
 }
 
-// 2^x on the special-function unit, flushing subnormals: one MUFU.EX2, where
-// exp2f adds range fix-ups that the softmax does not need (inputs are <= 0 and
-// results below 2^-126 are as good as 0 next to the row's maximum of 1).
 // The end of a row's online softmax (m: running max of the base-2 scores, l:
 // running sum): the factor that normalises O, and L = ln(sum of exp(scores)).
 // A row that saw a key has l >= 1, or NaN when a score was NaN or +inf, and
@@ -413,6 +410,9 @@ __device__ __forceinline__ RowEnd finish_row(float m, float l) {
   return {saw_key ? 1.f / l : 0.f, saw_key ? (m + log2f(l)) * kLn2 : -INFINITY};
 }
 
+// 2^x on the special-function unit, flushing subnormals: one MUFU.EX2, where
+// exp2f adds range fix-ups that the softmax does not need (inputs are <= 0 and
+// results below 2^-126 are as good as 0 next to the row's maximum of 1).
 __device__ __forceinline__ float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -101,7 +101,7 @@ def counting_tile_visits():
 
     with _cuda.counting_tile_visits() as visits:
       jax.block_until_ready(grad(q, k, v))
-    visits  # {"forward": 2176, "backward": 1088}
+    visits  # {"forward": tiles, "backward": tiles}
 
   Each block adds the length of the tile range it walks (the key tiles of its
   query rows; in the backward the query tiles of its keys) once per work

@@ -18,6 +18,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Segment ids are summarised per granule of this many query rows or keys:
 // see KParams::q_seg_meet.
 constexpr int kSegGranule = 16;
+// The longest run of single-id granules KParams::q_seg_runs records: 256 rows
+// or keys, the longest side of any kernel's tile. A longer run reads as
+// several, which only makes a tile test answer "not one segment".
+constexpr int kSegRunGranules = 256 / kSegGranule;
 
 // Everything a kernel needs, flattened (passed by value).
 struct KParams {
@@ -45,10 +49,15 @@ struct KParams {
   // granule of kSegGranule query rows ([B, ceil(T / G)]) or keys ([B, ceil(S /
   // G)]), the first and last granule of the other side whose id range (min,
   // max) meets its own (x > y: none). The kernels' tile ranges come from the
-  // tables (HeadMask::key_tiles, query_tiles); every score they compute
-  // compares the ids themselves.
+  // tables (HeadMask::key_tiles, query_tiles). Per granule, too, q_seg_runs
+  // (and kv_seg_runs) hold its id and the last granule of the run from it on
+  // whose granules hold only that id (at most kSegRunGranules; y < the
+  // granule's own index where it holds several ids): a tile whose rows and
+  // keys lie in runs of one and the same id needs no per-score compare
+  // (HeadMask::one_segment); every other tile compares the ids score by score.
   const int32_t* q_seg; const int32_t* kv_seg;
   const int2* q_seg_meet; const int2* kv_seg_meet;
+  const int2* q_seg_runs; const int2* kv_seg_runs;
   // The entry point's tile-visit counter (set_tile_visit_counting), null
   // while counting is off.
   unsigned long long* tile_visits;
@@ -126,6 +135,27 @@ struct HeadMask {
   // The segment id of query row i, or of key j; only inside q_end / kv_end.
   __device__ __forceinline__ int q_segment(int i) const { return i < q_end ? qseg[i] : 0; }
   __device__ __forceinline__ int kv_segment(int j) const { return j < kv_end ? kvseg[j] : 0; }
+  // Whether no score of the tile [i0, i1) x [j0, j1) of batch b needs its
+  // segment ids compared: there are none, or the tile's rows and keys inside
+  // q_end and kv_end all hold one and the same id (true where none lies
+  // inside). Two table reads (KParams::q_seg_runs); false may also mean a run
+  // longer than kSegRunGranules. The tables are read through p, not kept in
+  // the HeadMask, whose registers the kernels' inner loops need.
+  __device__ __forceinline__ bool one_segment(const KParams& p, int b, int i0, int i1, int j0,
+                                              int j1) const {
+    if (qseg == nullptr) return true;
+    i1 = min(i1, q_end);
+    j1 = min(j1, kv_end);
+    // Both reads issue at once, without a branch (an empty tile reads
+    // granule 0 and ignores it).
+    const bool empty = i0 >= i1 || j0 >= j1;
+    const int2 rows = p.q_seg_runs[b * ((p.T + kSegGranule - 1) / kSegGranule) +
+                                   (empty ? 0 : i0 / kSegGranule)];
+    const int2 keys = p.kv_seg_runs[b * ((p.S + kSegGranule - 1) / kSegGranule) +
+                                    (empty ? 0 : j0 / kSegGranule)];
+    return empty || (rows.y >= (i1 - 1) / kSegGranule && keys.y >= (j1 - 1) / kSegGranule &&
+                     rows.x == keys.x);
+  }
   // Lengths, causality and window; not the mask.
   __device__ __forceinline__ bool in_range(int i, int j) const {
     if (i >= q_end || j >= kv_end) return false;
@@ -164,7 +194,7 @@ struct HeadMask {
   // The mask or bias part of apply() where the kernel staged the score
   // tensor (KParams::staged = EB): `staged` points at the score's element of
   // the staged tile, a mask byte (EB = 1) or a 16-bit bias value (EB = 2),
-  // the only score tensor present. Bounds are the caller's (tile_is_full<EB>,
+  // the only score tensor present. Bounds are the caller's (tile_in_bounds<EB>,
   // then row_keys / key_queries): outside them the staged bytes may be stale,
   // and the result is overwritten.
   template <int EB>
@@ -180,20 +210,23 @@ struct HeadMask {
     }
   }
   __device__ __forceinline__ bool has_elementwise() const { return bias || mask || qseg; }
-  // Whether the tile [i0,i1) x [j0,j1) needs no per-element work; with EB >
-  // 0 (a kernel instance that applies its staged mask or bias to every score
-  // anyway), whether it needs no bounds.
+  // Whether the tile [i0,i1) x [j0,j1) needs no bounds (lengths, causality,
+  // window) nor, with EB = 0, a mask or bias; with EB > 0 (a kernel instance
+  // that applies its staged mask or bias to every score anyway), only the
+  // bounds. Segment ids are the caller's (one_segment, or tile_is_full).
   template <int EB = 0>
-  __device__ __forceinline__ bool tile_is_full(int i0, int i1, int j0, int j1) const {
+  __device__ __forceinline__ bool tile_in_bounds(int i0, int i1, int j0, int j1) const {
     if (EB == 0 && (bias || mask)) return false;
     if (i1 > q_end || j1 > kv_end) return false;
     if (causal && j1 - 1 > i0) return false;
     if (wl >= 0 && j0 < i1 - 1 - wl) return false;
     if (wr >= 0 && j1 - 1 > i0 + wr) return false;
-    // Segment ids: every tile compares them per score (a whole-tile test
-    // here, in the kernels' inner loops, cost the Hopper backward spills).
-    if (qseg) return false;
     return true;
+  }
+  // tile_in_bounds, and no segment ids: for the kernels that compare those
+  // on every tile.
+  __device__ __forceinline__ bool tile_is_full(int i0, int i1, int j0, int j1) const {
+    return tile_in_bounds(i0, i1, j0, j1) && qseg == nullptr;
   }
   // Keys a block of query rows [i0, i1) can see: [lo, hi).
   __device__ __forceinline__ void key_range(int i0, int i1, int* lo, int* hi) const {

@@ -192,12 +192,13 @@ struct ThreadRowStats {
 // shared memory or a ThreadRowStats.
 // EB > 0: the mask or bias is staged at `staged`, rows of SCORE_ROW bytes per
 // query, the block's keys along them; EB = 0: no mask or bias. full: the
-// warp's tile needs no bounds (HeadMask::tile_is_full<EB>).
+// warp's tile needs no bounds (HeadMask::tile_in_bounds<EB>); one_seg: nor
+// its segment ids compared (HeadMask::one_segment).
 template <int EB, int SCORE_ROW, int NQ = kBwdBQ, class Stats = const float*>
 __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& hm,
                                            float scale_log2, const Stats& cL, int i0, int j0,
                                            int key_w0, int q_w0, int lane, bool full,
-                                           const uint8_t* staged) {
+                                           bool one_seg, const uint8_t* staged) {
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
 #pragma unroll
@@ -229,7 +230,7 @@ __device__ __forceinline__ void compute_pt(float (&st)[NQ / 2], const HeadMask& 
     hide_outside_intervals<NQ>(st, queries, lane, 0.f);
     // Segment ids: queries of another segment than the key's. Never with a
     // staged mask or bias (EB > 0): the host stages nothing then.
-    if (EB == 0 && hm.qseg != nullptr) {
+    if (EB == 0 && !one_seg) {
       const int key_id[2] = {hm.kv_segment(j0 + key_w0 + (lane >> 2)),
                              hm.kv_segment(j0 + key_w0 + (lane >> 2) + 8)};
 #pragma unroll

@@ -416,10 +416,12 @@ __global__ void __launch_bounds__(kNT, 1)
       issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
       wgmma_wait<1>();
       fence_regs(st);
-      const bool full_tile = hm.tile_is_full<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
+      const bool one_seg = hm.one_segment(p, b, i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
+      const bool full_tile =
+          hm.tile_in_bounds<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
       if constexpr (EB > 0) mbar_wait(bar.scores_full(), g & 1);
       compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
-                                       full_tile, smem_ptr(sScore));
+                                       full_tile, one_seg, smem_ptr(sScore));
       if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
       // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
@@ -676,9 +678,12 @@ __global__ void __launch_bounds__(kNT, 1)
     mbar_arrive(bar.empty(Bars::kQOther));
     mbar_arrive(bar.empty(Bars::kDOOther));
 
-    const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+    const bool one_seg = hm.one_segment(p, b, i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+    const bool full_tile =
+        hm.tile_in_bounds(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
     row_d.load(sDs + u * kBQ, 0, lane);
-    compute_pt<0, 0>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane, full_tile, nullptr);
+    compute_pt<0, 0>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane, full_tile, one_seg,
+                     nullptr);
     issue_dv<E, DH>(dv, st, sdO);
     wgmma_wait<1>();  // dPᵀ is done; dV may still run
     fence_regs(dpt);
@@ -1011,9 +1016,12 @@ __global__ void __launch_bounds__(kNT, 1)
 
       if (rank == 0) {
         hm.init(p, b, h, kLog2e);
-        const bool full_tile = hm.tile_is_full(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+        const bool one_seg =
+            hm.one_segment(p, b, i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16);
+        const bool full_tile =
+            hm.tile_in_bounds(i0, i0 + kBQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
         compute_pt<0, 0>(sc, hm, p.scale_log2, row_stat, i0, j0, key_w0, 0, lane, full_tile,
-                         nullptr);
+                         one_seg, nullptr);
         pack_pairs<E, kBQ>(sc, pt);
         uint32_t p_sent[kBQ / 4];  // Pᵀ as float16 pairs (see above pair_p_offset)
         pack_pairs<__half, kBQ>(sc, p_sent);

@@ -64,7 +64,8 @@ inline bool fwd_needs_general_softmax(const KParams& p) {
 // j0 + acc_col(j, lane, e)); m, l: the running row max (base 2) and sum.
 // Scales and masks s, replaces it by exp2(s - m_new), updates m and l and
 // returns in alpha the factor O must be rescaled by. full: the tile needs no
-// bounds, nor (EB = 0) a mask or bias (HeadMask::tile_is_full<EB>). EB > 0:
+// bounds, nor (EB = 0) a mask or bias (HeadMask::tile_in_bounds<EB>); one_seg:
+// nor its segment ids compared (HeadMask::one_segment). EB > 0:
 // the mask (1) or 16-bit bias (2) is read from the step's staged tile
 // (stage_score_tile), of which staged_row0 points at row row0, key j0. EB = 0: LOADED, each score
 // loads its own mask and bias values; !LOADED, the problem has neither and
@@ -75,7 +76,8 @@ template <int BK, int EB, bool LOADED>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&m)[2],
                                                     float (&l)[2], float (&alpha)[2],
                                                     const HeadMask& hm, float scale_log2,
-                                                    bool full, int row0, int j0, int lane,
+                                                    bool full, bool one_seg, int row0, int j0,
+                                                    int lane,
                                                     const uint8_t* staged_row0 = nullptr) {
   constexpr bool kFoldScale = EB == 0 && !LOADED;
   if constexpr (EB > 0) {
@@ -115,7 +117,7 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[BK / 2], float (&
       hide_outside_intervals<BK>(s, keys, lane, -INFINITY);
       // Segment ids: keys of another segment than the row's. Never with a
       // staged mask or bias (EB > 0): the host stages nothing then.
-      if (EB == 0 && hm.qseg != nullptr) {
+      if (EB == 0 && !one_seg) {
         const int row_id[2] = {hm.q_segment(row0), hm.q_segment(row0 + 8)};
 #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {

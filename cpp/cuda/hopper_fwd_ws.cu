@@ -170,6 +170,9 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   for (int t = 0; t < n_tiles; ++t) {
     const int j0 = (t_begin + t) * BK;
     const int s_cur = t % kStages, s_prev = (t + kStages - 1) % kStages;
+    // Read before the products, so that the table reads' latency hides
+    // behind them.
+    const bool one_seg = hm.one_segment(p, b, warp_row0, warp_row0 + 16, j0, j0 + BK);
     if constexpr (EB > 0) {
       cp_async_wait<0>();
       // This consumer's copies of tile t landed, and its threads are all done
@@ -200,14 +203,14 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
     fence_regs(s);
     mbar_arrive(k_empty(s_cur));  // S_t is done with K_t
 
-    const bool full = hm.tile_is_full<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK);
+    const bool full = hm.tile_in_bounds<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK) && one_seg;
     float alpha[2];
     const uint8_t* staged_row0 = nullptr;
     if constexpr (EB > 0)
       staged_row0 = smem_raw + (sScore + (t & 1) * Tile::kScoreSlotBytes - smem_u32(smem_raw)) +
                     (row0 - i0) * staged_row_bytes<BK, EB>();
-    online_softmax_tile<BK, EB, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, row0, j0, lane,
-                                        staged_row0);
+    online_softmax_tile<BK, EB, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, one_seg, row0,
+                                        j0, lane, staged_row0);
 
     wgmma_wait<0>();
     fence_regs(o);

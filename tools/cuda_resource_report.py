@@ -7,7 +7,8 @@ kernels adds no row) with this machine's nvcc, for sm_90a (the Hopper files) or 
 (the mma.sync and SIMT files), with `-Xptxas -v`, and prints one row per
 kernel instance: registers per thread at launch, spill bytes, named
 barriers, and whether ptxas serialised its wgmma instructions (note C7512,
-"insufficient register resources"). Needs nvcc, not a GPU.
+"insufficient register resources", or C7520, registers that reach a wgmma
+through a divergent path). Needs nvcc, not a GPU.
 
 The warp-specialised kernels start with the launch's register count and
 then move registers between warpgroups with setmaxnreg (the producer gives
@@ -57,14 +58,15 @@ def short(name: str) -> str:
 
 
 def rows(report: str):
-  """{mangled name: registers, spill stores, spill loads, barriers, C7512}."""
-  kernels, serialised = {}, set()
+  """{mangled name: registers, spill stores, spill loads, barriers, the
+  serialising notes}."""
+  kernels, serialised = {}, {}
   current = None
   for line in report.splitlines():
     m = re.search(r"Compiling entry function '(\S+)'", line)
     if m:
       current = m.group(1)
-      kernels[current] = dict(regs=None, stores=0, loads=0, barriers=0, c7512=False)
+      kernels[current] = dict(regs=None, stores=0, loads=0, barriers=0, serialised="no")
       continue
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
     if m and current:
@@ -72,11 +74,11 @@ def rows(report: str):
     m = re.search(r"Used (\d+) registers(?:, used (\d+) barriers)?", line)
     if m and current:
       kernels[current].update(regs=int(m.group(1)), barriers=int(m.group(2) or 0))
-    m = re.search(r"\(C7512\).*function '(\S+)'", line)
+    m = re.search(r"\((C7512|C7520)\).*function '(\S+)'", line)
     if m:  # ptxas may print it before the function's own lines
-      serialised.add(m.group(1))
-  for name in serialised & kernels.keys():
-    kernels[name]["c7512"] = True
+      serialised.setdefault(m.group(2), set()).add(m.group(1))
+  for name in serialised.keys() & kernels.keys():
+    kernels[name]["serialised"] = "yes: " + ", ".join(sorted(serialised[name]))
   return kernels
 
 
@@ -91,7 +93,7 @@ def main(argv=None):
   if missing:
     sys.exit(f"not in {CUDA}: {', '.join(missing)}")
   print("| file | kernel instance | registers | spills (store/load bytes) | barriers "
-        "| wgmma serialised (C7512) |")
+        "| wgmma serialised (C7512, C7520) |")
   print("|---|---|---|---|---|---|")
   for source in sources:
     kernels = rows(ptxas_report(source, target(source)))
@@ -101,7 +103,7 @@ def main(argv=None):
       if not args.all_dtypes and "f16" in name.replace("bf16", ""):
         continue
       print(f"| {source} | `{name}` | {k['regs']} | {k['stores']}/{k['loads']} "
-            f"| {k['barriers']} | {'yes' if k['c7512'] else 'no'} |")
+            f"| {k['barriers']} | {k['serialised']} |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """One forward+backward of one attention implementation (our `cuda` by
 default), for running under a profiler (ncu, compute-sanitizer):
 
-    ncu --clock-control none -k regex:bwd_ws -c 1 python tools/cuda_one_step.py D T N K [causal [mask|bias]]
+    ncu --clock-control none -k regex:bwd_ws -c 1 python tools/cuda_one_step.py D T N K [causal [mask|bias|packed]]
     ncu --clock-control none -k regex:bprop -c 1 python tools/cuda_one_step.py 256 8192 16 2 0 --impl cudnn
     compute-sanitizer --tool racecheck python tools/cuda_one_step.py 64 1024 4 2
 
 The optional last positional argument adds a boolean mask or an additive
-bias of shape (B, 1, T, T) (contiguous keys, so the Hopper kernels stage it).
+bias of shape (B, 1, T, T) (contiguous keys, so the Hopper kernels stage it),
+or ("packed") segment ids that pack each sequence with 8 documents of T / 8
+tokens, as benchmark_cuda --packed does (ours only).
 --impl cudnn or xla runs jax.nn.dot_product_attention instead, as
 jax_fatrain.benchmark_cuda does.
 """
@@ -26,7 +28,7 @@ def main(argv=None):
   ap.add_argument("n", type=int)
   ap.add_argument("kh", type=int)
   ap.add_argument("causal", type=int, nargs="?", default=0)
-  ap.add_argument("extra", nargs="?", default="none", choices=("none", "mask", "bias"))
+  ap.add_argument("extra", nargs="?", default="none", choices=("none", "mask", "bias", "packed"))
   ap.add_argument("--impl", default="cuda", choices=("cuda", "cudnn", "xla"))
   args = ap.parse_args(argv)
   d, t, n, kh = args.d, args.t, args.n, args.kh
@@ -39,6 +41,9 @@ def main(argv=None):
   if args.extra in ("mask", "bias"):  # (B, 1, T, T): built only when asked for
     scores = jax.random.normal(ks[0], (b, 1, t, t), jnp.bfloat16)
     kwargs = {"mask": scores > -1.0} if args.extra == "mask" else {"bias": scores}
+  if args.extra == "packed":
+    ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // (t // 8), (b, t))
+    kwargs = {"q_segment_ids": ids, "kv_segment_ids": ids}
   attn = benchmark_cuda._attention(args.impl)
   loss = lambda q, k, v: jnp.sum(
       attn(q, k, v, is_causal=bool(args.causal), **kwargs).astype(jnp.float32))

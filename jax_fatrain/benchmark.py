@@ -45,7 +45,9 @@ with segment ids against ours on the same shape with dense causal attention
 
 ``--metal-model`` runs something else: our Metal kernels and MLX's steel attention
 forward through the MSL emulator with cost counters, and a lower-bound cost model of
-named Apple GPUs over those counters (:mod:`jax_fatrain.metal_benchmark`).
+named Apple GPUs over those counters (:mod:`jax_fatrain.metal_benchmark`); with
+``--packed``, our Metal kernels on a packed causal sequence (segment ids) against
+our dense causal call on the same shape, counted and modelled the same way.
 """
 
 from __future__ import annotations
@@ -675,7 +677,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       "--packed", "packed sequences: ours with segment ids vs ours dense causal (defaults: "
       "T=8192, D=128, 8 documents, 8 query and 2 key/value heads, f32)")
   pk.add_argument("--packed", action="store_true",
-                  help="run the packed-sequence comparison instead of the CPU timings")
+                  help="run the packed-sequence comparison instead of the CPU timings (with "
+                  "--metal-model: our Metal kernels' counters and modelled times, dense "
+                  "causal vs packed, default T=8192, D=128)")
   pk.add_argument("--packed-docs", type=int, default=8, help="documents per sequence")
   mm = p.add_argument_group(
       "--metal-model", "count our Metal kernels and MLX's steel attention forward in the MSL "
@@ -692,6 +696,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                   default=None, help="comma-separated GPU names of jax_fatrain.metal_model "
                   "(default M1,M2 Max,M3 Max,M4 Max)")
   args = p.parse_args(argv)
+  if args.metal_model and args.packed:
+    args.seq_lens = args.seq_lens or [8192]
+    args.head_dims = args.head_dims or [128]
   if args.metal_model:
     args.seq_lens = args.seq_lens or [1024, 4096]
     args.dtypes = args.dtypes or ["bfloat16"]
@@ -726,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args._single is not None:
     print(json.dumps(_single(json.loads(args._single))), flush=True)
     return {}
-  if args.packed:
+  if args.packed and not args.metal_model:
     return packed_main(args)
   if args.metal_model:
     from jax_fatrain import metal_benchmark  # pylint: disable=import-outside-toplevel

@@ -61,7 +61,9 @@ _SUMMED = ("simdgroup_mma", "device_bytes_read", "device_bytes_written", "device
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One attention problem: [B, T, N, D] queries, keys and values, T = S."""
+  """One attention problem: [B, T, N, D] queries, keys and values, T = S;
+  with ``documents``, each sequence packs that many documents of T / documents
+  tokens (segment ids), each seeing only itself."""
 
   seq_len: int
   head_dim: int
@@ -69,9 +71,13 @@ class Problem:
   dtype: str = "bfloat16"
   batch: int = 1
   heads: int = 1
+  documents: int | None = None
 
   def flops(self, pass_: str) -> float:
-    f = 4.0 * self.batch * self.heads * self.seq_len * self.seq_len * self.head_dim
+    """The attention's useful FLOPs: within documents when packed."""
+    docs = self.documents or 1
+    doc_len = self.seq_len / docs
+    f = 4.0 * self.batch * self.heads * docs * doc_len * doc_len * self.head_dim
     if self.causal:
       f /= 2
     return f * 3.5 if pass_ == "fwd+bwd" else f
@@ -81,7 +87,8 @@ class Problem:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
 
   def label(self) -> str:
-    return f"T={self.seq_len} D={self.head_dim} {'causal' if self.causal else 'full'}"
+    docs = f" {self.documents} documents" if self.documents else ""
+    return f"T={self.seq_len} D={self.head_dim} {'causal' if self.causal else 'full'}{docs}"
 
 
 def compulsory_bytes(kernel: str, p: Problem) -> int | None:
@@ -140,6 +147,7 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
       "head_dim": p.head_dim,
       "seq_len": p.seq_len,
       "causal": p.causal,
+      "documents": p.documents,
       "flops": flops,
       "device_bytes": device_bytes,
       "device_bytes_per_flop": device_bytes / flops,
@@ -195,7 +203,8 @@ def run_ours(p: Problem, sample, passes: Sequence[str]) -> tuple[list[dict], lis
   t0 = time.perf_counter()
   launches = mp.run_problem(seq_len=p.seq_len, head_dim=p.head_dim, batch=p.batch,
                             q_heads=p.heads, kv_heads=p.heads, dtype=p.dtype, causal=p.causal,
-                            backward="fwd+bwd" in passes, sample=sample)
+                            backward="fwd+bwd" in passes, sample=sample,
+                            documents=p.documents)
   seconds = time.perf_counter() - t0
   fwd = [d for d in launches if d.get("target") == "forward"]
   bwd = [d for d in launches if d.get("target") == "backward"]
@@ -221,7 +230,9 @@ def mlx_runner() -> tuple[Any, str | None]:
 
 
 def mlx_supports(mod, p: Problem) -> bool:
-  """Whether MLX's runner has a kernel for this problem."""
+  """Whether MLX's runner has a kernel for this problem (none takes segment ids)."""
+  if p.documents:
+    return False
   try:
     mod.mlx_kernel_name(p.dtype, p.head_dim)
   except (ValueError, KeyError):
@@ -268,7 +279,12 @@ def _fmt_x(a: float | None, b: float | None) -> str:
 
 
 def _key(r: Mapping[str, Any]) -> tuple:
-  return (r["seq_len"], r["head_dim"], r["causal"], r["dtype"])
+  return (r["seq_len"], r["head_dim"], r["causal"], r["dtype"], r.get("documents") or 0)
+
+
+def _mode(causal: bool, documents: int | None) -> str:
+  """The table's "causal" cell: yes / no, and the documents of a pack."""
+  return ("yes" if causal else "no") + (f", {documents} docs" if documents else "")
 
 
 def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
@@ -279,7 +295,7 @@ def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
   for r in records:
     rows.append([
         r["implementation"], r["pass"], str(r["seq_len"]), str(r["head_dim"]),
-        "yes" if r["causal"] else "no",
+        _mode(r["causal"], r.get("documents")),
         f"{r['device_bytes_per_flop']:.4f}",
         "-" if r["coalescing"] is None else f"{r['coalescing']:.2f}",
         f"{r['threadgroup_bytes'] / 1e6:.1f}",
@@ -303,7 +319,7 @@ def build_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
   for key in keys:
     ours, mlx, full = (by.get(("ours", "fwd", key)), by.get(("mlx", "fwd", key)),
                        by.get(("ours", "fwd+bwd", key)))
-    row = [str(key[0]), str(key[1]), "yes" if key[2] else "no"]
+    row = [str(key[0]), str(key[1]), _mode(key[2], key[4])]
     row.append(_fmt_x(ours and ours["device_bytes_per_flop"], mlx and mlx["device_bytes_per_flop"]))
     row.append(_fmt_x(ours and ours["coalescing"], mlx and mlx["coalescing"]))
     row += [_fmt_x(ours and ours["modelled_seconds"][g], mlx and mlx["modelled_seconds"][g])
@@ -311,6 +327,25 @@ def build_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
     row += [_fmt_x(full and full["modelled_seconds"][g], ours and ours["modelled_seconds"][g])
             for g in gpus]
     rows.append(row)
+  return header, rows
+
+
+def build_packed_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
+  """(header, rows): per packed problem and pass, our dense causal over our
+  packed (segment ids) on the same shape: matrix operations and modelled time."""
+  by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
+  header = ["T", "D", "docs", "pass", "MMA dense/packed"] + [f"{g} dense/packed" for g in gpus]
+  rows = []
+  for (impl, pass_, key), packed in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+    if impl != "ours" or not key[4]:
+      continue
+    dense = by.get(("ours", pass_, key[:4] + (0,)))
+    if dense is None:
+      continue
+    rows.append([str(key[0]), str(key[1]), str(key[4]), pass_,
+                 _fmt_x(dense["mma"], packed["mma"])]
+                + [_fmt_x(dense["modelled_seconds"][g], packed["modelled_seconds"][g])
+                   for g in gpus])
   return header, rows
 
 
@@ -343,7 +378,8 @@ def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -
 
   by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
   keys = sorted({_key(r) for r in records})
-  labels = [f"T={k[0]}\nD={k[1]}\n{'causal' if k[2] else 'full'}" for k in keys]
+  labels = [f"T={k[0]}\nD={k[1]}\n{'causal' if k[2] else 'full'}"
+            + (f"\n{k[4]} docs" if k[4] else "") for k in keys]
   x = np.arange(len(keys))
   ncols = 2
   nrows = 1 + (len(gpus) + ncols - 1) // ncols
@@ -461,12 +497,20 @@ def main(args) -> list[dict[str, Any]]:
   gpus = list(args.gpus or metal_model.DEFAULT_GPUS)
   for g in gpus:
     metal_model.gpu(g)
-  causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
-  problems = [Problem(seq_len=t, head_dim=d, causal=c, dtype=dt, batch=args.batch,
-                      heads=args.heads)
-              for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
-              for c in causal]
-  impls = [i for i in args.impls if i in ("ours", "mlx")]
+  packed = getattr(args, "packed", False)
+  if packed:
+    # Our dense causal call and our packed one (segment ids) on each shape.
+    problems = [Problem(seq_len=t, head_dim=d, causal=True, dtype=dt, batch=args.batch,
+                        heads=args.heads, documents=docs)
+                for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
+                for docs in (None, args.packed_docs)]
+  else:
+    causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
+    problems = [Problem(seq_len=t, head_dim=d, causal=c, dtype=dt, batch=args.batch,
+                        heads=args.heads)
+                for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
+                for c in causal]
+  impls = ["ours"] if packed else [i for i in args.impls if i in ("ours", "mlx")]
   passes = ["fwd"] if args.fwd_only else ["fwd", "fwd+bwd"]
   sample = parse_sample(args.sample)
   check_available(impls)  # fail now, not after a long run
@@ -489,7 +533,13 @@ def main(args) -> list[dict[str, Any]]:
         "over threadgroups; bound: the model's term that sets most of the time (compute, "
         "threadgroup, device, dram); <GPU> us: modelled lower bound (a model, not a "
         "measurement)")
-  if "mlx" in impls or "fwd+bwd" in passes:
+  if packed:
+    header, rows = build_packed_ratios(records, gpus)
+    print()
+    print(format_table(header, rows))
+    print("dense/packed: our dense causal call over our call with segment ids on the same "
+          "shape (matrix operations counted; modelled times a model, not a measurement)")
+  elif "mlx" in impls or "fwd+bwd" in passes:
     header, rows = build_ratios(records, gpus)
     print()
     print(format_table(header, rows))

@@ -190,6 +190,35 @@ def test_tables_and_ratios():
   assert rows[0][3] == "-" and rows[0][5] == "-"
 
 
+def test_packed_problem_counts_the_work_inside_documents():
+  dense = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True)
+  packed = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True, documents=8)
+  assert dense.flops("fwd") == 8 * packed.flops("fwd") == 2 * 1024 * 1024 * 64
+  assert packed.flops("fwd+bwd") == 3.5 * packed.flops("fwd")
+  assert packed.label() == "T=1024 D=64 causal 8 documents"
+  # No MLX kernel takes segment ids.
+  assert not metal_benchmark.mlx_supports(None, packed)
+
+
+def test_packed_ratios():
+  gpus = metal_model.DEFAULT_GPUS
+  dense_p = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True)
+  packed_p = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True, documents=4)
+  fwd = lambda mma: [_dispatch("flash_attn_train_fwd_bf16_d64", mma, 4e7, 1e5)]
+  records = [metal_benchmark.summarize("ours", "fwd", dense_p, fwd(8e6), gpus),
+             metal_benchmark.summarize("ours", "fwd", packed_p, fwd(2e6), gpus)]
+  assert records[1]["documents"] == 4 and records[0]["documents"] is None
+  header, rows = metal_benchmark.build_packed_ratios(records, gpus)
+  assert header[:5] == ["T", "D", "docs", "pass", "MMA dense/packed"]
+  assert rows == [["1024", "64", "4", "fwd", "4.00x"] + [
+      f"{records[0]['modelled_seconds'][g] / records[1]['modelled_seconds'][g]:.2f}x"
+      for g in gpus]]
+  _, table = metal_benchmark.build_table(records, gpus)
+  assert [r[4] for r in table] == ["yes", "yes, 4 docs"]
+  # A pack without its dense counterpart has no ratio row.
+  assert metal_benchmark.build_packed_ratios(records[1:], gpus)[1] == []
+
+
 def test_json_and_plot(tmp_path):
   pytest.importorskip("matplotlib")
   records = _records()
@@ -303,3 +332,24 @@ def test_metal_model_command_with_mlx(capsys):
   text = capsys.readouterr().out
   line = [l for l in text.splitlines() if l.split()[:3] == [str(T), str(D), "no"]]
   assert len(line) == 1 and line[0].count("x") >= 2 + len(metal_model.DEFAULT_GPUS)
+
+
+def test_metal_model_packed_command(capsys):
+  from jax_fatrain import benchmark
+  from jax_fatrain._backends import metal_emulated as _metal_emulated
+  if _metal_emulated.IMPORT_ERROR is not None:
+    pytest.skip(f"metal_emulated not built: {_metal_emulated.IMPORT_ERROR}")
+  out = benchmark.main(["--metal-model", "--packed", "--packed-docs", "4", "--seq-lens", "256",
+                        "--head-dims", "64", "--sample", "all"])
+  text = capsys.readouterr().out
+  assert "MMA dense/packed" in text
+  by = {(r["pass"], r["documents"]): r for r in out["records"]}
+  assert set(by) == {("fwd", None), ("fwd+bwd", None), ("fwd", 4), ("fwd+bwd", 4)}
+  for r in out["records"]:
+    assert r["implementation"] == "ours" and r["causal"] and r["races"] == 0
+  # Four causal documents of 64 tokens: the pack does a fraction of the dense
+  # causal call's matrix work (1/4 plus the diagonal tiles of each document).
+  for pass_ in ("fwd", "fwd+bwd"):
+    assert 2.0 < by[(pass_, None)]["mma"] / by[(pass_, 4)]["mma"] <= 4.0
+    for g in metal_model.DEFAULT_GPUS:
+      assert by[(pass_, 4)]["modelled_seconds"][g] < by[(pass_, None)]["modelled_seconds"][g]

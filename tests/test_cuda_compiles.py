@@ -46,7 +46,7 @@ def _tool(name):
 
 def test_resource_report_reads_ptxas_output():
   """tools/cuda_resource_report.py's parser, on ptxas -v lines as nvcc prints them
-  (a C7512 note may come before the function's own lines)."""
+  (a C7512 or C7520 note may come before the function's own lines)."""
   tool = _tool("cuda_resource_report")
   log = "\n".join([
       "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
@@ -59,10 +59,18 @@ def test_resource_report_reads_ptxas_output():
       "ptxas info    : Function properties for _Z1bv",
       "    96 bytes stack frame, 168 bytes spill stores, 136 bytes spill loads",
       "ptxas info    : Used 128 registers",
+      "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are "
+      "serialized due to program dependence on compiler-inserted WG.AR in divergent path in "
+      "the function '_Z1cv'",
+      "ptxas info    : Compiling entry function '_Z1cv' for 'sm_90a'",
+      "ptxas info    : Used 168 registers, used 16 barriers",
   ])
   kernels = tool.rows(log)
-  assert kernels["_Z1av"] == dict(regs=168, stores=0, loads=0, barriers=16, c7512=False)
-  assert kernels["_Z1bv"] == dict(regs=128, stores=168, loads=136, barriers=0, c7512=True)
+  assert kernels["_Z1av"] == dict(regs=168, stores=0, loads=0, barriers=16, serialised="no")
+  assert kernels["_Z1bv"] == dict(regs=128, stores=168, loads=136, barriers=0,
+                                  serialised="yes: C7512")
+  assert kernels["_Z1cv"] == dict(regs=168, stores=0, loads=0, barriers=16,
+                                  serialised="yes: C7520")
   name = ("void fatrain::cuda::(anonymous namespace)::bwd_ws_kernel<__nv_bfloat16, 64, true, "
           "0, 128>(fatrain::cuda::(anonymous namespace)::BwdTensorMaps, fatrain::cuda::KParams)")
   assert tool.short(name) == "bwd_ws_kernel<bf16, 64, true, 0, 128>"

@@ -6,7 +6,6 @@ problem through the emulator.
 """
 
 import json
-import math
 
 import pytest
 

@@ -6,10 +6,10 @@
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
 //   memory and, as Metal does, accepts only a page-aligned pointer and length.
-// * Its kernel library is compiled into this extension: the packaged kernel
-//   source (the text jax_fatrain._backends.metal passes to
-//   newLibraryWithSource), compiled by the MSL emulator, with that text
-//   embedded; newLibraryWithSource checks that it is given exactly that text.
+// * Its one kernel library is the packaged kernel source (the text
+//   jax_fatrain._backends.metal passes to newLibraryWithSource) as the MSL
+//   emulator compiles it; newLibraryWithSource checks that it is given
+//   exactly that text.
 // * Functions are specialised with function-constant values checked as Metal
 //   checks them (every constant the kernel uses has a bool value); pipelines
 //   carry the function and its constants.
@@ -46,8 +46,8 @@
 #include "msl_emulator/runtime.h"
 #include "objc_runtime.h"
 
-// The kernel library's source text (tests/metal_standin/standin.py embeds it
-// with an assembler .incbin).
+// The kernel library's source text, embedded in this extension
+// (tests/metal_standin/standin.py, an assembler .incbin).
 extern "C" const char fatrain_standin_library_source[];
 extern "C" const char fatrain_standin_library_source_end[];
 
@@ -755,7 +755,7 @@ std::string source_difference(const std::string& given) {
     const size_t from = begin == std::string_view::npos || at == 0 ? 0 : begin + 1;
     return std::string(s.substr(from, std::min<size_t>(s.find('\n', from) - from, 120)));
   };
-  return "the source differs from the one this stand-in's library was built from, at line " +
+  return "the source differs from the stand-in's kernel library source at line " +
          std::to_string(line) + ": got '" + line_at(given) + "', expected '" + line_at(expected) +
          "' (" + std::to_string(given.size()) + " bytes given, " +
          std::to_string(expected.size()) + " expected)";
@@ -812,7 +812,7 @@ const MethodTable& device_methods() {
              set_error(error, "MTLLibraryErrorDomain", MTL::LibraryErrorFileNotFound,
                        "the Metal stand-in loads no metallib (" +
                            (path != nullptr ? path->text : std::string("nil")) +
-                           "); it runs the library it was built with, from source");
+                           "); its one library comes from newLibraryWithSource");
              return nullptr;
            })},
           {"newComputePipelineStateWithFunction:error:",

@@ -670,37 +670,25 @@ inline std::vector<Case> standard_cases() {
     c.causal = true;
     add(c);
   }
-  // Packed sequences.
-  {
+  // Packed sequences: B, N, K, T = S or T, S, D, dtype, causality, layout.
+  auto packed = [&](const char* name, int64_t B, int64_t N, int64_t K, int64_t T, int64_t S,
+                    int64_t D, DType dt, bool causal, Segments segments, int64_t documents) {
     Case c;
-    c.name = "segments_sorted_causal_d128";
-    c.B = 2; c.N = 4; c.K = 2; c.T = 200; c.S = 200; c.D = 128; c.dt = DType::kBF16;
-    c.causal = true; c.segments = Segments::kSorted;
+    c.name = name;
+    c.B = B; c.N = N; c.K = K; c.T = T; c.S = S; c.D = D; c.dt = dt;
+    c.causal = causal; c.segments = segments; c.documents = documents;
     add(c);
-  }
-  {
-    // Documents of 350 tokens: tiles inside one document skip the per-score
-    // compare, runs longer than the kernels' record, T not a multiple of 16.
-    Case c;
-    c.name = "segments_long_causal_gqa4_d128";
-    c.B = 2; c.N = 4; c.K = 1; c.T = 700; c.S = 700; c.D = 128; c.dt = DType::kBF16;
-    c.causal = true; c.segments = Segments::kSorted; c.documents = 2;
-    add(c);
-  }
-  {
-    Case c;
-    c.name = "segments_unsorted_d64";
-    c.B = 1; c.N = 2; c.K = 1; c.T = 180; c.S = 150; c.D = 64; c.dt = DType::kF16;
-    c.segments = Segments::kUnsorted;
-    add(c);
-  }
-  {
-    Case c;
-    c.name = "segments_padding_causal_d256";
-    c.B = 1; c.N = 4; c.K = 1; c.T = 150; c.S = 150; c.D = 256; c.dt = DType::kBF16;
-    c.causal = true; c.segments = Segments::kPadding;
-    add(c);
-  }
+  };
+  packed("segments_sorted_causal_d128", 2, 4, 2, 200, 200, 128, DType::kBF16, true,
+         Segments::kSorted, 5);
+  // Documents of 350 tokens: tiles inside one document skip the per-score
+  // compare, runs longer than the kernels' record, T not a multiple of 16.
+  packed("segments_long_causal_gqa4_d128", 2, 4, 1, 700, 700, 128, DType::kBF16, true,
+         Segments::kSorted, 2);
+  packed("segments_unsorted_d64", 1, 2, 1, 180, 150, 64, DType::kF16, false,
+         Segments::kUnsorted, 5);
+  packed("segments_padding_causal_d256", 1, 4, 1, 150, 150, 256, DType::kBF16, true,
+         Segments::kPadding, 5);
   {
     Case c;
     c.name = "segments_sorted_bias_d64_f32";

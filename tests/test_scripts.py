@@ -295,15 +295,19 @@ def test_benchmark_cuda_packed_rows_rotate_and_print(capsys):
     assert cfg == benchmark_cuda.PACKED
     order.append(variant)
     fwd_ms, fb_ms = next(times[variant])
-    return dict(fwd_ms=fwd_ms, fwdbwd_ms=fb_ms)
+    # Back to back: the per-call times less a fixed 0.5 ms of host overhead.
+    return dict(fwd_ms=fwd_ms, fwdbwd_ms=fb_ms, fwd_b2b_ms=fwd_ms - 0.5,
+                fwdbwd_b2b_ms=fb_ms - 0.5)
   rows = benchmark_cuda.packed_rows(repeat=2, run=fake_run)
   assert order == ["cuda packed", "cuda dense", "cudnn mask",
                    "cuda dense", "cudnn mask", "cuda packed"]
-  assert rows["cuda packed"] == dict(fwd_ms=1.5, fwdbwd_ms=4.0)
-  assert rows["cuda dense"] == dict(fwd_ms=7.0, fwdbwd_ms=25.0)
+  assert rows["cuda packed"] == dict(fwd_ms=1.5, fwdbwd_ms=4.0, fwd_b2b_ms=1.0,
+                                     fwdbwd_b2b_ms=3.5)
+  assert rows["cuda dense"]["fwdbwd_ms"] == 25.0
   benchmark_cuda.print_packed(rows)
   out = capsys.readouterr().out
-  assert "| fwd+bwd | 4.000 | 25.000 | 13.000 | 6.25 | 3.25 |" in out
+  assert "| fwd+bwd, one call at a time | 4.000 | 25.000 | 13.000 | 6.25 | 3.25 |" in out
+  assert "| fwd+bwd, back to back | 3.500 | 24.500 | 12.500 | 7.00 | 3.57 |" in out
 
 
 def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
@@ -311,3 +315,16 @@ def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
   with pytest.raises(SystemExit):
     benchmark_cuda.main(["--repeat", "0"])
   assert "--repeat must be at least 1" in capsys.readouterr().err
+
+
+def test_benchmark_cuda_back_to_back_queues_calls_and_waits_once():
+  """_time_back_to_back: warm-up calls, then `rounds` batches of `calls`."""
+  from jax_fatrain import benchmark_cuda
+  calls = []
+
+  def fn(x):
+    calls.append(x)
+    return jnp.asarray(x) + 1
+  seconds = benchmark_cuda._time_back_to_back(fn, 1.0, calls=3, rounds=2, warm=1)
+  assert len(calls) == 1 + 3 * 2
+  assert seconds > 0

@@ -1,15 +1,14 @@
 // The Metal stand-in: an implementation of the Foundation and Metal objects
 // that the Metal host code (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc)
-// calls through metal-cpp, with the MSL emulator as the GPU, so that the test
-// suite runs the unmodified host code against the emulated kernels.
+// calls through metal-cpp. Its GPU is the MSL emulator: the tests run the host
+// code against the emulated kernels.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
 //   memory and, as Metal does, accepts only a page-aligned pointer and length.
-// * Its one kernel library is the packaged kernel source (the text
-//   jax_fatrain._backends.metal passes to newLibraryWithSource) as the MSL
-//   emulator compiles it; newLibraryWithSource checks that it is given
-//   exactly that text.
+// * Its one kernel library holds the kernels of the packaged kernel source
+//   (the text jax_fatrain._backends.metal passes to newLibraryWithSource);
+//   newLibraryWithSource checks that it is given exactly that text.
 // * Functions are specialised with function-constant values checked as Metal
 //   checks them (every constant the kernel uses has a bool value); pipelines
 //   carry the function and its constants.
@@ -24,7 +23,7 @@
 //   command buffer, so the executor's error path runs and tests see it.
 //
 // The C functions at the end of this file (reached with ctypes) give a report
-// of counters and findings, and inject failures of library compilation,
+// of counters and findings, and inject failures of newLibraryWithSource,
 // pipeline creation and command execution.
 
 #include <Foundation/Foundation.hpp>
@@ -46,8 +45,7 @@
 #include "msl_emulator/runtime.h"
 #include "objc_runtime.h"
 
-// The kernel library's source text, embedded in this extension
-// (tests/metal_standin/standin.py, an assembler .incbin).
+// The kernel library's source text: the packaged kernel source.
 extern "C" const char fatrain_standin_library_source[];
 extern "C" const char fatrain_standin_library_source_end[];
 

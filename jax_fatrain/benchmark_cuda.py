@@ -22,7 +22,7 @@ against cuDNN given the equivalent materialised boolean mask ``[B, 1, T, T]``
 at a time, as every other row is, and 20 calls queued back to back and waited
 for once (``_time_back_to_back``). The second is the GPU time of a call as a
 training loop sees it; the first adds the host's dispatch and its wake-up after
-each call, a fixed about 0.2-0.3 ms that weighs on a 1 ms call.
+each call, about 0.2 ms that weighs on a 1 ms call.
 
 FLOP convention (FlashAttention papers): forward 4·B·N·T·S·D, halved when
 causal; backward 2.5x forward, so forward+backward counts 3.5x forward.

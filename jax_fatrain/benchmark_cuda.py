@@ -217,6 +217,13 @@ PACKED_TIMES = {"fwd_ms": "fwd, one call at a time", "fwdbwd_ms": "fwd+bwd, one 
                 "fwd_b2b_ms": "fwd, back to back", "fwdbwd_b2b_ms": "fwd+bwd, back to back"}
 
 
+def packed_segment_ids(batch: int, seq_len: int, docs: int):
+  """Segment ids [batch, seq_len] (int32) packing each sequence with `docs`
+  documents of seq_len / docs tokens, one after another."""
+  ids = jnp.arange(seq_len, dtype=jnp.int32) // (seq_len // docs)
+  return jnp.broadcast_to(ids, (batch, seq_len))
+
+
 def run_packed(cfg, variant):
   """(fwd ms, fwd+bwd ms) of one packed-sequence variant: "cuda packed" (segment
   ids), "cuda dense" (causal, no ids) or "cudnn mask" (the ids as a boolean
@@ -226,7 +233,7 @@ def run_packed(cfg, variant):
   q = jax.random.normal(k0, (b, t, n, d), jnp.bfloat16)
   k = jax.random.normal(k1, (b, t, kh, d), jnp.bfloat16)
   v = jax.random.normal(k2, (b, t, kh, d), jnp.bfloat16)
-  ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // (t // cfg["docs"]), (b, t))
+  ids = packed_segment_ids(b, t, cfg["docs"])
   if variant == "cuda packed":
     attn = _attention("cuda")
     call = lambda q, k, v, x: attn(q, k, v, is_causal=True, q_segment_ids=x, kv_segment_ids=x)

@@ -42,7 +42,7 @@ def main(argv=None):
     scores = jax.random.normal(ks[0], (b, 1, t, t), jnp.bfloat16)
     kwargs = {"mask": scores > -1.0} if args.extra == "mask" else {"bias": scores}
   if args.extra == "packed":
-    ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // (t // 8), (b, t))
+    ids = benchmark_cuda.packed_segment_ids(b, t, 8)
     kwargs = {"q_segment_ids": ids, "kv_segment_ids": ids}
   attn = benchmark_cuda._attention(args.impl)
   loss = lambda q, k, v: jnp.sum(

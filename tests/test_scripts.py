@@ -318,13 +318,16 @@ def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
 
 
 def test_benchmark_cuda_back_to_back_queues_calls_and_waits_once():
-  """_time_back_to_back: warm-up calls, then `rounds` batches of `calls`."""
+  """_time_back_to_back: warm-up calls, then `rounds` batches of `calls`, timed
+  per call (a call of 20 ms reads as 20 ms, not as a batch of 60)."""
+  import time
   from jax_fatrain import benchmark_cuda
   calls = []
 
   def fn(x):
     calls.append(x)
+    time.sleep(0.02)
     return jnp.asarray(x) + 1
   seconds = benchmark_cuda._time_back_to_back(fn, 1.0, calls=3, rounds=2, warm=1)
   assert len(calls) == 1 + 3 * 2
-  assert seconds > 0
+  assert 0.02 <= seconds < 0.04

@@ -332,6 +332,27 @@ __device__ __forceinline__ void store_key_major(uint8_t* tile, const float (&x)[
   }
 }
 
+// The warp's 16 keys of dSᵀ (NQ queries), 16-bit, into a [NQ queries][keys]
+// SW128 tile at shared address `tile`, keys along the rows: the
+// K-major B operand of dQᵀ = Kᵀ dSᵀ (issue_dq_transposed). stmatrix
+// transposes 8 x 8 blocks on the way, so each lane stores 16 contiguous bytes
+// (8 keys of one query) per block; lane 8 m + r addresses row r of block m,
+// blocks (query group j, keys + 0), (j, + 8), (j + 1, + 0), (j + 1, + 8).
+template <class E, int NQ>
+__device__ __forceinline__ void store_query_major(uint32_t tile, const float (&x)[NQ / 2],
+                                                  int key_w0, int lane) {
+  static_assert(NQ % 16 == 0, "two query groups of 8 per store");
+  const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int j = 0; j < NQ / 8; j += 2) {
+    const uint32_t addr = tile + sw128_offset<NQ>(8 * (j + (m >> 1)) + r, key_w0 + 8 * (m & 1));
+    stmatrix_x4_trans(addr, Cvt<E>::pack(x[4 * j], x[4 * j + 1]),
+                      Cvt<E>::pack(x[4 * j + 2], x[4 * j + 3]),
+                      Cvt<E>::pack(x[4 * j + 4], x[4 * j + 5]),
+                      Cvt<E>::pack(x[4 * j + 6], x[4 * j + 7]));
+  }
+}
+
 // dK += dSᵀ Q over the step's BQ queries (A = dSᵀ from registers, B = Q
 // MN-major), committed.
 template <class E, int D, int BQ = kBwdBQ>
@@ -362,6 +383,25 @@ __device__ __forceinline__ void issue_dq(float (&dq)[NC / 2], uint32_t cdS, uint
   for (int kk = 0; kk < BK / 16; ++kk)
     Wgmma<E, NC>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, q0, kk),
                                     desc_mn_major<BK>(sK, col0, kk), kk > 0);
+  wgmma_commit();
+}
+
+// dQᵀ = Kᵀ dSᵀ for head columns [col0, col0 + 64) x the step's NQ queries,
+// over all BK keys of the block: A = K read MN-major (head columns along M),
+// B = the [NQ queries][BK keys] dS tile (store_query_major) read K-major. For
+// steps of NQ != 64 queries, which a wgmma cannot take as M. One commit
+// group, dqt overwritten.
+template <class E, int NQ, int BK>
+__device__ __forceinline__ void issue_dq_transposed(float (&dqt)[NQ / 2], uint32_t cdS,
+                                                    uint32_t sK, int col0) {
+#pragma unroll
+  for (int i = 0; i < NQ / 2; ++i) dqt[i] = 0.f;
+  fence_regs(dqt);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk)
+    Wgmma<E, NQ>::template ss<1, 0>(dqt, desc_mn_major<BK>(sK, col0, kk),
+                                    desc_k_major<NQ>(cdS, 0, kk), kk > 0);
   wgmma_commit();
 }
 

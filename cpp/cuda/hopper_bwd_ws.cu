@@ -50,7 +50,11 @@
 // kBQWide): the products and the waits of a 64-row step were too small to
 // keep the tensor cores busy there. Then Sᵀ, dPᵀ are 64 keys x 128 queries
 // per consumer, and in 3 consumer c computes dQ for queries [64 c, 64 c + 64)
-// x all 64 columns instead (DqSplit).
+// x all 64 columns instead (DqSplit). At head dim 128 without a mask or bias
+// a step is 80 rows (kBQHead128): Sᵀ, dPᵀ are 64 keys x 80 queries, dSᵀ goes
+// to its buffer query-major, and in 3 consumer c computes dQᵀ, columns
+// [64 c, 64 c + 64) x all 80 queries, and adds each warp's 16 columns with
+// one tensor reduction (add_dq_columns).
 // Rows past T read as zeros (the tensor maps' bounds) with L = +inf, so they
 // add nothing. The deterministic mode skips 2 and 3 (tc_dq.cu computes dQ).
 #include "cuda/hopper_bwd_common.cuh"
@@ -68,6 +72,15 @@ constexpr int kConsumers = 2, kBK = 64 * kConsumers, kBQ = kBwdBQ;
 // products serve twice the work (Sᵀ and dPᵀ become 64 x 128, dV and dK reduce
 // over 128 queries).
 constexpr int kBQWide = 2 * kBwdBQ;
+// Query rows per step of bwd_ws_kernel at head dim 128 without a mask or
+// bias (hopper_bwd_query_rows): 80, the most for which Sᵀ and dPᵀ (64 keys x
+// 80 queries) fit the registers beside dK and dV of 64 keys x 128 columns.
+// Sᵀ, dPᵀ and dQ read both operands from shared memory, at 64 x 64 x 16 as
+// many bytes per product as the tensor cores take in its cycles (4 KB in
+// 32); at 64 x 80 x 16, 4.5 KB in 40, and every per-step wait serves 25%
+// more work. A wgmma's M is 64, so dQ of 80 queries is computed transposed
+// (issue_dq_transposed; DqSplit).
+constexpr int kBQHead128 = 80;
 
 // The key blocks ("units") that block (bwd_ws_kernel) or cluster
 // (bwd_ws_cluster_pair_kernel) m does, one after the other: key block m,
@@ -151,12 +164,15 @@ struct BwdBarriers {
 
 // Which part of a step's dQ (BQ queries x D) consumer c computes: with
 // 64-row steps, all 64 queries x columns [c D / 2, (c + 1) D / 2); with
-// 128-row steps, queries [64 c, 64 c + 64) x all D columns.
+// 128-row steps, queries [64 c, 64 c + 64) x all D columns; with 80-row
+// steps (kTransposed), all 80 queries x columns [64 c, 64 c + 64), as the
+// 64 x 80 accumulator of dQᵀ.
 template <int D, int BQ>
 struct DqSplit {
-  static constexpr int kCols = BQ == kBwdBQ ? D / 2 : D;
-  static __device__ __forceinline__ int col0(int c) { return BQ == kBwdBQ ? c * kCols : 0; }
-  static __device__ __forceinline__ int row0(int c) { return BQ == kBwdBQ ? 0 : c * 64; }
+  static constexpr bool kTransposed = BQ == kBQHead128;
+  static constexpr int kCols = BQ == kBQWide ? D : D / 2;
+  static __device__ __forceinline__ int col0(int c) { return BQ == kBQWide ? 0 : c * kCols; }
+  static __device__ __forceinline__ int row0(int c) { return BQ == kBQWide ? c * 64 : 0; }
 };
 
 // Shared memory, in byte offsets from a 1024-byte aligned base (every SW128
@@ -164,13 +180,17 @@ struct DqSplit {
 // mask (1) or bias (2), 0 for none; BQ: query rows per step.
 template <int D, int EB, int BQ = kBQ>
 struct BwdWsLayout {
-  static_assert(BQ == kBQ || EB == 0, "128-row steps leave no room for a staged score slot");
+  static_assert(BQ == kBQ || EB == 0, "wider steps leave no room for a staged score slot");
   static constexpr int kKVBytes = kBK * D * 2;       // K, or V: [kBK keys][D]
   static constexpr int kQBytes = BQ * D * 2;         // one slot of Q, or dO
-  static constexpr int kDSBytes = kBK * BQ * 2;      // one dSᵀ buffer: [kBK keys][BQ queries]
+  // One dSᵀ buffer: [kBK keys][BQ queries], or (DqSplit::kTransposed)
+  // [BQ queries][kBK keys].
+  static constexpr int kDSBytes = kBK * BQ * 2;
   // One consumer's dQ staging: 64 rows of DqSplit::kCols floats, as 32 x 16
-  // boxes (dq_box_offset), each warp's 16 rows kCols / 32 boxes.
-  static constexpr int kDqBytes = 64 * DqSplit<D, BQ>::kCols * 4;
+  // boxes (dq_box_offset), each warp's 16 rows kCols / 32 boxes; transposed,
+  // each warp's 16 columns of all BQ rows, one 16 x BQ box (dq_box64_offset).
+  static constexpr int kDqBytes =
+      (DqSplit<D, BQ>::kTransposed ? BQ : 64) * DqSplit<D, BQ>::kCols * 4;
   static constexpr int kStatBytes = BQ * 4;          // one slot of L, or D
   static constexpr int kScoreRow = EB == 0 ? 0 : staged_row_bytes<kBK, EB>();
   static constexpr int kScoreBytes = BQ * kScoreRow;  // the staged score slot
@@ -238,6 +258,35 @@ __device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const flo
   if (lane == 0) bulk_wait_read<0>();  // the last step's reductions have read the boxes
   __syncwarp();
   reduce_dq_rows<DH>(dq_map, dq, boxes, b, h, i0, col0, wq, lane);
+}
+
+// Adds a warp's 16 rows of a dQᵀ accumulator (64 head columns x NQ
+// queries: columns col0 + 16 wq .. + 15 of query rows i0 .. i0 + NQ - 1 of
+// head h) to the float32 scratch: the warp writes them into its box at `box`
+// (NQ rows x 16 columns, 512-byte aligned, dq_box64_offset), once the
+// previous step's reduction has read it, and one lane issues one tensor
+// reduction (rows past T are skipped by the tensor map's bounds). A thread's
+// two values of a query lie in different rows of the box, so the writes are
+// single floats; the swizzle leaves each store at two wavefronts.
+template <int NQ>
+__device__ __forceinline__ void add_dq_columns(const CUtensorMap* dq_map, const float (&dqt)[NQ / 2],
+                                               uint8_t* box, int b, int h, int i0, int col0,
+                                               int wq, int lane) {
+  if (lane == 0) bulk_wait_read<0>();  // the last step's reduction has read the box
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      *reinterpret_cast<float*>(box + dq_box64_offset(acc_col(j, lane, e),
+                                                      (lane >> 2) + 8 * (e >> 1))) = dqt[4 * j + e];
+  }
+  fence_proxy_async();  // the tensor reduction reads through the async proxy
+  __syncwarp();
+  if (lane == 0) {
+    tma_reduce_add_4d(dq_map, smem_u32(box), col0 + 16 * wq, i0, h, b);
+    bulk_commit();
+  }
 }
 
 // Where the producer puts a block's tiles (shared addresses; the row
@@ -389,15 +438,25 @@ __global__ void __launch_bounds__(kNT, 1)
     // head and rows); g0 + prev its number over the units (its buffer).
     auto finish_dq = [&](int prev) {
       const int g = g0 + prev;
-      float dq[Dq::kCols / 2];
+      const uint32_t cdS = sdS + (g & 1) * L::kDSBytes;
       mbar_wait(bar.ready(g & 1), (g >> 1) & 1);
-      issue_dq<E, Dq::kCols, kBK>(dq, sdS + (g & 1) * L::kDSBytes, sK, Dq::col0(c),
-                                  Dq::row0(c));
-      wgmma_wait<0>();
-      fence_regs(dq);
-      mbar_arrive(bar.done(g & 1));
-      add_dq_rows<Dq::kCols>(&maps.dq_acc, dq, sdq, b, steps.head(prev),
-                             steps.row0(prev) + Dq::row0(c), Dq::col0(c), wq, lane);
+      if constexpr (Dq::kTransposed) {
+        float dqt[BQ / 2];
+        issue_dq_transposed<E, BQ, kBK>(dqt, cdS, sK, Dq::col0(c));
+        wgmma_wait<0>();
+        fence_regs(dqt);
+        mbar_arrive(bar.done(g & 1));
+        add_dq_columns<BQ>(&maps.dq_acc, dqt, sdq + wq * (BQ * 16 * 4), b, steps.head(prev),
+                           steps.row0(prev), Dq::col0(c), wq, lane);
+      } else {
+        float dq[Dq::kCols / 2];
+        issue_dq<E, Dq::kCols, kBK>(dq, cdS, sK, Dq::col0(c), Dq::row0(c));
+        wgmma_wait<0>();
+        fence_regs(dq);
+        mbar_arrive(bar.done(g & 1));
+        add_dq_rows<Dq::kCols>(&maps.dq_acc, dq, sdq, b, steps.head(prev),
+                               steps.row0(prev) + Dq::row0(c), Dq::col0(c), wq, lane);
+      }
     };
 
     if (total > 0) mbar_wait(bar.kv_full(), loads & 1);
@@ -426,7 +485,7 @@ __global__ void __launch_bounds__(kNT, 1)
 
       // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
       // consumers are done with its use two steps ago.
-      if constexpr (BQ == kBQWide) {
+      if constexpr (BQ != kBwdBQ) {
         uint32_t pt[BQ / 4];  // Pᵀ, packed (pack_pairs says why)
         pack_pairs<E, BQ>(st, pt);
         issue_dv_packed<E, D, BQ>(dv, pt, cdO);
@@ -441,7 +500,12 @@ __global__ void __launch_bounds__(kNT, 1)
       }
       if constexpr (ATOMIC) {
         if (g >= 2) mbar_wait(bar.done(g & 1), ((g >> 1) - 1) & 1);
-        store_key_major<E, kBK, BQ>(smem_ptr(sdS + (g & 1) * L::kDSBytes), dpt, key_w0, 0, lane);
+        if constexpr (Dq::kTransposed) {
+          store_query_major<E, BQ>(sdS + (g & 1) * L::kDSBytes, dpt, key_w0, lane);
+        } else {
+          store_key_major<E, kBK, BQ>(smem_ptr(sdS + (g & 1) * L::kDSBytes), dpt, key_w0, 0,
+                                      lane);
+        }
         fence_proxy_async();  // dQ's wgmma reads it through the async proxy
         mbar_arrive(bar.ready(g & 1));
       }
@@ -1150,7 +1214,12 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   BwdTensorMaps maps;
   if (make_bwd_maps(&maps, p, kBK, BQ) != cudaSuccess) return cudaErrorNotSupported;
-  if (ATOMIC && make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B) != cudaSuccess)
+  // The dQ scratch in the boxes the kernel reduces: 16 x BQ (a warp's 16
+  // columns of dQᵀ) or 32 x 16 (DqSplit).
+  constexpr bool kTransposed = DqSplit<D, BQ>::kTransposed;
+  if (ATOMIC && make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B,
+                                       kTransposed ? BQ : 16, kTransposed ? 16 : 32) !=
+                    cudaSuccess)
     return cudaErrorNotSupported;
   // Folded (kernel_choice.h), block m does key blocks nkb - 1 - m and m (the
   // kernel says in which order).
@@ -1222,7 +1291,11 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
       static_assert(kBQWide == 128, "hopper_bwd_query_rows chooses between 64 and 128");
       return hopper_bwd_query_rows(p) == kBQWide ? launch<E, 64, ATOMIC, 0, kBQWide>(p, stream)
                                                  : launch<E, 64, ATOMIC>(p, stream);
-    case 128: return launch<E, 128, ATOMIC>(p, stream);
+    case 128:
+      static_assert(kBQHead128 == 80, "hopper_bwd_query_rows chooses between 64 and 80");
+      return hopper_bwd_query_rows(p) == kBQHead128
+                 ? launch<E, 128, ATOMIC, 0, kBQHead128>(p, stream)
+                 : launch<E, 128, ATOMIC>(p, stream);
     case 256:
       if constexpr (ATOMIC) {
         if (hopper_bwd_256(ATOMIC) == Hopper256Backward::kClusterPair) {

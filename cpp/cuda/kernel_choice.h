@@ -47,13 +47,15 @@ inline int hopper_fwd_consumers(const KParams& p) {
   return p.D == 64 && plain && !p.causal && p.wl < 0 && p.wr < 0 ? 3 : 2;
 }
 
-// Hopper backward at D = 64 and 128: query rows per step. 128 at D = 64
-// without a mask or bias (a 64-row step's products and waits are too small
-// to keep the tensor cores busy there); else 64 (at D = 128 a 128-row step's
-// dK and dV do not fit the registers beside it; a staged score slot of 128
-// rows does not fit the shared memory).
+// Hopper backward at D = 64 and 128: query rows per step. Without a mask
+// or bias, 128 at D = 64 and 80 at D = 128: a 64-row step's products and
+// waits are too small to keep the tensor cores busy, and at D = 128 the
+// Sᵀ and dPᵀ of more than 80 rows do not fit the registers beside dK and
+// dV. With a staged mask or bias, 64: a staged score slot of more rows does
+// not fit the shared memory.
 inline int hopper_bwd_query_rows(const KParams& p) {
-  return p.D == 64 && p.mask == nullptr && p.bias == nullptr ? 128 : 64;
+  if (p.mask != nullptr || p.bias != nullptr) return 64;
+  return p.D == 64 ? 128 : p.D == 128 ? 80 : 64;
 }
 
 // Hopper backward: with causality key block j sees the queries from j on, so

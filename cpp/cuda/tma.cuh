@@ -72,25 +72,30 @@ inline cudaError_t make_seq_tensor_map(CUtensorMap* map, const void* base, int64
 }
 
 // Fills `map` for the contiguous float32 dQ scratch [batch][heads][seq][d] at
-// `base`, as {d, seq, heads, batch} with boxes of 32 columns x box_rows
-// (128-byte rows, 128-byte swizzle: see tma_reduce_add_4d). Rows past `seq`
-// are never written.
+// `base`, as {d, seq, heads, batch} with boxes of box_cols columns x box_rows
+// rows: 32 columns (128-byte rows, 128-byte swizzle: dq_box_offset) or 16
+// (64-byte rows, 64-byte swizzle: dq_box64_offset); see tma_reduce_add_4d.
+// Rows past `seq` are never written.
 inline cudaError_t make_dq_acc_tensor_map(CUtensorMap* map, float* base, int64_t d, int64_t seq,
-                                          int64_t heads, int64_t batch, int box_rows = 16) {
+                                          int64_t heads, int64_t batch, int box_rows = 16,
+                                          int box_cols = 32) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || d % 32 != 0) return cudaErrorNotSupported;
+  if (box_cols != 32 && box_cols != 16) return cudaErrorInvalidValue;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(seq),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(d * 4),
                                  static_cast<cuuint64_t>(seq * d * 4),
                                  static_cast<cuuint64_t>(heads * seq * d * 4)};
-  const cuuint32_t box[4] = {32, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows),
+                             1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(
+      map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE,
+      box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -148,8 +153,8 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Adds a 32 x 16 float32 box at shared address `src` (1024-byte aligned,
-// laid out as dq_box_offset says) to the tensor of `map`
+// Adds a float32 box at shared address `src` (a box of the map's shape,
+// laid out as dq_box_offset or dq_box64_offset says) to the tensor of `map`
 // (make_dq_acc_tensor_map) at element coordinates (c0 = column, c1 = row, c2
 // = head, c3 = batch), in L2, through the async proxy; rows outside the
 // tensor are skipped. The writes that filled `src` need fence_proxy_async()
@@ -168,6 +173,12 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32
 // expects (and conflict-free for accumulator-layout float2 stores).
 __device__ __forceinline__ uint32_t dq_box_offset(int row, int col) {
   return static_cast<uint32_t>(row * 128 + (((col >> 2) ^ (row & 7)) << 4) + (col & 3) * 4);
+}
+// The same in a box of 16 columns (make_dq_acc_tensor_map's box_cols = 16,
+// 512-byte aligned): 64-byte rows whose 16-byte chunks are XOR-swizzled by
+// (row / 2) % 4, the tensor map's 64-byte swizzle.
+__device__ __forceinline__ uint32_t dq_box64_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 64 + (((col >> 2) ^ ((row >> 1) & 3)) << 4) + (col & 3) * 4);
 }
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

@@ -135,6 +135,18 @@ __device__ __forceinline__ void hide_outside_intervals(float (&d)[N / 2], const 
   }
 }
 
+// Stores four 8 x 8 16-bit matrices transposed (stmatrix .trans). Register
+// rm holds matrix m as an accumulator-layout pair (row lane / 4, columns
+// 2 (lane % 4) and + 1); row r of the transposed matrix m, that is column r
+// of the one given, lands as 16 contiguous bytes at the shared address lane
+// 8 m + r passes.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // A-operand registers for reduction step kk (columns 16 kk..16 kk + 15) taken
 // from a 64 x N float accumulator: the A fragment layout is the accumulator's,
 // so P = softmax(S) feeds the next wgmma without touching shared memory.

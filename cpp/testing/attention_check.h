@@ -664,6 +664,15 @@ inline std::vector<Case> standard_cases() {
     add(c);
   }
   {
+    // Not causal, with lengths: the D = 128 kernels' query steps end inside
+    // a tile and past the query length.
+    Case c;
+    c.name = "lengths_gqa2_d128_multitile_f16";
+    c.B = 3; c.N = 4; c.K = 2; c.T = 333; c.S = 270; c.D = 128; c.dt = DType::kF16;
+    c.qlens = true; c.kvlens = true;
+    add(c);
+  }
+  {
     Case c;
     c.name = "causal_gqa2_d256_multitile";
     c.B = 1; c.N = 4; c.K = 2; c.T = 200; c.S = 330; c.D = 256; c.dt = DType::kBF16;

@@ -158,8 +158,8 @@ def _expected_kernels(case, deterministic, family):
   else:
     never.append(three)
   if plain and d in (64, 128):
-    # 128-row query steps at D = 64 without a mask or bias, else 64.
-    must.append(rf"\bbwd_ws_kernel<[^>]*, {d}, (true|false), 0, {128 if d == 64 else 64}>")
+    # Query steps of 128 rows at D = 64 and 80 at D = 128 without a mask or bias.
+    must.append(rf"\bbwd_ws_kernel<[^>]*, {d}, (true|false), 0, {128 if d == 64 else 80}>")
   elif plain:
     must.append(r"\bbwd_ws_split_head_kernel<" if deterministic else
                 r"\bbwd_ws_cluster_pair_kernel<")

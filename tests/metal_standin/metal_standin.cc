@@ -92,7 +92,7 @@ struct Global {
   std::vector<std::string> pipeline_keys;   // every pipeline created, in order
   std::vector<uintptr_t> no_copy_addresses; // memory wrapped by no-copy buffers, in order
   long language_version = -1;               // of the last newLibraryWithSource
-  int fast_math = -1;
+  int fast_math = -1;                       // of the last newLibraryWithSource: 1, 0 or -1
 };
 
 Global& global() {
@@ -982,9 +982,11 @@ STANDIN_API void MTLRemoveDeviceObserver(const NS::Object*) {
   standin::record_finding("MTLRemoveDeviceObserver: the stand-in has no device observers");
 }
 
-// A JSON object: {"counters": {...}, "live_objects": {...}, "findings": [...],
-// "pipelines": [...], "no_copy_addresses": [...], "language_version": n, "fast_math": 0/1/-1}. Valid until
-// the next call on this thread.
+// A JSON object with the keys counters, live_objects, findings, pipelines,
+// no_copy_addresses, language_version and fast_math. The last two describe
+// the last newLibraryWithSource call: its language version and whether it
+// enabled fast math (1 or 0), each -1 before any call. Valid until the next
+// call on this thread.
 STANDIN_API const char* fatrain_metal_standin_report() {
   using namespace standin;
   thread_local std::string out;

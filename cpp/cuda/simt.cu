@@ -243,43 +243,33 @@ unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kWarps 
 
 }  // namespace
 
-#define FATRAIN_SIMT_LAUNCH(kernel, rows, ...)                                              \
+// Launches kernel<E> for the dtype on `grid` (blocks of kWarps warps);
+// nothing for an empty grid.
+#define FATRAIN_SIMT_LAUNCH_GRID(kernel, grid, ...)                                        \
   do {                                                                                     \
-    const unsigned nb = blocks_for(rows);                                                  \
-    if (nb == 0) return cudaSuccess;                                                       \
+    const dim3 g = (grid);                                                                 \
+    if (g.x == 0 || g.y == 0 || g.z == 0) return cudaSuccess;                              \
     switch (dtype) {                                                                       \
       case DType::kF32:                                                                    \
-        kernel<float><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__);                        \
+        kernel<float><<<g, kWarps * 32, 0, stream>>>(__VA_ARGS__);                         \
         record_launch(kernel<float>);                                                      \
         break;                                                                             \
       case DType::kBF16:                                                                   \
-        kernel<__nv_bfloat16><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__);                \
+        kernel<__nv_bfloat16><<<g, kWarps * 32, 0, stream>>>(__VA_ARGS__);                 \
         record_launch(kernel<__nv_bfloat16>);                                              \
         break;                                                                             \
       default:                                                                             \
-        kernel<__half><<<nb, kWarps * 32, 0, stream>>>(__VA_ARGS__);                       \
+        kernel<__half><<<g, kWarps * 32, 0, stream>>>(__VA_ARGS__);                        \
         record_launch(kernel<__half>);                                                     \
         break;                                                                             \
     }                                                                                      \
   } while (0)
+// One warp per row of `rows`.
+#define FATRAIN_SIMT_LAUNCH(kernel, rows, ...) \
+  FATRAIN_SIMT_LAUNCH_GRID(kernel, dim3(blocks_for(rows)), __VA_ARGS__)
 
 cudaError_t launch_dsum(const KParams& p, DType dtype, cudaStream_t stream) {
-  const dim3 grid(blocks_for(p.T), p.N, p.B);
-  if (grid.x == 0 || p.N == 0 || p.B == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kF32:
-      dsum_kernel<float><<<grid, kWarps * 32, 0, stream>>>(p);
-      record_launch(dsum_kernel<float>);
-      break;
-    case DType::kBF16:
-      dsum_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(p);
-      record_launch(dsum_kernel<__nv_bfloat16>);
-      break;
-    default:
-      dsum_kernel<__half><<<grid, kWarps * 32, 0, stream>>>(p);
-      record_launch(dsum_kernel<__half>);
-      break;
-  }
+  FATRAIN_SIMT_LAUNCH_GRID(dsum_kernel, dim3(blocks_for(p.T), p.N, p.B), p);
   return cudaGetLastError();
 }
 

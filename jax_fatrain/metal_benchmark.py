@@ -498,18 +498,16 @@ def main(args) -> list[dict[str, Any]]:
   for g in gpus:
     metal_model.gpu(g)
   packed = getattr(args, "packed", False)
+  # (causal, documents) per shape: packed, our dense causal call and our call
+  # with segment ids; else the causal modes asked for.
   if packed:
-    # Our dense causal call and our packed one (segment ids) on each shape.
-    problems = [Problem(seq_len=t, head_dim=d, causal=True, dtype=dt, batch=args.batch,
-                        heads=args.heads, documents=docs)
-                for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
-                for docs in (None, args.packed_docs)]
+    modes = [(True, None), (True, args.packed_docs)]
   else:
-    causal = {"on": [True], "off": [False], "both": [False, True]}[args.causal]
-    problems = [Problem(seq_len=t, head_dim=d, causal=c, dtype=dt, batch=args.batch,
-                        heads=args.heads)
-                for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
-                for c in causal]
+    modes = [(c, None) for c in {"on": [True], "off": [False], "both": [False, True]}[args.causal]]
+  problems = [Problem(seq_len=t, head_dim=d, causal=c, dtype=dt, batch=args.batch,
+                      heads=args.heads, documents=docs)
+              for dt in args.dtypes for t in args.seq_lens for d in args.head_dims
+              for c, docs in modes]
   impls = ["ours"] if packed else [i for i in args.impls if i in ("ours", "mlx")]
   passes = ["fwd"] if args.fwd_only else ["fwd", "fwd+bwd"]
   sample = parse_sample(args.sample)

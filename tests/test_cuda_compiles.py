@@ -127,8 +127,9 @@ def test_ncu_summary_picks_one_kernel_of_a_page(tmp_path):
 def test_cuda_one_step_runs_a_reference_implementation(capsys):
   """tools/cuda_one_step.py's arguments, with --impl xla (which runs here)."""
   tool = _tool("cuda_one_step")
-  tool.main(["64", "256", "2", "1", "1", "mask", "--impl", "xla"])
-  out = capsys.readouterr().out
-  assert out.startswith("ok ")
-  norms = [float(x) for x in out[3:].strip(" []\n").split(",")]
-  assert len(norms) == 3 and all(x > 0 for x in norms)
+  for extra in (["mask"], ["--window", "16"]):
+    tool.main(["64", "256", "2", "1", "1", *extra, "--impl", "xla"])
+    out = capsys.readouterr().out
+    assert out.startswith("ok ")
+    norms = [float(x) for x in out[3:].strip(" []\n").split(",")]
+    assert len(norms) == 3 and all(x > 0 for x in norms)

@@ -3,12 +3,15 @@ default), for running under a profiler (ncu, compute-sanitizer):
 
     ncu --clock-control none -k regex:bwd_ws -c 1 python tools/cuda_one_step.py D T N K [causal [mask|bias|packed]]
     ncu --clock-control none -k regex:bprop -c 1 python tools/cuda_one_step.py 256 8192 16 2 0 --impl cudnn
+    ncu --clock-control none -k regex:fwd_ws -c 1 python tools/cuda_one_step.py 128 8192 16 16 1 --window 1024
     compute-sanitizer --tool racecheck python tools/cuda_one_step.py 64 1024 4 2
 
 The optional last positional argument adds a boolean mask or an additive
 bias of shape (B, 1, T, T) (contiguous keys, so the Hopper kernels stage it),
 or ("packed") segment ids that pack each sequence with 8 documents of T / 8
-tokens, as benchmark_cuda --packed does (ours only).
+tokens, as benchmark_cuda --packed does (ours only). --window L lets each
+query see only the L keys before it and itself (local_window_size=(L, 0), as
+benchmark_cuda's window row).
 --impl cudnn or xla runs jax.nn.dot_product_attention instead, as
 jax_fatrain.benchmark_cuda does.
 """
@@ -30,6 +33,7 @@ def main(argv=None):
   ap.add_argument("causal", type=int, nargs="?", default=0)
   ap.add_argument("extra", nargs="?", default="none", choices=("none", "mask", "bias", "packed"))
   ap.add_argument("--impl", default="cuda", choices=("cuda", "cudnn", "xla"))
+  ap.add_argument("--window", type=int, default=None, metavar="L")
   args = ap.parse_args(argv)
   d, t, n, kh = args.d, args.t, args.n, args.kh
   b = max(1, 16384 // t)
@@ -44,6 +48,8 @@ def main(argv=None):
   if args.extra == "packed":
     ids = benchmark_cuda.packed_segment_ids(b, t, 8)
     kwargs = {"q_segment_ids": ids, "kv_segment_ids": ids}
+  if args.window is not None:
+    kwargs["local_window_size"] = (args.window, 0)
   attn = benchmark_cuda._attention(args.impl)
   loss = lambda q, k, v: jnp.sum(
       attn(q, k, v, is_causal=bool(args.causal), **kwargs).astype(jnp.float32))

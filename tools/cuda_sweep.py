@@ -6,6 +6,7 @@
     python tools/cuda_sweep.py --head-dim 64        # only the D=64 configurations
     python tools/cuda_sweep.py --seq-len 1024       # T=1024, same tokens per batch
     python tools/cuda_sweep.py --causal             # the same configurations, causal
+    python tools/cuda_sweep.py --window 1024        # each query sees 1024 keys before it
 
 To compare a kernel change, build both versions and run this once with each
 (same call, same GPU).
@@ -47,10 +48,11 @@ def check(cfg):
   k = jax.random.normal(ks[1], (b, t, kh, d), jnp.bfloat16)
   v = jax.random.normal(ks[2], (b, t, kh, d), jnp.bfloat16)
   ct = jax.random.normal(ks[3], (b, t, n, d), jnp.float32)
+  kwargs = {"local_window_size": cfg["window"]} if cfg.get("window") else {}
   out = {}
   for impl in ("cuda", "cudnn"):
     attn = bench._attention(impl)
-    f = lambda q, k, v: attn(q, k, v, is_causal=cfg["causal"])
+    f = lambda q, k, v: attn(q, k, v, is_causal=cfg["causal"], **kwargs)
     o, vjp = jax.vjp(f, q, k, v)
     out[impl] = (o,) + vjp(ct.astype(o.dtype))
   return max(rel_err(x, y) for x, y in zip(out["cuda"], out["cudnn"]))
@@ -64,6 +66,9 @@ def main():
   ap.add_argument("--seq-len", type=int,
                   help="this T instead of each configuration's, at the same tokens per batch")
   ap.add_argument("--causal", action="store_true", help="every configuration causal")
+  ap.add_argument("--window", type=int, metavar="L",
+                  help="every configuration with local_window_size=(L, 0), as benchmark_cuda's "
+                       "window row")
   ap.add_argument("--family", default="hopper", choices=("hopper", "mma_sync", "simt"),
                   help="the fastest kernel family ours may use (cpp/cuda/kernel_choice.h)")
   args = ap.parse_args()
@@ -80,10 +85,13 @@ def sweep(args, tag):
       cfg = dict(cfg, T=args.seq_len, B=max(1, cfg["B"] * cfg["T"] // args.seq_len))
     if args.causal:
       cfg = dict(cfg, causal=True)
+    if args.window is not None:
+      cfg = dict(cfg, window=(args.window, 0))
     r = bench.run_one(cfg, args.impl)
     err = check(cfg) if args.impl == "cuda" else float("nan")
+    window = f" window={cfg['window'][0]}" if cfg.get("window") else ""
     print(f"{tag:28s} D={cfg['D']:3d} N:K={cfg['N']}:{cfg['K']} T={cfg['T']} "
-          f"causal={int(cfg['causal'])}  fwd {r.get('fwd_tflops', 0):6.1f}  "
+          f"causal={int(cfg['causal'])}{window}  fwd {r.get('fwd_tflops', 0):6.1f}  "
           f"f+b {r.get('fwdbwd_tflops', 0):6.1f}  max_rel_err {err:.2e} {r.get('error', '')}",
           flush=True)
 

@@ -1,8 +1,9 @@
 """The CUDA kernels compile (CI has nvcc but no GPU).
 
 The CUDA backend is built only with JAX_FATRAIN_CUDA=ON, and its tests run only
-where a GPU is present; compiling the kernels here catches compile errors (and
-ptxas resource overflows) on machines that cannot run them.
+where a GPU is present; compiling the kernels here catches compile errors,
+ptxas resource overflows and wgmma that ptxas serialises, on machines that
+cannot run them.
 """
 
 import concurrent.futures

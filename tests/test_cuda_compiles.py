@@ -39,11 +39,14 @@ def test_cuda_kernels_compile_for_sm80_and_sm90a(tmp_path):
   # No warp-specialised kernel may have its wgmma serialised by ptxas (notes
   # C7512, C7520): the kernel still computes the right thing, only far slower.
   report = _tool("cuda_resource_report")
-  serialised = [f"{name}: {report.short(kernel)} {k['serialised']}"
-                for name, arch, r in results if "sm_90a" in arch
-                for kernel, k in zip(report.demangle(list(report.rows(r.stderr))),
-                                     report.rows(r.stderr).values())
-                if k["serialised"] != "no"]
+  serialised = []
+  for name, arch, r in results:
+    if "sm_90a" not in arch:
+      continue
+    kernels = report.rows(r.stderr)
+    for kernel, k in zip(report.demangle(list(kernels)), kernels.values()):
+      if k["serialised"] != "no":
+        serialised.append(f"{name}: {report.short(kernel)} {k['serialised']}")
   assert not serialised, "\n".join(serialised)
 
 

@@ -50,9 +50,10 @@ inline int hopper_fwd_consumers(const KParams& p) {
 // Hopper backward at D = 64 and 128: query rows per step. Without a mask
 // or bias, 128 at D = 64 (a 64-row step's products and waits are too small
 // to keep the tensor cores busy there) and 80 at D = 128 (the most rows
-// whose Sᵀ and dPᵀ fit the registers beside dK and dV; from 1% slower to 4%
-// faster than 64 without causality, within the noise with it). With a staged mask or bias,
-// 64: a staged score slot of more rows does not fit the shared memory.
+// whose Sᵀ and dPᵀ fit the registers beside dK and dV, and FlashAttention-3's
+// step there without causality; docs/cuda.md has its measurements). With a
+// staged mask or bias, 64: a staged score slot of more rows does not fit the
+// shared memory.
 inline int hopper_bwd_query_rows(const KParams& p) {
   if (p.mask != nullptr || p.bias != nullptr) return 64;
   return p.D == 64 ? 128 : p.D == 128 ? 80 : 64;

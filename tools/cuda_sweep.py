@@ -8,8 +8,13 @@
     python tools/cuda_sweep.py --causal             # the same configurations, causal
     python tools/cuda_sweep.py --window 1024        # each query sees 1024 keys before it
 
-To compare a kernel change, build both versions and run this once with each
-(same call, same GPU).
+To compare a kernel change, build both versions and run this once in each
+tree (same call, same GPU), with PYTHONPATH set to that tree: Python puts
+tools/, not the working directory, on sys.path, so without it every run
+imports whichever jax_fatrain comes first on the path, the same build each
+time:
+
+    (cd ../other_tree && PYTHONPATH=$PWD python tools/cuda_sweep.py ...)
 
 Prints one line per configuration: forward and forward+backward TFLOP/s
 (FlashAttention convention, as jax_fatrain.benchmark_cuda) and, for `cuda`,

@@ -1,7 +1,7 @@
 // The Metal stand-in: an implementation of the Foundation and Metal objects
-// that the Metal host code (cpp/metal/host/executor.cc, cpp/ffi/metal_ffi.cc)
-// calls through metal-cpp. Its GPU is the MSL emulator: the tests run the host
-// code against the emulated kernels.
+// that jax_fatrain's Metal executor and its FFI handlers call through
+// metal-cpp. Its GPU is the MSL emulator, so the tests run that host code,
+// unchanged, against the emulated kernels.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's

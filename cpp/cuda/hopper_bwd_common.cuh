@@ -369,21 +369,31 @@ __device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[
   wgmma_commit();
 }
 
+// One commit group of K_STEPS 64 x N x 16 products into d, overwritten (d
+// is zeroed and the first step does not accumulate), with A and B read from
+// shared memory through the descriptors desc_a(kk) and desc_b(kk).
+template <class E, int N, int K_STEPS, int TRANS_A, int TRANS_B, class DescA, class DescB>
+__device__ __forceinline__ void issue_ss_overwrite(float (&d)[N / 2], DescA desc_a,
+                                                   DescB desc_b) {
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
+  fence_regs(d);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K_STEPS; ++kk)
+    Wgmma<E, N>::template ss<TRANS_A, TRANS_B>(d, desc_a(kk), desc_b(kk), kk > 0);
+  wgmma_commit();
+}
+
 // dQ = dS K for 64 of the step's queries, [q0, q0 + 64), x columns [col0,
 // col0 + NC), over all BK keys of the block: A = the [BK keys][queries] dSᵀ
 // tile read MN-major, B = K read MN-major; one commit group, dq overwritten.
 template <class E, int NC, int BK>
 __device__ __forceinline__ void issue_dq(float (&dq)[NC / 2], uint32_t cdS, uint32_t sK,
                                          int col0, int q0 = 0) {
-#pragma unroll
-  for (int i = 0; i < NC / 2; ++i) dq[i] = 0.f;
-  fence_regs(dq);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < BK / 16; ++kk)
-    Wgmma<E, NC>::template ss<1, 1>(dq, desc_mn_major<BK>(cdS, q0, kk),
-                                    desc_mn_major<BK>(sK, col0, kk), kk > 0);
-  wgmma_commit();
+  issue_ss_overwrite<E, NC, BK / 16, 1, 1>(
+      dq, [&](int kk) { return desc_mn_major<BK>(cdS, q0, kk); },
+      [&](int kk) { return desc_mn_major<BK>(sK, col0, kk); });
 }
 
 // dQᵀ = Kᵀ dSᵀ for head columns [col0, col0 + 64) x the step's NQ queries,
@@ -394,15 +404,9 @@ __device__ __forceinline__ void issue_dq(float (&dq)[NC / 2], uint32_t cdS, uint
 template <class E, int NQ, int BK>
 __device__ __forceinline__ void issue_dq_transposed(float (&dqt)[NQ / 2], uint32_t cdS,
                                                     uint32_t sK, int col0) {
-#pragma unroll
-  for (int i = 0; i < NQ / 2; ++i) dqt[i] = 0.f;
-  fence_regs(dqt);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < BK / 16; ++kk)
-    Wgmma<E, NQ>::template ss<1, 0>(dqt, desc_mn_major<BK>(sK, col0, kk),
-                                    desc_k_major<NQ>(cdS, 0, kk), kk > 0);
-  wgmma_commit();
+  issue_ss_overwrite<E, NQ, BK / 16, 1, 0>(
+      dqt, [&](int kk) { return desc_mn_major<BK>(sK, col0, kk); },
+      [&](int kk) { return desc_k_major<NQ>(cdS, 0, kk); });
 }
 
 }  // namespace fatrain::cuda

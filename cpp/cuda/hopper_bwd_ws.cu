@@ -439,21 +439,20 @@ __global__ void __launch_bounds__(kNT, 1)
     auto finish_dq = [&](int prev) {
       const int g = g0 + prev;
       const uint32_t cdS = sdS + (g & 1) * L::kDSBytes;
+      float dq[Dq::kTransposed ? BQ / 2 : Dq::kCols / 2];  // dQᵀ or dQ
       mbar_wait(bar.ready(g & 1), (g >> 1) & 1);
       if constexpr (Dq::kTransposed) {
-        float dqt[BQ / 2];
-        issue_dq_transposed<E, BQ, kBK>(dqt, cdS, sK, Dq::col0(c));
-        wgmma_wait<0>();
-        fence_regs(dqt);
-        mbar_arrive(bar.done(g & 1));
-        add_dq_columns<BQ>(&maps.dq_acc, dqt, sdq + wq * (BQ * 16 * 4), b, steps.head(prev),
+        issue_dq_transposed<E, BQ, kBK>(dq, cdS, sK, Dq::col0(c));
+      } else {
+        issue_dq<E, Dq::kCols, kBK>(dq, cdS, sK, Dq::col0(c), Dq::row0(c));
+      }
+      wgmma_wait<0>();
+      fence_regs(dq);
+      mbar_arrive(bar.done(g & 1));
+      if constexpr (Dq::kTransposed) {
+        add_dq_columns<BQ>(&maps.dq_acc, dq, sdq + wq * (BQ * 16 * 4), b, steps.head(prev),
                            steps.row0(prev), Dq::col0(c), wq, lane);
       } else {
-        float dq[Dq::kCols / 2];
-        issue_dq<E, Dq::kCols, kBK>(dq, cdS, sK, Dq::col0(c), Dq::row0(c));
-        wgmma_wait<0>();
-        fence_regs(dq);
-        mbar_arrive(bar.done(g & 1));
         add_dq_rows<Dq::kCols>(&maps.dq_acc, dq, sdq, b, steps.head(prev),
                                steps.row0(prev) + Dq::row0(c), Dq::col0(c), wq, lane);
       }

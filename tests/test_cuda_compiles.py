@@ -142,9 +142,12 @@ def test_ncu_summary_picks_one_kernel_of_a_page(tmp_path):
 def test_cuda_one_step_runs_a_reference_implementation(capsys):
   """tools/cuda_one_step.py's arguments, with --impl xla (which runs here)."""
   tool = _tool("cuda_one_step")
-  for extra in (["mask"], ["--window", "16"]):
+  norms = {}
+  for name, extra in (("plain", []), ("mask", ["mask"]), ("window", ["--window", "16"])):
     tool.main(["64", "256", "2", "1", "1", *extra, "--impl", "xla"])
     out = capsys.readouterr().out
     assert out.startswith("ok ")
-    norms = [float(x) for x in out[3:].strip(" []\n").split(",")]
-    assert len(norms) == 3 and all(x > 0 for x in norms)
+    norms[name] = [float(x) for x in out[3:].strip(" []\n").split(",")]
+    assert len(norms[name]) == 3 and all(x > 0 for x in norms[name])
+  # The mask and the window reach the attention call.
+  assert norms["mask"] != norms["plain"] and norms["window"] != norms["plain"]

@@ -433,22 +433,26 @@ __global__ void __launch_bounds__(kNT, 1)
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
     // The previous step's dQ (atomic mode), this consumer's part of it
-    // (DqSplit): wait for both halves of its dSᵀ, compute, release the
-    // buffer, add to the scratch. prev: the step's number in the unit (its
-    // head and rows); g0 + prev its number over the units (its buffer).
-    auto finish_dq = [&](int prev) {
+    // (DqSplit), in two halves. issue_dq_of waits for both halves of the
+    // step's dSᵀ and issues the product (one commit group); add_dq_of, once
+    // that group is done, releases the buffer and adds dQ to the scratch.
+    // prev: the step's number in the unit (its head and rows); g0 + prev its
+    // number over the units (its buffer).
+    constexpr int kDqRegs = Dq::kTransposed ? BQ / 2 : Dq::kCols / 2;
+    float dq[kDqRegs];
+    auto issue_dq_of = [&](int prev) {
       const int g = g0 + prev;
       const uint32_t cdS = sdS + (g & 1) * L::kDSBytes;
-      float dq[Dq::kTransposed ? BQ / 2 : Dq::kCols / 2];  // dQᵀ or dQ
       mbar_wait(bar.ready(g & 1), (g >> 1) & 1);
       if constexpr (Dq::kTransposed) {
         issue_dq_transposed<E, BQ, kBK>(dq, cdS, sK, Dq::col0(c));
       } else {
         issue_dq<E, Dq::kCols, kBK>(dq, cdS, sK, Dq::col0(c), Dq::row0(c));
       }
-      wgmma_wait<0>();
+    };
+    auto add_dq_of = [&](int prev) {
       fence_regs(dq);
-      mbar_arrive(bar.done(g & 1));
+      mbar_arrive(bar.done((g0 + prev) & 1));
       if constexpr (Dq::kTransposed) {
         add_dq_columns<BQ>(&maps.dq_acc, dq, sdq + wq * (BQ * 16 * 4), b, steps.head(prev),
                            steps.row0(prev), Dq::col0(c), wq, lane);
@@ -510,19 +514,32 @@ __global__ void __launch_bounds__(kNT, 1)
       }
 
       issue_dk<E, D, BQ>(dk, dpt, cQ);
-      wgmma_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
-
-      if constexpr (ATOMIC) {
-        if (it > 0) finish_dq(it - 1);
+      if (ATOMIC && it > 0) {
+        // The previous step's dQ product queues behind dK += dSᵀ Q, so the
+        // tensor cores run the two back to back instead of this warpgroup
+        // waiting for dK before it issues dQ.
+        issue_dq_of(it - 1);
+        wgmma_wait<1>();  // dK (and dV) done; dQ may still run
+        fence_regs(dv);
+        fence_regs(dk);
+        mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
+        wgmma_wait<0>();
+        add_dq_of(it - 1);
+      } else {
+        wgmma_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        mbar_arrive(bar.empty(s));
       }
     }
     if (total > 0) {
       // The unit's last dQ reads K (dS K), so it comes before K and V are
       // released; then this thread reads neither again.
-      if constexpr (ATOMIC) finish_dq(total - 1);
+      if constexpr (ATOMIC) {
+        issue_dq_of(total - 1);
+        wgmma_wait<0>();
+        add_dq_of(total - 1);
+      }
       mbar_arrive(bar.kv_empty());
       ++loads;
     }

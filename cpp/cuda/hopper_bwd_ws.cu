@@ -476,14 +476,25 @@ __global__ void __launch_bounds__(kNT, 1)
       // Sᵀ and dPᵀ for this consumer's 64 keys x the step's BQ queries; Pᵀ
       // and dV += Pᵀ dO go ahead while dPᵀ computes.
       issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
+      // L, and below D, are read into registers while the products run
+      // (ThreadRowStats), except L at 80-row steps: there Sᵀ, dPᵀ, dK and dV
+      // leave no room for it across this wait (ptxas spills).
+      constexpr bool kLInRegisters = BQ != kBQHead128;
+      ThreadRowStats<BQ> row_l, row_d;
+      if constexpr (kLInRegisters) row_l.load(cL, 0, lane);
       wgmma_wait<1>();
       fence_regs(st);
       const bool one_seg = hm.one_segment(p, b, i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
       const bool full_tile =
           hm.tile_in_bounds<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
       if constexpr (EB > 0) mbar_wait(bar.scores_full(), g & 1);
-      compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
-                                       full_tile, one_seg, smem_ptr(sScore));
+      if constexpr (kLInRegisters) {
+        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane,
+                                         full_tile, one_seg, smem_ptr(sScore));
+      } else {
+        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
+                                         full_tile, one_seg, smem_ptr(sScore));
+      }
       if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
       // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
@@ -492,14 +503,16 @@ __global__ void __launch_bounds__(kNT, 1)
         uint32_t pt[BQ / 4];  // Pᵀ, packed (pack_pairs says why)
         pack_pairs<E, BQ>(st, pt);
         issue_dv_packed<E, D, BQ>(dv, pt, cdO);
+        row_d.load(cDs, 0, lane);
         wgmma_wait<1>();  // dPᵀ is done; dV may still run
         fence_regs(dpt);
-        compute_dst_packed<E, BQ>(dpt, pt, cDs, 0, lane);
+        compute_dst_packed<E, BQ>(dpt, pt, row_d, 0, lane);
       } else {
         issue_dv<E, D, BQ>(dv, st, cdO);
+        row_d.load(cDs, 0, lane);
         wgmma_wait<1>();  // dPᵀ is done; dV may still run
         fence_regs(dpt);
-        compute_dst<BQ>(dpt, st, cDs, 0, lane);
+        compute_dst<BQ>(dpt, st, row_d, 0, lane);
       }
       if constexpr (ATOMIC) {
         if (g >= 2) mbar_wait(bar.done(g & 1), ((g >> 1) - 1) & 1);

@@ -265,21 +265,32 @@ __device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const flo
 // head h) to the float32 scratch: the warp writes them into its box at `box`
 // (NQ rows x 16 columns, 512-byte aligned, dq_box64_offset), once the
 // previous step's reduction has read it, and one lane issues one tensor
-// reduction (rows past T are skipped by the tensor map's bounds). A thread's
-// two values of a query lie in different rows of the box, so the writes are
-// single floats; the swizzle leaves each store at two wavefronts.
+// reduction (rows past T are skipped by the tensor map's bounds).
+// Lanes l and l ^ 4 hold neighbouring head columns of the same queries; each
+// pair swaps one value so that the even lane writes columns (2 m, 2 m + 1) of
+// an even query and the odd lane those of the odd query next to it: one
+// float2 store instead of two float stores, at two wavefronts each, so the
+// box costs half the shared-memory wavefronts.
 template <int NQ>
 __device__ __forceinline__ void add_dq_columns(const CUtensorMap* dq_map, const float (&dqt)[NQ / 2],
                                                uint8_t* box, int b, int h, int i0, int col0,
                                                int wq, int lane) {
+  const bool odd = (lane >> 2) & 1;
+  const int col = (lane >> 2) & ~1;  // the pair's first column (+ 8 in the second half)
   if (lane == 0) bulk_wait_read<0>();  // the last step's reduction has read the box
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      *reinterpret_cast<float*>(box + dq_box64_offset(acc_col(j, lane, e),
-                                                      (lane >> 2) + 8 * (e >> 1))) = dqt[4 * j + e];
+    for (int half = 0; half < 2; ++half) {
+      // Elements 2 half (even query) and 2 half + 1 (odd query), column
+      // lane / 4 + 8 half.
+      const float even_q = dqt[4 * j + 2 * half], odd_q = dqt[4 * j + 2 * half + 1];
+      const float got = __shfl_xor_sync(0xffffffffu, odd ? even_q : odd_q, 4);
+      const int q = acc_col(j, lane, odd ? 1 : 0);
+      *reinterpret_cast<float2*>(box + dq_box64_offset(q, col + 8 * half)) =
+          odd ? make_float2(got, odd_q) : make_float2(even_q, got);
+    }
   }
   fence_proxy_async();  // the tensor reduction reads through the async proxy
   __syncwarp();

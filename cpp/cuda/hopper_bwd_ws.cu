@@ -265,21 +265,32 @@ __device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const flo
 // head h) to the float32 scratch: the warp writes them into its box at `box`
 // (NQ rows x 16 columns, 512-byte aligned, dq_box64_offset), once the
 // previous step's reduction has read it, and one lane issues one tensor
-// reduction (rows past T are skipped by the tensor map's bounds). A thread's
-// two values of a query lie in different rows of the box, so the writes are
-// single floats; the swizzle leaves each store at two wavefronts.
+// reduction (rows past T are skipped by the tensor map's bounds).
+// Lanes l and l ^ 4 hold neighbouring head columns of the same queries; each
+// pair swaps one value so that the even lane writes columns (2 m, 2 m + 1) of
+// an even query and the odd lane those of the odd query next to it: one
+// float2 store instead of two float stores, at two wavefronts each, so the
+// box costs half the shared-memory wavefronts.
 template <int NQ>
 __device__ __forceinline__ void add_dq_columns(const CUtensorMap* dq_map, const float (&dqt)[NQ / 2],
                                                uint8_t* box, int b, int h, int i0, int col0,
                                                int wq, int lane) {
+  const bool odd = (lane >> 2) & 1;
+  const int col = (lane >> 2) & ~1;  // the pair's first column (+ 8 in the second half)
   if (lane == 0) bulk_wait_read<0>();  // the last step's reduction has read the box
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      *reinterpret_cast<float*>(box + dq_box64_offset(acc_col(j, lane, e),
-                                                      (lane >> 2) + 8 * (e >> 1))) = dqt[4 * j + e];
+    for (int half = 0; half < 2; ++half) {
+      // Elements 2 half (even query) and 2 half + 1 (odd query), column
+      // lane / 4 + 8 half.
+      const float even_q = dqt[4 * j + 2 * half], odd_q = dqt[4 * j + 2 * half + 1];
+      const float got = __shfl_xor_sync(0xffffffffu, odd ? even_q : odd_q, 4);
+      const int q = acc_col(j, lane, odd ? 1 : 0);
+      *reinterpret_cast<float2*>(box + dq_box64_offset(q, col + 8 * half)) =
+          odd ? make_float2(got, odd_q) : make_float2(even_q, got);
+    }
   }
   fence_proxy_async();  // the tensor reduction reads through the async proxy
   __syncwarp();
@@ -433,22 +444,26 @@ __global__ void __launch_bounds__(kNT, 1)
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
     // The previous step's dQ (atomic mode), this consumer's part of it
-    // (DqSplit): wait for both halves of its dSᵀ, compute, release the
-    // buffer, add to the scratch. prev: the step's number in the unit (its
-    // head and rows); g0 + prev its number over the units (its buffer).
-    auto finish_dq = [&](int prev) {
+    // (DqSplit), in two halves. issue_dq_of waits for both halves of the
+    // step's dSᵀ and issues the product (one commit group); add_dq_of, once
+    // that group is done, releases the buffer and adds dQ to the scratch.
+    // prev: the step's number in the unit (its head and rows); g0 + prev its
+    // number over the units (its buffer).
+    constexpr int kDqRegs = Dq::kTransposed ? BQ / 2 : Dq::kCols / 2;
+    float dq[kDqRegs];
+    auto issue_dq_of = [&](int prev) {
       const int g = g0 + prev;
       const uint32_t cdS = sdS + (g & 1) * L::kDSBytes;
-      float dq[Dq::kTransposed ? BQ / 2 : Dq::kCols / 2];  // dQᵀ or dQ
       mbar_wait(bar.ready(g & 1), (g >> 1) & 1);
       if constexpr (Dq::kTransposed) {
         issue_dq_transposed<E, BQ, kBK>(dq, cdS, sK, Dq::col0(c));
       } else {
         issue_dq<E, Dq::kCols, kBK>(dq, cdS, sK, Dq::col0(c), Dq::row0(c));
       }
-      wgmma_wait<0>();
+    };
+    auto add_dq_of = [&](int prev) {
       fence_regs(dq);
-      mbar_arrive(bar.done(g & 1));
+      mbar_arrive(bar.done((g0 + prev) & 1));
       if constexpr (Dq::kTransposed) {
         add_dq_columns<BQ>(&maps.dq_acc, dq, sdq + wq * (BQ * 16 * 4), b, steps.head(prev),
                            steps.row0(prev), Dq::col0(c), wq, lane);
@@ -472,14 +487,25 @@ __global__ void __launch_bounds__(kNT, 1)
       // Sᵀ and dPᵀ for this consumer's 64 keys x the step's BQ queries; Pᵀ
       // and dV += Pᵀ dO go ahead while dPᵀ computes.
       issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
+      // L, and below D, are read into registers while the products run
+      // (ThreadRowStats), except L at 80-row steps: there Sᵀ, dPᵀ, dK and dV
+      // leave no room for it across this wait (ptxas spills).
+      constexpr bool kLInRegisters = BQ != kBQHead128;
+      ThreadRowStats<BQ> row_l, row_d;
+      if constexpr (kLInRegisters) row_l.load(cL, 0, lane);
       wgmma_wait<1>();
       fence_regs(st);
       const bool one_seg = hm.one_segment(p, b, i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
       const bool full_tile =
           hm.tile_in_bounds<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
       if constexpr (EB > 0) mbar_wait(bar.scores_full(), g & 1);
-      compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
-                                       full_tile, one_seg, smem_ptr(sScore));
+      if constexpr (kLInRegisters) {
+        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane,
+                                         full_tile, one_seg, smem_ptr(sScore));
+      } else {
+        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
+                                         full_tile, one_seg, smem_ptr(sScore));
+      }
       if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
       // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both
@@ -488,14 +514,16 @@ __global__ void __launch_bounds__(kNT, 1)
         uint32_t pt[BQ / 4];  // Pᵀ, packed (pack_pairs says why)
         pack_pairs<E, BQ>(st, pt);
         issue_dv_packed<E, D, BQ>(dv, pt, cdO);
+        row_d.load(cDs, 0, lane);
         wgmma_wait<1>();  // dPᵀ is done; dV may still run
         fence_regs(dpt);
-        compute_dst_packed<E, BQ>(dpt, pt, cDs, 0, lane);
+        compute_dst_packed<E, BQ>(dpt, pt, row_d, 0, lane);
       } else {
         issue_dv<E, D, BQ>(dv, st, cdO);
+        row_d.load(cDs, 0, lane);
         wgmma_wait<1>();  // dPᵀ is done; dV may still run
         fence_regs(dpt);
-        compute_dst<BQ>(dpt, st, cDs, 0, lane);
+        compute_dst<BQ>(dpt, st, row_d, 0, lane);
       }
       if constexpr (ATOMIC) {
         if (g >= 2) mbar_wait(bar.done(g & 1), ((g >> 1) - 1) & 1);
@@ -510,19 +538,32 @@ __global__ void __launch_bounds__(kNT, 1)
       }
 
       issue_dk<E, D, BQ>(dk, dpt, cQ);
-      wgmma_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
-
-      if constexpr (ATOMIC) {
-        if (it > 0) finish_dq(it - 1);
+      if (ATOMIC && it > 0) {
+        // The previous step's dQ product queues behind dK += dSᵀ Q, so the
+        // tensor cores run the two back to back instead of this warpgroup
+        // waiting for dK before it issues dQ.
+        issue_dq_of(it - 1);
+        wgmma_wait<1>();  // dK (and dV) done; dQ may still run
+        fence_regs(dv);
+        fence_regs(dk);
+        mbar_arrive(bar.empty(s));  // this consumer is done with the slot's Q, dO, L, D
+        wgmma_wait<0>();
+        add_dq_of(it - 1);
+      } else {
+        wgmma_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        mbar_arrive(bar.empty(s));
       }
     }
     if (total > 0) {
       // The unit's last dQ reads K (dS K), so it comes before K and V are
       // released; then this thread reads neither again.
-      if constexpr (ATOMIC) finish_dq(total - 1);
+      if constexpr (ATOMIC) {
+        issue_dq_of(total - 1);
+        wgmma_wait<0>();
+        add_dq_of(total - 1);
+      }
       mbar_arrive(bar.kv_empty());
       ++loads;
     }

@@ -67,6 +67,10 @@ LARGE = [
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S), bias_shape=(1, N, T, S)),
     Case(batch=1, q_len=300, kv_len=300, q_heads=16, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16, is_causal=True),
+    # D = 256 without causality, a window, a mask or a bias: the forward's
+    # 80-key tiles, the last of them partly past the keys.
+    Case(batch=2, q_len=190, kv_len=250, q_heads=4, kv_heads=2, head_dim=256,
+         dtype=jnp.float16),
     # Causal D = 256 with four key blocks, two of them past every query: the
     # folded cluster-pair backward's clusters do key blocks 0 and 3, 1 and 2.
     Case(batch=2, q_len=200, kv_len=500, q_heads=4, kv_heads=2, head_dim=256,
@@ -157,6 +161,9 @@ def _expected_kernels(case, deterministic, family):
     must.append(three)
   else:
     never.append(three)
+  # Longer key tiles where none is masked by a window (or at D = 128 by causality).
+  if plain and case.window is None and (d == 256 or (d == 128 and not case.is_causal)):
+    must.append(r"WsTile<128, 176, 0, 2>" if d == 128 else r"WsTile<256, 80, 0, 2>")
   if plain and d in (64, 128):
     # Query steps of 128 rows at D = 64 and 80 at D = 128 without a mask or bias.
     must.append(rf"\bbwd_ws_kernel<[^>]*, {d}, (true|false), 0, {128 if d == 64 else 80}>")

@@ -12,7 +12,7 @@ import pathlib
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "cpp" / "cuda" / "wgmma_ops.inc"
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
-SS_N = (32, 64, 80, 128)    # A and B from shared memory
+SS_N = (32, 64, 80, 128, 176)    # A and B from shared memory
 RS_N = (64, 128, 256)   # A from registers, B from shared memory
 
 

@@ -47,6 +47,25 @@ inline int hopper_fwd_consumers(const KParams& p) {
   return p.D == 64 && plain && !p.causal && p.wl < 0 && p.wr < 0 ? 3 : 2;
 }
 
+// Hopper forward without a staged mask or bias: keys per K and V tile. A
+// longer tile spreads each tile's fixed costs (the consumers' turn barriers,
+// the wgmma waits, the softmax's row reductions and O's rescale) over more
+// keys, but masks more of them on a diagonal. So, as FlashAttention-3 does:
+// at D = 128, 176 keys without causality or a window, else 128; at D = 256,
+// 80 (the most keys, a multiple of 8 as a wgmma's N must be, whose two
+// stages of K and V fit the shared memory beside Q) without a window, else
+// 64; at D = 64, 128. The general softmax (a mask or bias read score by
+// score) keeps one instance per head dim, with 128 and 64 keys.
+inline int hopper_fwd_key_tile(const KParams& p, bool general_softmax) {
+  const bool windowed = p.wl >= 0 || p.wr >= 0;
+  switch (p.D) {
+    case 64: return 128;
+    case 128: return !p.causal && !windowed && !general_softmax ? 176 : 128;
+    case 256: return !windowed && !general_softmax ? 80 : 64;
+    default: return 0;
+  }
+}
+
 // Hopper backward at D = 64 and 128: query rows per step. Without a mask
 // or bias, 128 at D = 64 (a 64-row step's products and waits are too small
 // to keep the tensor cores busy there) and 80 at D = 128 (the most rows

@@ -1,7 +1,7 @@
-// The Metal stand-in: an implementation of the Foundation and Metal objects
-// that jax_fatrain's Metal executor and its FFI handlers call through
-// metal-cpp. Its GPU is the MSL emulator, so the tests run that host code,
-// unchanged, against the emulated kernels.
+// The Metal stand-in: the Foundation and Metal objects that jax_fatrain's
+// Metal executor and its FFI handlers call through metal-cpp, implemented on
+// Linux with the MSL emulator as the GPU, so that the tests run the Metal host
+// code against the emulated kernels.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's
@@ -11,7 +11,7 @@
 //   newLibraryWithSource checks that it is given exactly that text.
 // * Functions are specialised with function-constant values checked as Metal
 //   checks them (every constant the kernel uses has a bool value); pipelines
-//   carry the function and its constants.
+//   hold the function and its constants.
 // * An encoder records pipeline, buffer and setBytes bindings, threadgroup
 //   memory lengths and dispatches; commit runs the dispatches in order on the
 //   emulator. A fault in a kernel (out-of-bounds access, unbound buffer,

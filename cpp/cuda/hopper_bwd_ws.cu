@@ -449,8 +449,7 @@ __global__ void __launch_bounds__(kNT, 1)
     // that group is done, releases the buffer and adds dQ to the scratch.
     // prev: the step's number in the unit (its head and rows); g0 + prev its
     // number over the units (its buffer).
-    constexpr int kDqRegs = Dq::kTransposed ? BQ / 2 : Dq::kCols / 2;
-    float dq[kDqRegs];
+    float dq[Dq::kTransposed ? BQ / 2 : Dq::kCols / 2];  // dQᵀ or dQ
     auto issue_dq_of = [&](int prev) {
       const int g = g0 + prev;
       const uint32_t cdS = sdS + (g & 1) * L::kDSBytes;
@@ -499,13 +498,12 @@ __global__ void __launch_bounds__(kNT, 1)
       const bool full_tile =
           hm.tile_in_bounds<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
       if constexpr (EB > 0) mbar_wait(bar.scores_full(), g & 1);
-      if constexpr (kLInRegisters) {
-        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane,
+      auto compute_pt_from = [&](const auto& lse_rows) {
+        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, lse_rows, i0, j0, key_w0, 0, lane,
                                          full_tile, one_seg, smem_ptr(sScore));
-      } else {
-        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, cL, i0, j0, key_w0, 0, lane,
-                                         full_tile, one_seg, smem_ptr(sScore));
-      }
+      };
+      if constexpr (kLInRegisters) compute_pt_from(row_l);
+      else compute_pt_from(cL);
       if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
       // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both

@@ -1,7 +1,7 @@
 // The Metal stand-in: the Foundation and Metal objects that jax_fatrain's
-// Metal executor and its FFI handlers call through metal-cpp, implemented on
-// Linux with the MSL emulator as the GPU, so that the tests run the Metal host
-// code against the emulated kernels.
+// Metal executor and its FFI handlers call through metal-cpp, with the MSL
+// emulator as their GPU. Loaded in place of Apple's frameworks, it lets the
+// tests run the Metal host code against the emulated kernels.
 //
 // * The device's buffers are host memory: newBufferWithLength allocates
 //   (zero-filled, page aligned), newBufferWithBytesNoCopy wraps the caller's

@@ -255,7 +255,6 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 // The tiles hopper_fwd_consumers and hopper_fwd_key_tile choose.
 template <class E, bool LOADED>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
-  const int bk = hopper_fwd_key_tile(p, LOADED);
   switch (p.D) {
     case 64:
       if constexpr (!LOADED) {
@@ -264,12 +263,12 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
       return launch<E, WsTile<64, 128>, LOADED>(p, stream);
     case 128:
       if constexpr (!LOADED) {
-        if (bk == 176) return launch<E, WsTile<128, 176>, false>(p, stream);
+        if (hopper_fwd_key_tile(p, false) == 176) return launch<E, WsTile<128, 176>, false>(p, stream);
       }
       return launch<E, WsTile<128, 128>, LOADED>(p, stream);
     case 256:
       if constexpr (!LOADED) {
-        if (bk == 80) return launch<E, WsTile<256, 80>, false>(p, stream);
+        if (hopper_fwd_key_tile(p, false) == 80) return launch<E, WsTile<256, 80>, false>(p, stream);
       }
       return launch<E, WsTile<256, 64>, LOADED>(p, stream);
     default: return cudaErrorNotSupported;

@@ -12,6 +12,10 @@ Objective-C runtime and Metal objects whose GPU is the MSL emulator) into the
 * pipelines are cached per kernel and function-constant values;
 * failures of library compilation, pipeline creation and command execution
   reach Python as errors with Metal's text, and the process goes on working;
+* a pipeline that allows fewer threads per threadgroup than the plan's, or
+  whose SIMD width is not 32, is refused with the kernel and both numbers;
+* no Metal device, an Apple6 GPU or macOS 13 (no MSL 3.1) make ``metal``
+  unavailable, with the reason;
 * host bugs planted into a copy of the executor fail these checks.
 
 After every test the stand-in must have no findings (what Metal's API
@@ -310,16 +314,95 @@ def test_library_source_must_be_the_packaged_one(metal, compilation_cache):
 @pytest.mark.parametrize("device,reason", [
     ("apple6", "is not an Apple7+ (M1 or newer) GPU with Metal 3"),
     ("none", "no Metal device (MTLCreateSystemDefaultDevice returned nil)"),
-])
+    # Metal 3 GPU, but macOS 13 compiles no MSL 3.1 (bfloat).
+    ("apple8_macos13", "macOS 14 or newer is needed for Metal Shading Language 3.1 (the kernels' "
+                       "bfloat); found macOS 13.6.7"),
+], ids=["apple6", "no_device", "macos13"])
 def test_unsupported_device_makes_metal_unavailable(metal, device, reason, compilation_cache):
   ext = standin.build()
   r = _in_fresh_process(ext, device, textwrap.dedent("""
       result["available"] = jax_fatrain.available_implementations()
       result["import_error"] = metal.IMPORT_ERROR
+      try:
+        jax_fatrain.explain_implementation("metal")
+        result["explained"] = "no error"
+      except ValueError as e:
+        result["explained"] = str(e)
   """) + _TRY_METAL, compilation_cache)
   assert "metal" not in r["available"] and reason in r["import_error"], r
+  assert "implementation 'metal' is not available: " in r["explained"], r
+  assert reason in r["explained"], r
   assert "implementation 'metal' is not available" in r["first"] and reason in r["first"], r
   assert r["cpu_after"] == 8 * 64
+  assert r["report"]["counters"]["libraries_from_source"] == 0
+
+
+def test_macos13_model_cannot_compile_msl_3_1(metal, compilation_cache):
+  """What the macOS check spares the user: on the macOS 13 model the Metal 3
+  device is there, but compiling the kernels with MSL 3.1 fails."""
+  ext = standin.build()
+  r = _in_fresh_process(ext, "apple8_macos13", textwrap.dedent("""
+      result["init"] = metal._metal_ffi.initialize(metal.kernel_source(), "")
+      result["report"] = standin.report()
+  """), compilation_cache)
+  assert r["init"] == ("compiling the Metal kernels failed: MTLLanguageVersion 3.1 is not "
+                       "supported on macOS 13.6 (the stand-in's apple8_macos13 model)"), r
+  assert r["report"]["counters"]["library_failures"] == 1
+
+
+# A pipeline that cannot run its dispatch as planned is refused before anything
+# is encoded, naming the kernel and both numbers; other kernels still run.
+_LIMITED_PIPELINES = textwrap.dedent("""
+    def attempt(dtype, grad):
+      q = jnp.linspace(-1, 1, 8 * 64, dtype=jnp.float32).reshape(1, 8, 1, 64).astype(dtype)
+      f = lambda q: jax_fatrain.dot_product_attention(q, q, q, implementation="metal")
+      try:
+        jax.block_until_ready(jax.grad(lambda q: f(q).astype(jnp.float32).sum())(q) if grad
+                              else f(q))
+        return "ok"
+      except Exception as e:
+        return str(e)
+    result["f32_forward"] = attempt(jnp.float32, False)
+    result["f32_grad"] = attempt(jnp.float32, True)
+    result["f32_grad_again"] = attempt(jnp.float32, True)
+    result["f16_forward"] = attempt(jnp.float16, False)
+    result["f16_grad"] = attempt(jnp.float16, True)
+    result["cpu_after"] = float(jax_fatrain.dot_product_attention(
+        jnp.ones((1, 8, 1, 64)), jnp.ones((1, 8, 1, 64)), jnp.ones((1, 8, 1, 64)),
+        implementation="cpu").sum())
+    result["report"] = standin.report()
+""")
+
+
+@pytest.mark.parametrize("limit,failing,message,command_buffers", [
+    # As Apple's compiler lowers the limit of a kernel with many registers:
+    # the float32 dK/dV kernel (8 simdgroups) gets 128 threads.
+    (("flash_attn_train_bwd_dkdv_f32", 128, 0), ["f32_grad", "f32_grad_again"],
+     "kernel flash_attn_train_bwd_dkdv_f32_d64 allows 128 threads per threadgroup on this device "
+     "(maxTotalThreadsPerThreadgroup), the plan asks for 256", 1 + 1 + 1 + 1 + 2),
+    # A SIMD width other than the kernels' 32 (the forward also runs in the
+    # gradient).
+    (("flash_attn_train_fwd_f16", 0, 64), ["f16_forward", "f16_grad"],
+     "kernel flash_attn_train_fwd_f16_d64 runs 64 threads per SIMD group on this device "
+     "(threadExecutionWidth), the kernels are written for 32", 1 + 2 + 2 + 0 + 0),
+], ids=["max_threads", "execution_width"])
+def test_pipeline_limits_are_errors(metal, limit, failing, message, command_buffers,
+                                    compilation_cache):
+  ext = standin.build()
+  r = _in_fresh_process(ext, "apple8", f"standin.limit_pipelines(*{limit!r})\n" +
+                        _LIMITED_PIPELINES, compilation_cache)
+  for attempt in ("f32_forward", "f32_grad", "f32_grad_again", "f16_forward", "f16_grad"):
+    if attempt in failing:
+      assert f"jax_fatrain metal: {message}" in r[attempt], (attempt, r)
+    else:
+      assert r[attempt] == "ok", (attempt, r)
+  assert r["cpu_after"] == 8 * 64
+  report = r["report"]
+  assert report["findings"] == [], report  # refused by the host, not by Metal's validation
+  # Nothing was encoded for a refused call (a gradient runs a forward and a
+  # backward call).
+  assert report["counters"]["command_buffers"] == command_buffers, report["counters"]
+  assert report["counters"]["failed_command_buffers"] == 0, report["counters"]
 
 
 # ---------------------------------------------------------------------------

@@ -21,16 +21,24 @@
 //   endEncoding, commit twice, a misaligned no-copy buffer, a threadgroup too
 //   large for the pipeline, ...) is recorded as a finding and fails the
 //   command buffer, so the executor's error path runs and tests see it.
+// * A system model, chosen before first use, gives the device (Apple GPU
+//   family, Metal 3 or none) and the macOS version NSProcessInfo reports;
+//   newLibraryWithSource refuses a language version that macOS lacks.
+// * Pipelines report maxTotalThreadsPerThreadgroup as the device's limit, or
+//   less: the kernel's declared [[max_total_threads_per_threadgroup(N)]], or
+//   a limit tests set per kernel (as Apple's compiler lowers it for kernels
+//   with many registers); threadExecutionWidth is 32 unless a test sets it.
 //
 // The C functions at the end of this file (reached with ctypes) give a report
-// of counters and findings, and inject failures of newLibraryWithSource,
-// pipeline creation and command execution.
+// of counters and findings, inject failures of newLibraryWithSource,
+// pipeline creation and command execution, and set pipeline limits.
 
 #include <Foundation/Foundation.hpp>
 #include <Metal/Metal.hpp>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -83,12 +91,50 @@ struct Fault {
   std::string message;
 };
 
+// What a system model is: its GPU (Apple family, Metal 3; no device when
+// apple_family is 0) and its macOS version.
+struct SystemModel {
+  const char* name;
+  int apple_family;
+  bool metal3;
+  NS::Integer macos[3];
+};
+
+constexpr SystemModel kSystemModels[] = {
+    {"apple8", 8, true, {14, 5, 0}},          // an M2 on macOS 14.5
+    {"apple8_macos13", 8, true, {13, 6, 7}},  // the same GPU on macOS 13.6.7: no MSL 3.1
+    {"apple6", 6, false, {14, 5, 0}},         // too old a GPU for the kernels
+    {"none", 0, false, {14, 5, 0}},           // no Metal device
+};
+
+const SystemModel* find_model(const std::string& name) {
+  for (const SystemModel& m : kSystemModels) {
+    if (name == m.name) return &m;
+  }
+  return nullptr;
+}
+
+// The newest Metal Shading Language a macOS release compiles: 3.1 from macOS
+// 14, 3.0 on macOS 13.
+MTL::LanguageVersion newest_language_version(NS::Integer macos_major) {
+  return macos_major >= 14 ? MTL::LanguageVersion3_1 : MTL::LanguageVersion3_0;
+}
+
+// Limits that pipelines of kernels whose names start with `prefix` report
+// (0: the default).
+struct PipelineLimit {
+  std::string prefix;
+  NS::UInteger max_threads = 0;
+  NS::UInteger execution_width = 0;
+};
+
 struct Global {
   std::mutex mutex;
   Counters counters;
   Fault library, pipeline, execution;
-  std::string device_model = "apple8";  // "apple8", "apple6" or "none"
-  bool device_chosen = false;            // MTLCreateSystemDefaultDevice has run
+  const SystemModel* model = &kSystemModels[0];
+  bool model_chosen = false;  // MTLCreateSystemDefaultDevice or NSProcessInfo has been used
+  std::vector<PipelineLimit> pipeline_limits;
   std::vector<std::string> pipeline_keys;   // every pipeline created, in order
   std::vector<uintptr_t> no_copy_addresses; // memory wrapped by no-copy buffers, in order
   long language_version = -1;               // of the last newLibraryWithSource
@@ -380,17 +426,24 @@ const MethodTable& pipeline_methods();
 struct ComputePipelineState : Object {
   std::string kernel;
   std::vector<std::pair<int, bool>> constants;
-  ComputePipelineState(std::string k, std::vector<std::pair<int, bool>> c)
-      : Object(&pipeline_methods()), kernel(std::move(k)), constants(std::move(c)) {}
+  NS::UInteger max_threads;      // maxTotalThreadsPerThreadgroup
+  NS::UInteger execution_width;  // threadExecutionWidth
+  ComputePipelineState(std::string k, std::vector<std::pair<int, bool>> c, NS::UInteger max,
+                       NS::UInteger width)
+      : Object(&pipeline_methods()), kernel(std::move(k)), constants(std::move(c)),
+        max_threads(max), execution_width(width) {}
 };
 
 const MethodTable& pipeline_methods() {
   static const MethodTable* t = new MethodTable(
       "MTLComputePipelineState",
       {
-          {"maxTotalThreadsPerThreadgroup",
-           imp(+[](void*, SEL) -> NS::UInteger { return kMaxThreadsPerThreadgroup; })},
-          {"threadExecutionWidth", imp(+[](void*, SEL) -> NS::UInteger { return 32; })},
+          {"maxTotalThreadsPerThreadgroup", imp(+[](void* self, SEL) -> NS::UInteger {
+             return self_as<ComputePipelineState>(self)->max_threads;
+           })},
+          {"threadExecutionWidth", imp(+[](void* self, SEL) -> NS::UInteger {
+             return self_as<ComputePipelineState>(self)->execution_width;
+           })},
           {"staticThreadgroupMemoryLength", imp(+[](void*, SEL) -> NS::UInteger { return 0; })},
       },
       &root_methods());
@@ -661,10 +714,10 @@ const MethodTable& encoder_methods() {
                return;
              }
              const NS::UInteger threads = threadgroup.width * threadgroup.height * threadgroup.depth;
-             if (threads == 0 || threads > kMaxThreadsPerThreadgroup) {
+             if (threads == 0 || threads > enc->pipeline->max_threads) {
                cb->misuse("dispatchThreadgroups with " + std::to_string(threads) +
                           " threads per threadgroup; the pipeline of " + enc->pipeline->kernel +
-                          " allows 1 to " + std::to_string(kMaxThreadsPerThreadgroup));
+                          " allows 1 to " + std::to_string(enc->pipeline->max_threads));
                return;
              }
              if (grid.width == 0 || grid.height == 0 || grid.depth == 0) {
@@ -727,13 +780,11 @@ const MethodTable& device_methods();
 
 struct Device : Object {
   String* name;
-  int apple_family;  // Apple<N> GPU family
-  bool metal3;
-  Device(const std::string& model)
+  const SystemModel* model;
+  explicit Device(const SystemModel* m)
       : Object(&device_methods()),
-        name(new String("Metal stand-in (MSL emulator, " + model + ")")),
-        apple_family(model == "apple6" ? 6 : 8),
-        metal3(model != "apple6") {}
+        name(new String(std::string("Metal stand-in (MSL emulator, ") + m->name + ")")),
+        model(m) {}
 };
 
 // The first line where `given` differs from the library's source, or "".
@@ -773,11 +824,11 @@ const MethodTable& device_methods() {
       {
           {"name", imp(+[](void* self, SEL) -> String* { return self_as<Device>(self)->name; })},
           {"supportsFamily:", imp(+[](void* self, SEL, MTL::GPUFamily family) -> bool {
-             const Device* d = self_as<Device>(self);
+             const SystemModel* m = self_as<Device>(self)->model;
              if (family >= MTL::GPUFamilyApple1 && family <= MTL::GPUFamilyApple9) {
-               return family - MTL::GPUFamilyApple1 + 1 <= d->apple_family;
+               return family - MTL::GPUFamilyApple1 + 1 <= m->apple_family;
              }
-             if (family == MTL::GPUFamilyMetal3) return d->metal3;
+             if (family == MTL::GPUFamilyMetal3) return m->metal3;
              return family == MTL::GPUFamilyMac2 || family == MTL::GPUFamilyCommon1 ||
                     family == MTL::GPUFamilyCommon2 || family == MTL::GPUFamilyCommon3;
            })},
@@ -785,7 +836,7 @@ const MethodTable& device_methods() {
           {"maxThreadgroupMemoryLength", imp(+[](void*, SEL) -> NS::UInteger { return kMaxThreadgroupMemory; })},
           {"newCommandQueue", imp(+[](void*, SEL) -> CommandQueue* { return new CommandQueue(); })},
           {"newLibraryWithSource:options:error:",
-           imp(+[](void*, SEL, const String* source, const CompileOptions* options,
+           imp(+[](void* self, SEL, const String* source, const CompileOptions* options,
                    NS::Error** error) -> Library* {
              {
                Global& g = global();
@@ -794,6 +845,14 @@ const MethodTable& device_methods() {
                g.fast_math = options != nullptr ? int(options->fast_math) : 1;
              }
              std::string why = take_fault(&Global::library);
+             const SystemModel* m = self_as<Device>(self)->model;
+             const MTL::LanguageVersion newest = newest_language_version(m->macos[0]);
+             if (why.empty() && options != nullptr && options->language_version > newest) {
+               why = "MTLLanguageVersion " + std::to_string(long(options->language_version) >> 16) +
+                     "." + std::to_string(long(options->language_version) & 0xffff) +
+                     " is not supported on macOS " + std::to_string(m->macos[0]) + "." +
+                     std::to_string(m->macos[1]) + " (the stand-in's " + m->name + " model)";
+             }
              if (why.empty()) why = source_difference(source != nullptr ? source->text : "");
              if (!why.empty()) {
                COUNT(library_failures);
@@ -828,13 +887,26 @@ const MethodTable& device_methods() {
              for (auto [index, value] : function->constants) {
                key += "|" + std::to_string(index) + (value ? "=1" : "=0");
              }
+             // The device's limit, lowered to the kernel's declared one and
+             // to a limit a test set for this kernel.
+             NS::UInteger max_threads = kMaxThreadsPerThreadgroup;
+             if (function->kernel->max_threads != 0) {
+               max_threads = std::min<NS::UInteger>(max_threads, function->kernel->max_threads);
+             }
+             NS::UInteger width = 32;
              {
                Global& g = global();
                std::lock_guard<std::mutex> lock(g.mutex);
                ++g.counters.pipelines;
                g.pipeline_keys.push_back(key);
+               for (const PipelineLimit& l : g.pipeline_limits) {
+                 if (std::string_view(function->kernel->name).rfind(l.prefix, 0) != 0) continue;
+                 if (l.max_threads != 0) max_threads = std::min(max_threads, l.max_threads);
+                 if (l.execution_width != 0) width = l.execution_width;
+               }
              }
-             return new ComputePipelineState(function->kernel->name, function->constants);
+             return new ComputePipelineState(function->kernel->name, function->constants,
+                                             max_threads, width);
            })},
           {"newBufferWithLength:options:",
            imp(+[](void*, SEL, NS::UInteger length, MTL::ResourceOptions) -> Buffer* {
@@ -879,6 +951,48 @@ const MethodTable& device_methods() {
 }
 
 // ---------------------------------------------------------------------------
+// NSProcessInfo: the macOS version of the system model.
+// ---------------------------------------------------------------------------
+// The system model, fixed from its first use on.
+const SystemModel* chosen_model() {
+  Global& g = global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.model_chosen = true;
+  return g.model;
+}
+
+NS::OperatingSystemVersion macos_version() {
+  const SystemModel* m = chosen_model();
+  return NS::OperatingSystemVersion{m->macos[0], m->macos[1], m->macos[2]};
+}
+
+const MethodTable& process_info_methods();
+
+struct ProcessInfo : Object {
+  ProcessInfo() : Object(&process_info_methods()) { immortal = true; }
+};
+
+const MethodTable& process_info_methods() {
+  static const MethodTable* t = new MethodTable(
+      "NSProcessInfo",
+      {
+          // A 24-byte struct result: objc_msgSend_stret.
+          {"operatingSystemVersion",
+           imp(+[](void*, SEL) -> NS::OperatingSystemVersion { return macos_version(); })},
+          // A 24-byte struct argument, passed in memory.
+          {"isOperatingSystemAtLeastVersion:",
+           imp(+[](void*, SEL, NS::OperatingSystemVersion want) -> bool {
+             const NS::OperatingSystemVersion v = macos_version();
+             if (v.majorVersion != want.majorVersion) return v.majorVersion > want.majorVersion;
+             if (v.minorVersion != want.minorVersion) return v.minorVersion > want.minorVersion;
+             return v.patchVersion >= want.patchVersion;
+           })},
+      },
+      &root_methods());
+  return *t;
+}
+
+// ---------------------------------------------------------------------------
 // Class objects (what objc_lookUpClass returns).
 // ---------------------------------------------------------------------------
 struct ClassObject : Object {
@@ -910,6 +1024,14 @@ Object* class_named(const char* name) {
                s->autorelease();
                return s;
              })}},
+           &root_methods()))},
+      {"NSProcessInfo",
+       new ClassObject(new MethodTable(
+           "NSProcessInfo class",
+           {{"processInfo", imp(+[](void*, SEL) -> ProcessInfo* {
+              static ProcessInfo* info = new ProcessInfo();  // the process's one instance
+              return info;
+            })}},
            &root_methods()))},
       {"MTLCompileOptions",
        new ClassObject(new MethodTable("MTLCompileOptions class",
@@ -955,14 +1077,8 @@ std::string json_string(const std::string& s) {
 STANDIN_API MTL::Device* MTLCreateSystemDefaultDevice() {
   using namespace standin;
   static Device* device = [] () -> Device* {
-    Global& g = global();
-    std::string model;
-    {
-      std::lock_guard<std::mutex> lock(g.mutex);
-      model = g.device_model;
-      g.device_chosen = true;
-    }
-    if (model == "none") return nullptr;
+    const SystemModel* model = chosen_model();
+    if (model->apple_family == 0) return nullptr;
     COUNT(devices);
     auto* d = new Device(model);
     d->immortal = true;  // the system's device outlives every reference
@@ -1060,17 +1176,35 @@ STANDIN_API int fatrain_metal_standin_fail(const char* what, const char* message
   return 0;
 }
 
-// The device MTLCreateSystemDefaultDevice returns, chosen before its first
-// call: "apple8" (default; an Apple8-family GPU with Metal 3), "apple6" (too
-// old for the kernels) or "none" (no device). Returns 0, -1 when unknown or
-// too late.
+// The system model, chosen before MTLCreateSystemDefaultDevice or
+// NSProcessInfo is first used: "apple8" (default; an Apple8-family GPU with
+// Metal 3 on macOS 14.5), "apple8_macos13" (the same on macOS 13.6.7, which
+// has no MSL 3.1), "apple6" (too old a GPU for the kernels) or "none" (no
+// device). Returns 0, -1 when unknown or too late.
 STANDIN_API int fatrain_metal_standin_set_device(const char* model) {
   using namespace standin;
-  const std::string m = model != nullptr ? model : "";
-  if (m != "apple8" && m != "apple6" && m != "none") return -1;
+  const SystemModel* m = find_model(model != nullptr ? model : "");
+  if (m == nullptr) return -1;
   Global& g = global();
   std::lock_guard<std::mutex> lock(g.mutex);
-  if (g.device_chosen) return -1;
-  g.device_model = m;
+  if (g.model_chosen) return -1;
+  g.model = m;
+  return 0;
+}
+
+// Pipelines created from now on for kernels whose names start with `prefix`
+// report at most `max_threads` as maxTotalThreadsPerThreadgroup and
+// `execution_width` as threadExecutionWidth (0: leave as is); a null prefix
+// removes every limit set so far. Returns 0.
+STANDIN_API int fatrain_metal_standin_limit_pipelines(const char* prefix, unsigned long max_threads,
+                                                      unsigned long execution_width) {
+  using namespace standin;
+  Global& g = global();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  if (prefix == nullptr) {
+    g.pipeline_limits.clear();
+  } else {
+    g.pipeline_limits.push_back({prefix, max_threads, execution_width});
+  }
   return 0;
 }

@@ -11,8 +11,8 @@ by the emulator's pre-pass and compiled as C++.
 
 ``use()`` makes that extension the package's ``jax_fatrain._metal_ffi``, so
 ``implementation="metal"`` runs through it, and ``restore()`` undoes that.
-``report()``, ``reset()``, ``fail()`` reach the stand-in's counters,
-findings and injected failures.
+``report()``, ``reset()``, ``fail()`` and ``limit_pipelines()`` reach the
+stand-in's counters, findings, injected failures and pipeline limits.
 
 Tools: g++ (the emulator and kernels), clang++ (metal-cpp needs ``-fblocks``;
 Debian's package is installed with apt-get when missing and running as root)
@@ -301,9 +301,11 @@ _lib: ctypes.CDLL | None = None
 def use(ext: Path, device: str = "apple8"):
   """Loads ``ext`` as ``jax_fatrain._metal_ffi`` and makes ``metal`` use it.
 
-  ``device`` is the stand-in's device model ("apple8", "apple6": too old for
-  the kernels, "none": no device). Returns the ``jax_fatrain._backends.metal``
-  module, re-imported against the stand-in.
+  ``device`` is the stand-in's system model: "apple8" (an Apple8-family GPU
+  with Metal 3 on macOS 14.5), "apple8_macos13" (the same GPU on macOS 13.6.7,
+  which cannot compile Metal Shading Language 3.1), "apple6" (a GPU too old
+  for the kernels) or "none" (no device). Returns the
+  ``jax_fatrain._backends.metal`` module, re-imported against the stand-in.
   """
   global _saved, _lib
   import jax_fatrain  # pylint: disable=import-outside-toplevel
@@ -318,6 +320,8 @@ def use(ext: Path, device: str = "apple8"):
   _lib.fatrain_metal_standin_report.restype = ctypes.c_char_p
   _lib.fatrain_metal_standin_fail.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
   _lib.fatrain_metal_standin_set_device.argtypes = [ctypes.c_char_p]
+  _lib.fatrain_metal_standin_limit_pipelines.argtypes = [ctypes.c_char_p, ctypes.c_ulong,
+                                                         ctypes.c_ulong]
   if _lib.fatrain_metal_standin_set_device(device.encode()) != 0:
     raise ValueError(f"unknown device model {device!r}")
   _saved = {"module": sys.modules.get("jax_fatrain._metal_ffi"),
@@ -373,6 +377,18 @@ def fail(what: str, message: str, times: int = 1) -> None:
   """The next ``times`` operations ``what`` ("library", "pipeline", "execution") fail."""
   if _lib.fatrain_metal_standin_fail(what.encode(), message.encode(), times) != 0:
     raise ValueError(f"unknown failure kind {what!r}")
+
+
+def limit_pipelines(kernel_prefix: str | None, max_threads: int = 0,
+                    execution_width: int = 0) -> None:
+  """Pipelines created from now on for kernels whose names start with
+  ``kernel_prefix`` report at most ``max_threads`` as
+  maxTotalThreadsPerThreadgroup (as Apple's compiler lowers it for a kernel
+  with many registers) and ``execution_width`` as threadExecutionWidth (0:
+  leave as is). ``None`` removes every limit set so far; pipelines the host
+  has cached keep theirs."""
+  prefix = None if kernel_prefix is None else kernel_prefix.encode()
+  _lib.fatrain_metal_standin_limit_pipelines(prefix, max_threads, execution_width)
 
 
 if __name__ == "__main__":

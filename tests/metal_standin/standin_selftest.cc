@@ -15,6 +15,9 @@
 
 // The built-in library's source text (library_source.S, NUL-terminated).
 extern "C" const char fatrain_standin_library_source[];
+// metal_standin.cc: limits that pipelines created later report.
+extern "C" int fatrain_metal_standin_limit_pipelines(const char* prefix, unsigned long max_threads,
+                                                     unsigned long execution_width);
 
 namespace {
 
@@ -81,6 +84,26 @@ void check_trampolines(SelfTest& t) {
   const NS::UInteger nil_int = Send::sendMessage<NS::UInteger>(nullptr, standin::sel("length"));
   t.note(nil_double == 0.0 && nil_int == 0, "messages to nil return 0", "");
   probe->release();
+
+  // NSProcessInfo through metal-cpp: a 24-byte struct result (stret) and a
+  // 24-byte struct argument (passed in memory), against the default model's
+  // macOS 14.5.0.
+  NS::ProcessInfo* info = NS::ProcessInfo::processInfo();
+  const NS::OperatingSystemVersion v = info->operatingSystemVersion();
+  t.note(v.majorVersion == 14 && v.minorVersion == 5 && v.patchVersion == 0,
+         "NSProcessInfo operatingSystemVersion",
+         std::to_string(v.majorVersion) + "." + std::to_string(v.minorVersion) + "." +
+             std::to_string(v.patchVersion));
+  const bool at_least[] = {
+      info->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{14, 0, 0}),
+      info->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{14, 5, 0}),
+      info->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{13, 9, 9}),
+      !info->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{14, 5, 1}),
+      !info->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{14, 6, 0}),
+      !info->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{15, 0, 0})};
+  std::string answers;
+  for (bool ok : at_least) answers += ok ? "1" : "0";
+  t.note(answers == "111111", "NSProcessInfo isOperatingSystemAtLeastVersion", answers);
 }
 
 }  // namespace
@@ -183,6 +206,32 @@ extern "C" __attribute__((visibility("default"))) const char* fatrain_metal_stan
       enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 64, 1));
       enc->endEncoding();
     });
+    // A pipeline whose limit is below the device's (as for a kernel with many
+    // registers): a dispatch within the device's limit but over the pipeline's.
+    fatrain_metal_standin_limit_pipelines("flash_attn_train_bwd_compute_d_f32", 64, 16);
+    MTL::FunctionConstantValues* values = MTL::FunctionConstantValues::alloc()->init();
+    MTL::Function* f = library->newFunction(
+        NS::String::string("flash_attn_train_bwd_compute_d_f32", NS::UTF8StringEncoding), values,
+        &error);
+    values->release();
+    MTL::ComputePipelineState* limited = f != nullptr ? device->newComputePipelineState(f, &error)
+                                                      : nullptr;
+    if (f != nullptr) f->release();
+    fatrain_metal_standin_limit_pipelines(nullptr, 0, 0);
+    t.note(limited != nullptr && limited->maxTotalThreadsPerThreadgroup() == 64 &&
+               limited->threadExecutionWidth() == 16 && pso->maxTotalThreadsPerThreadgroup() == 1024 &&
+               pso->threadExecutionWidth() == 32,
+           "pipeline limits set for a kernel", "");
+    if (limited != nullptr) {
+      t.expect_finding("more threads than the pipeline allows", "allows 1 to 64", [&] {
+        MTL::CommandBuffer* cb = queue->commandBuffer();
+        MTL::ComputeCommandEncoder* enc = cb->computeCommandEncoder();
+        enc->setComputePipelineState(limited);
+        enc->dispatchThreadgroups(MTL::Size(1, 1, 1), MTL::Size(32, 4, 1));
+        enc->endEncoding();
+      });
+      limited->release();
+    }
     t.expect_finding("shared buffer without a barrier", "with no memoryBarrier", [&] {
       MTL::Buffer* shared = device->newBuffer(4096, MTL::ResourceStorageModeShared);
       MTL::CommandBuffer* cb = queue->commandBuffer();

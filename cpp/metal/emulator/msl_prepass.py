@@ -526,13 +526,13 @@ def glue(path: str, constants, instantiations, kernels) -> str:
     g.extend(f"    {{{idx}, \"{n}\"}}," for n, idx in used)
     g.append("    {-1, \"\"}};")
     fn = func if targs is None else f"{func}<{targs}>"
-    check = ""
+    check, limit = "", "0"
     if k.max_threads is not None:
       limit = f"msl_emu_max_threads_{func}" + ("()" if targs is None else f"<{targs}>()")
       check = f"::msl::rt::check_max_threads({limit}); "
     g.append(f"void msl_emu_run_{i}() {{ {check}::msl::rt::invoke(&{fn}, msl_emu_attrs_{i}); }}")
     entries.append(f"    {{\"{host}\", \"{path}\", &msl_emu_run_{i}, &msl_emu_set_constants, "
-                   f"msl_emu_consts_{i}, {len(used)}}},")
+                   f"msl_emu_consts_{i}, {len(used)}, {limit}}},")
   g.append("const ::msl::rt::KernelEntry msl_emu_entries[] = {")
   g.extend(entries)
   g.append("};")

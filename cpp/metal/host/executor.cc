@@ -26,6 +26,11 @@ namespace mp = fatrain::metal_plan;
 
 namespace {
 
+// The kernels use bfloat, which needs Metal Shading Language 3.1; macOS 14 is
+// the first release whose Metal compiles (and loads) MSL 3.1.
+constexpr MTL::LanguageVersion kLanguageVersion = MTL::LanguageVersion3_1;
+constexpr NS::Integer kFirstMacOS = 14;
+
 std::string describe(const NS::Error* error) {
   if (error == nullptr) return "no error description";
   const NS::String* text = error->localizedDescription();
@@ -123,6 +128,29 @@ MTL::ComputePipelineState* pipeline(State& s, const mp::Dispatch& d, std::string
   return pso;
 }
 
+// "" when the pipeline can run dispatch `d` as planned, else why not: Metal
+// refuses more threads per threadgroup than the pipeline's
+// maxTotalThreadsPerThreadgroup (the compiler lowers it below the device's
+// limit for a kernel with many registers, or to a kernel's declared
+// [[max_total_threads_per_threadgroup]]); and the kernels' simdgroup code is
+// written for the plan's 32-thread simdgroups (threadExecutionWidth).
+std::string check_limits(const MTL::ComputePipelineState* pso, const mp::Dispatch& d) {
+  const uint64_t threads = d.threads_per_threadgroup();
+  const NS::UInteger allowed = pso->maxTotalThreadsPerThreadgroup();
+  if (threads > allowed) {
+    return "kernel " + d.kernel + " allows " + std::to_string(allowed) +
+           " threads per threadgroup on this device (maxTotalThreadsPerThreadgroup), the plan "
+           "asks for " + std::to_string(threads);
+  }
+  const NS::UInteger width = pso->threadExecutionWidth();
+  if (width != mp::kSimdgroupWidth) {
+    return "kernel " + d.kernel + " runs " + std::to_string(width) +
+           " threads per SIMD group on this device (threadExecutionWidth), the kernels are "
+           "written for " + std::to_string(mp::kSimdgroupWidth);
+  }
+  return "";
+}
+
 // Buffers bound for one execution; returned to the pool or released at the end.
 struct Staged {
   MTL::Buffer* buffer;
@@ -191,6 +219,16 @@ std::string unsupported_reason() {
     return std::string("the Metal device '") + device->name()->utf8String() +
            "' is not an Apple7+ (M1 or newer) GPU with Metal 3";
   }
+  // The Metal 3 family does not imply MSL 3.1: on macOS 13 compiling the
+  // library would fail.
+  NS::ProcessInfo* process = NS::ProcessInfo::processInfo();
+  if (!process->isOperatingSystemAtLeastVersion(NS::OperatingSystemVersion{kFirstMacOS, 0, 0})) {
+    const NS::OperatingSystemVersion v = process->operatingSystemVersion();
+    return "macOS " + std::to_string(kFirstMacOS) +
+           " or newer is needed for Metal Shading Language 3.1 (the kernels' bfloat); found "
+           "macOS " + std::to_string(v.majorVersion) + "." + std::to_string(v.minorVersion) +
+           "." + std::to_string(v.patchVersion);
+  }
   return "";
 }
 
@@ -211,7 +249,7 @@ std::string initialize(const std::string& source, const std::string& metallib_pa
   }
   if (s.kernels == nullptr) {
     MTL::CompileOptions* options = MTL::CompileOptions::alloc()->init();
-    options->setLanguageVersion(MTL::LanguageVersion3_1);
+    options->setLanguageVersion(kLanguageVersion);
     // The kernels rely on IEEE infinities (fully masked rows: L = -inf).
     options->setFastMathEnabled(false);
     error = nullptr;
@@ -240,11 +278,7 @@ std::string execute(const mp::Problem& problem, const mp::Plan& plan,
     std::string err;
     MTL::ComputePipelineState* pso = pipeline(s, d, &err);
     if (pso == nullptr) return err;
-    const uint64_t threads = uint64_t(d.threadgroup[0]) * d.threadgroup[1] * d.threadgroup[2];
-    if (threads > pso->maxTotalThreadsPerThreadgroup()) {
-      return "kernel " + d.kernel + " allows " + std::to_string(pso->maxTotalThreadsPerThreadgroup()) +
-             " threads per threadgroup on this device, the plan asks for " + std::to_string(threads);
-    }
+    if (std::string e = check_limits(pso, d); !e.empty()) return e;
     pipelines.push_back(pso);
   }
 

@@ -17,8 +17,8 @@ namespace fatrain::metal {
 // The system default Metal device's name, or "" when there is none.
 std::string device_name();
 
-// "" when the default device can run the kernels (Apple7+ family, Metal 3),
-// else why not.
+// "" when the default device can run the kernels (Apple7+ family, Metal 3, and
+// macOS 14 or newer for Metal Shading Language 3.1), else why not.
 std::string unsupported_reason();
 
 // Creates the process's device, command queue and kernel library, once.

@@ -17,7 +17,8 @@
 //     flash_attn_train_bwd_dq_{dt}_d{D}[_boolmask]: Q tiles outer, grid (ceil(qL/BQ), H_q, B)
 //     flash_attn_train_bwd_dkdv_{dt}_d{D}[_boolmask]: KV tiles outer, grid (ceil(kL/BKV), H_kv, B),
 //       looping over the query heads of its GQA group and all query tiles
-//   threadgroup (32, kSimdgroups, 1), except (32, bwd_dkdv_simdgroups, 1) for dK/dV.
+//   threadgroup (32, kSimdgroups, 1), except (32, bwd_dkdv_simdgroups, 1) for dK/dV: the
+//   only source of threads per threadgroup (hosts and emulator take them from the plan).
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,12 @@ struct Binding {
   std::vector<uint8_t> bytes;       // when is_bytes (setBytes)
 };
 
+// Threads of a simdgroup: the kernels' simd reductions, shuffles and
+// simdgroup_matrix layouts assume the 32 of Apple GPUs. Every threadgroup is
+// (kSimdgroupWidth, simdgroups, 1); the macOS host refuses a pipeline whose
+// threadExecutionWidth differs.
+constexpr uint32_t kSimdgroupWidth = 32;
+
 struct Dispatch {
   std::string kernel;
   std::vector<std::pair<int, bool>> constants;  // (function constant index, value)
@@ -68,6 +75,9 @@ struct Dispatch {
   uint32_t threadgroup_memory_length = 0;
   uint32_t grid[3] = {1, 1, 1};         // threadgroups per grid
   uint32_t threadgroup[3] = {1, 1, 1};  // threads per threadgroup
+  uint64_t threads_per_threadgroup() const {
+    return uint64_t(threadgroup[0]) * threadgroup[1] * threadgroup[2];
+  }
 };
 
 // A buffer the executor must allocate for the plan's lifetime (contents

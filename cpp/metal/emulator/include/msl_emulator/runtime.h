@@ -165,6 +165,7 @@ struct KernelEntry {
   void (*set_constants)(const ConstantValue* values, int count);
   const FunctionConstantDecl* used_constants;  // referenced by the kernel body
   int used_constant_count;
+  unsigned long max_threads = 0;  // its [[max_total_threads_per_threadgroup(N)]]: N, else 0
 };
 
 struct Registrar {

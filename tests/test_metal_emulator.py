@@ -208,6 +208,16 @@ def test_rule_unroll_refuses_arrays_indexed_by_loops_not_unrolled():
   assert rc == 0, err
 
 
+def test_rule_unroll_sees_member_arrays_of_thread_structs():
+  rc, err = _prepass(RULES_DIR / "unroll_member_array.metal")
+  assert rc == 1, err
+  # In a member function and through a thread reference; not through a
+  # threadgroup pointer (line 34).
+  assert _findings(err, "unroll") == [("unroll_member_array.metal", 14),
+                                      ("unroll_member_array.metal", 28)], err
+  assert "`r.v`" in err
+
+
 def test_rule_language_refuses_what_metal_lacks():
   rc, err = _prepass(RULES_DIR / "language_constructs.metal")
   assert rc == 1, err
@@ -241,7 +251,7 @@ def test_rule_address_space_refuses_pointers_of_another_space():
     assert rc == 1, err
     assert _findings(err, "address-space") == [(name, line)], err
     assert all(w in err for w in words), err
-    # Without clang the rule is skipped: a C++ compiler alone would build it.
+    # Without --clang the rule is skipped and the pre-pass translates the file.
     rc, err = _prepass(RULES_DIR / name)
     assert rc == 0, err
 

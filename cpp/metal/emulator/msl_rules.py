@@ -9,8 +9,9 @@ provides, are not part of the checked text), so a kernel that breaks one
 cannot be built:
 
 * ``unroll`` -- an array of thread memory (declared in a function body
-  without an address space, ``simdgroup_matrix`` arrays included) indexed by
-  a ``for`` loop's variable (or by a variable declared in the loop from it)
+  without an address space, ``simdgroup_matrix`` arrays included, or a
+  member array of a struct used through a thread variable) indexed by a
+  ``for`` loop's variable (or by a variable declared in the loop from it)
   inside that loop, when the loop is not immediately preceded by
   ``#pragma clang loop unroll(full)`` (``_Pragma("clang loop
   unroll(full)")`` in a macro such as MLX's ``STEEL_PRAGMA_UNROLL``

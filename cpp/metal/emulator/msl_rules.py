@@ -571,17 +571,39 @@ def clang_address_space_flags(include_dir: str) -> list[str]:
           "-I", include_dir]
 
 
+class ClangUnusable(Exception):
+  """This clang++ cannot run the address-space check (too old, or it does not
+  keep the address spaces apart); the message says why."""
+
+
+# Appended to the checked text: fails when the address spaces are not kept
+# apart (e.g. a clang that ignores the attributes).
+SELF_CHECK = ("\nstatic_assert(!__is_convertible_to(threadgroup float*, device float*) && "
+              "!__is_convertible_to(constant float*, const device float*), "
+              "\"msl_emu_address_spaces_not_distinct\");\n")
+
+
+def _run_clang(text: str, clang: str, include_dir: str):
+  import subprocess
+  try:
+    return subprocess.run([clang] + clang_address_space_flags(include_dir) + ["-"],
+                          input="#include <metal_stdlib>\n" + text + SELF_CHECK,
+                          capture_output=True, text=True)
+  except OSError as e:
+    raise ClangUnusable(f"{clang}: {e}") from e
+
+
 def check_address_spaces(code: str, clang: str, include_dir: str) -> list[Finding]:
   """Findings of clang -fsyntax-only over ``code`` (msl_prepass.transform's
   address-space text, instantiations appended), in which device, constant,
-  threadgroup and thread are distinct address spaces."""
-  import subprocess
-  text = "#include <metal_stdlib>\n" + code
-  proc = subprocess.run([clang] + clang_address_space_flags(include_dir) + ["-"], input=text,
-                        capture_output=True, text=True)
+  threadgroup and thread are distinct address spaces. Raises ClangUnusable
+  when ``clang`` cannot do this check at all."""
+  proc = _run_clang(code, clang, include_dir)
   if proc.returncode == 0:
     return []
   out = proc.stderr
+  if "msl_emu_address_spaces_not_distinct" in out:
+    raise ClangUnusable(f"{clang} does not keep MSL address spaces apart")
   for k, v in CLANG_ADDRESS_SPACES.items():
     out = re.sub(rf"\b{k}\b", v, out)
   # Group each error with its notes; keep the errors that concern address spaces.
@@ -610,7 +632,13 @@ def check_address_spaces(code: str, clang: str, include_dir: str) -> list[Findin
       detail += " (" + "; ".join(notes[:3]) + ")"
     findings.append(Finding(head.group(1), int(head.group(2)), "address-space", detail))
   if not findings:
-    # clang refused the code for another reason: say so rather than pass it.
+    # clang refused the code for another reason. If it cannot compile the
+    # shim alone, this clang cannot run the check; otherwise say what it
+    # refused rather than pass the kernel.
+    probe = _run_clang("", clang, include_dir)
+    if probe.returncode != 0:
+      raise ClangUnusable(f"{clang} cannot compile the emulator's shim in this mode: " +
+                          " ".join(probe.stderr.strip().splitlines()[:2]))
     errors = [ln for ln in out.splitlines() if ": error: " in ln][:5]
     findings.append(Finding("<clang>", 0, "address-space",
                             "the address-space check could not compile the kernel:\n  " +

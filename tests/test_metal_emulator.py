@@ -262,7 +262,8 @@ def test_rule_address_space_passes_on_valid_kernels():
   # parameters, vector pointer casts, simdgroup_load/store from both spaces).
   clang = _clang()
   others = [ROOT / "tests" / "metal_emulator" / f for f in
-            ("emulator_test_kernels.metal", "msl_language_features.metal")]
+            ("emulator_test_kernels.metal", "msl_language_features.metal",
+             "rules/address_space_valid.metal", "rules/unroll_member_array.metal")]
   for path in PACKAGE_KERNELS + others:
     rc, err = _prepass(path, "--clang", clang, "--skip-rule", "unroll")
     assert rc == 0, err

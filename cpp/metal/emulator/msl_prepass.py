@@ -35,7 +35,7 @@ something C++ has no word for. This pre-pass
   instantiated).
 
 Usage: msl_prepass.py INPUT.metal OUTPUT.cc [--cxx COMPILER] [-I DIR ...]
-                      [--kernels NAME,...]
+                      [--kernels NAME,...] [--clang CLANGXX] [--skip-rule RULE ...]
 """
 
 from __future__ import annotations
@@ -216,7 +216,9 @@ def remove_address_space_duplicates(code: str, keep_address_spaces: bool = False
   collapses to one definition: the first is kept, later ones whose signature
   is the same after removing the address-space words (in the same namespace
   or class) are blanked (line breaks and line markers kept). Function bodies
-  are not searched: only namespace and class scopes.
+  are not searched: only namespace and class scopes. With
+  ``keep_address_spaces`` (the address-space check's text) only exact
+  duplicates are dropped.
   """
   removals: list[tuple[int, int]] = []
 

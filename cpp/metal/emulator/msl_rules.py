@@ -33,7 +33,10 @@ cpp/metal/emulator/README.md.
 
 from __future__ import annotations
 
+import bisect
+import os
 import re
+import subprocess
 from dataclasses import dataclass
 
 UNROLL_PRAGMA_RE = re.compile(r"#\s*pragma\s+clang\s+loop\s+unroll\s*\(\s*full\s*\)\s*$")
@@ -64,14 +67,11 @@ class Source:
     # Offsets of line starts and each line's (file, line) from the markers.
     self.locations: list[tuple[str, int]] = []
     self.line_starts: list[int] = []
-    self.directive: list[bool] = []
     file, line = "<input>", 1
     pos = 0
     for raw in text.split("\n"):
       self.line_starts.append(pos)
       m = LINE_MARKER_RE.match(raw.strip())
-      is_directive = raw.lstrip().startswith("#")
-      self.directive.append(is_directive)
       self.locations.append((file, line))
       if m:
         file, line = m.group(2), int(m.group(1))
@@ -83,12 +83,9 @@ class Source:
     self.code = _mask(text)
 
   def where(self, offset: int) -> tuple[str, int]:
-    import bisect
-    i = bisect.bisect_right(self.line_starts, offset) - 1
-    return self.locations[max(i, 0)]
+    return self.locations[max(self.line_index(offset), 0)]
 
   def line_index(self, offset: int) -> int:
-    import bisect
     return bisect.bisect_right(self.line_starts, offset) - 1
 
 
@@ -517,7 +514,6 @@ def _library_function_names() -> set[str]:
   unqualified call of one may resolve to the library, not to itself."""
   global _LIBRARY_NAMES
   if _LIBRARY_NAMES is None:
-    import os
     names: set[str] = set()
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
     for d, _, files in os.walk(root):
@@ -584,7 +580,6 @@ SELF_CHECK = ("\nstatic_assert(!__is_convertible_to(threadgroup float*, device f
 
 
 def _run_clang(text: str, clang: str, include_dir: str):
-  import subprocess
   try:
     return subprocess.run([clang] + clang_address_space_flags(include_dir) + ["-"],
                           input="#include <metal_stdlib>\n" + text + SELF_CHECK,

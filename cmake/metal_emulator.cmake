@@ -12,6 +12,24 @@ if(JAX_FATRAIN_METAL_EMULATOR)
   set(_gen_dir "${CMAKE_CURRENT_BINARY_DIR}/msl_emulator_gen")
   file(MAKE_DIRECTORY "${_gen_dir}")
 
+  # The pre-pass enforces the rules of cpp/metal/emulator/msl_rules.py
+  # (README.md there, "Rules"); a kernel that breaks one is not built. The
+  # address-space rule needs clang++ ($FATRAIN_CLANGXX or on PATH); without
+  # it that rule is skipped here (tests/test_metal_emulator.py still runs it).
+  find_program(FATRAIN_CLANGXX NAMES clang++ DOC "clang++ for the MSL address-space rule")
+  set(_msl_rule_args)
+  if(FATRAIN_CLANGXX)
+    list(APPEND _msl_rule_args --clang "${FATRAIN_CLANGXX}")
+  else()
+    message(WARNING "clang++ not found: the MSL emulator's address-space rule is skipped")
+  endif()
+  # The unroll rule on jax_fatrain/metal/*.metal (ON: enforced; OFF: skipped).
+  set(_msl_package_unroll_rule OFF)  # MSL-UNROLL-RULE: turn ON once the kernels carry the pragmas
+  set(_msl_package_rule_args ${_msl_rule_args})
+  if(NOT _msl_package_unroll_rule)
+    list(APPEND _msl_package_rule_args --skip-rule unroll)
+  endif()
+
   # Pre-pass: .metal -> C++ with binding glue (kept line-accurate via #line).
   set(_msl_generated)
   foreach(_src flash_attn_train_fwd flash_attn_train_bwd)
@@ -19,9 +37,11 @@ if(JAX_FATRAIN_METAL_EMULATOR)
       OUTPUT "${_gen_dir}/${_src}.cc"
       COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
               "${_metal_dir}/${_src}.metal" "${_gen_dir}/${_src}.cc" --cxx "${CMAKE_CXX_COMPILER}"
+              ${_msl_package_rule_args}
       DEPENDS "${_metal_dir}/${_src}.metal" "${_metal_dir}/flash_attn_common.h"
               "${_metal_dir}/flash_attn_tiles.h"
-              "${_metal_dir}/flash_attn_abi.h" "${_msl_dir}/msl_prepass.py"
+              "${_metal_dir}/flash_attn_abi.h" "${_msl_dir}/msl_prepass.py" "${_msl_dir}/msl_rules.py"
+              "${_msl_dir}/include/metal_stdlib"
       COMMENT "MSL pre-pass: ${_src}.metal"
       VERBATIM)
     list(APPEND _msl_generated "${_gen_dir}/${_src}.cc")
@@ -30,8 +50,9 @@ if(JAX_FATRAIN_METAL_EMULATOR)
     OUTPUT "${_gen_dir}/emulator_test_kernels.cc"
     COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
             "${_emu_tests_dir}/emulator_test_kernels.metal" "${_gen_dir}/emulator_test_kernels.cc"
-            --cxx "${CMAKE_CXX_COMPILER}"
+            --cxx "${CMAKE_CXX_COMPILER}" ${_msl_rule_args}
     DEPENDS "${_emu_tests_dir}/emulator_test_kernels.metal" "${_msl_dir}/msl_prepass.py"
+            "${_msl_dir}/msl_rules.py" "${_msl_dir}/include/metal_stdlib"
     COMMENT "MSL pre-pass: emulator_test_kernels.metal"
     VERBATIM)
 

@@ -4,7 +4,8 @@ The ``metal_emulated`` extension compiles the package's own kernels when the
 package is built. A kernel whose source only exists at run time (MLX's steel
 attention, fetched for comparison by ``jax_fatrain._mlx_reference``) goes
 through the same emulator here: ``cpp/metal/emulator/msl_prepass.py``
-translates the .metal file, the C++ compiler builds a shared library from the
+enforces the emulator's source rules (with clang++, when there is one, also
+the address-space rule) and translates the .metal file, the C++ compiler builds a shared library from the
 result, the emulator runtime (``src/runtime.cc``) and its C API
 (``src/standalone_api.cc``), and ``ctypes`` loads it. Libraries are cached by
 the SHA-256 of everything that goes into them, under ``$JAX_FATRAIN_CACHE``
@@ -20,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,6 +65,12 @@ def emulator_dir() -> Path:
 
 def _compiler() -> list[str]:
   return shlex.split(os.environ.get("CXX") or "c++")
+
+
+def clang_for_rules() -> str | None:
+  """clang++ for the pre-pass's address-space rule: $FATRAIN_CLANGXX, else
+  clang++ on PATH; None (the rule is skipped) when there is none."""
+  return os.environ.get("FATRAIN_CLANGXX") or shutil.which("clang++")
 
 
 def _compiler_id(cxx: list[str]) -> str:
@@ -234,6 +242,9 @@ def build_library(metal_file: str | os.PathLike, *, include_dirs: Sequence[str |
       cmd += ["-I", str(d)]
     if kernels is not None:
       cmd += ["--kernels", ",".join(kernels)]
+    clang = clang_for_rules()
+    if clang:
+      cmd += ["--clang", clang]
     _run(cmd, "the MSL pre-pass")
     code = generated.read_text()
   compiler_id = _compiler_id(cxx)

@@ -140,3 +140,159 @@ def test_backward_is_deterministic():
 @pytest.mark.parametrize("case", test_attention.CASES, ids=lambda c: c.id)
 def test_shared_suite(case):
   _check(case)
+
+
+# ---------------------------------------------------------------------------
+# Source rules (cpp/metal/emulator/README.md, "Rules"): the pre-pass refuses a
+# kernel that Apple's compiler refuses (or would spill to the stack); planted
+# breaks in tests/metal_emulator/rules/.
+# ---------------------------------------------------------------------------
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from jax_fatrain import _msl_standalone  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PREPASS = ROOT / "cpp" / "metal" / "emulator" / "msl_prepass.py"
+RULES_DIR = ROOT / "tests" / "metal_emulator" / "rules"
+PACKAGE_KERNELS = [ROOT / "jax_fatrain" / "metal" / f"{name}.metal"
+                   for name in ("flash_attn_train_fwd", "flash_attn_train_bwd")]
+
+
+def _prepass(path, *args):
+  out = Path(path).with_suffix(".cc").name
+  import tempfile  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as tmp:
+    proc = subprocess.run([sys.executable, str(PREPASS), str(path), str(Path(tmp) / out),
+                           "--cxx", "c++", *args], capture_output=True, text=True)
+  return proc.returncode, proc.stderr
+
+
+def _findings(stderr, rule):
+  """(file name, line) of each finding of `rule`."""
+  return [(Path(m.group(1)).name, int(m.group(2)))
+          for m in re.finditer(rf"^(.*?):(\d+): error: \[{rule}\]", stderr, re.M)]
+
+
+@functools.lru_cache(maxsize=None)
+def _clang():
+  """clang++ for the address-space rule (installed with apt-get when root,
+  as for the Metal stand-in)."""
+  from metal_standin import standin  # pylint: disable=import-outside-toplevel
+  try:
+    return standin.clang()
+  except standin.Unavailable as e:
+    pytest.skip(f"the address-space rule needs clang++: {e}")
+
+
+def _package_unroll_rule_on():
+  """The switch in cmake/metal_emulator.cmake for the unroll rule on
+  jax_fatrain/metal/*.metal."""
+  text = (ROOT / "cmake" / "metal_emulator.cmake").read_text()
+  m = re.search(r"set\(_msl_package_unroll_rule (ON|OFF)\)", text)
+  assert m, "cmake/metal_emulator.cmake lost its unroll-rule switch"
+  return m.group(1) == "ON"
+
+
+def test_rule_unroll_refuses_arrays_indexed_by_loops_not_unrolled():
+  rc, err = _prepass(RULES_DIR / "unroll_missing_pragma.metal")
+  assert rc == 1, err
+  # Only the third loop (line 20): the pragma and the macro-of-a-macro
+  # _Pragma spelling both count; `partial[j]` with j = 3 - i counts as i.
+  assert sorted(set(_findings(err, "unroll"))) == [("unroll_missing_pragma.metal", 20)], err
+  assert "`acc`" in err and "`partial`" in err and "for (int i = 0; i < 4; ++i)" in err
+  # Skipping the rule is what cmake's switch does for the package kernels.
+  rc, err = _prepass(RULES_DIR / "unroll_missing_pragma.metal", "--skip-rule", "unroll")
+  assert rc == 0, err
+
+
+def test_rule_unroll_sees_member_arrays_of_thread_structs():
+  rc, err = _prepass(RULES_DIR / "unroll_member_array.metal")
+  assert rc == 1, err
+  # In a member function and through a thread reference; not through a
+  # threadgroup pointer (line 34).
+  assert _findings(err, "unroll") == [("unroll_member_array.metal", 14),
+                                      ("unroll_member_array.metal", 28)], err
+  assert "`r.v`" in err
+
+
+def test_rule_language_refuses_what_metal_lacks():
+  rc, err = _prepass(RULES_DIR / "language_constructs.metal")
+  assert rc == 1, err
+  found = {line: msg for line, msg in (
+      (int(m.group(1)), m.group(2))
+      for m in re.finditer(r"language_constructs\.metal:(\d+): error: \[language\] (.*)", err))}
+  # One per planted line; `= delete` (line 9) is valid Metal.
+  assert sorted(found) == [12, 18, 19, 20, 21, 22, 23], err
+  assert "virtual" in found[12] and "function pointer" in found[18] and "new" in found[19]
+  assert "delete" in found[20] and "throw" in found[21] and "std::" in found[23]
+  rc, err = _prepass(RULES_DIR / "language_recursion.metal")
+  assert rc == 1 and _findings(err, "language") == [("language_recursion.metal", 6)], err
+  assert "recursion" in err and "planted_factorial" in err
+
+
+def test_rules_pass_on_the_package_kernels():
+  # The unroll rule follows cmake's switch; the language rule always holds.
+  args = () if _package_unroll_rule_on() else ("--skip-rule", "unroll")
+  for path in PACKAGE_KERNELS:
+    rc, err = _prepass(path, *args)
+    assert rc == 0, err
+
+
+def test_rule_address_space_refuses_pointers_of_another_space():
+  clang = _clang()
+  for name, line, words in (("address_space_threadgroup_to_device.metal", 18,
+                             ("device float *", "threadgroup float *")),
+                            ("address_space_constant_to_device.metal", 13,
+                             ("constant", "device"))):
+    rc, err = _prepass(RULES_DIR / name, "--clang", clang)
+    assert rc == 1, err
+    assert _findings(err, "address-space") == [(name, line)], err
+    assert all(w in err for w in words), err
+    # Without --clang the rule is skipped and the pre-pass translates the file.
+    rc, err = _prepass(RULES_DIR / name)
+    assert rc == 0, err
+
+
+def test_rule_address_space_passes_on_valid_kernels():
+  # The package's kernels as they are, the emulator's test kernels and the
+  # language-feature kernels (address-space overloads, threadgroup helper
+  # parameters, vector pointer casts, simdgroup_load/store from both spaces).
+  clang = _clang()
+  others = [ROOT / "tests" / "metal_emulator" / f for f in
+            ("emulator_test_kernels.metal", "msl_language_features.metal",
+             "rules/address_space_valid.metal", "rules/unroll_member_array.metal")]
+  for path in PACKAGE_KERNELS + others:
+    rc, err = _prepass(path, "--clang", clang, "--skip-rule", "unroll")
+    assert rc == 0, err
+
+
+def test_run_time_builds_enforce_the_rules():
+  with pytest.raises(_msl_standalone.BuildError, match=r"\[unroll\]"):
+    _msl_standalone.build_library(RULES_DIR / "unroll_missing_pragma.metal")
+
+
+def test_max_total_threads_per_threadgroup_is_enforced_at_dispatch():
+  lib = _msl_standalone.build_library(RULES_DIR / "max_threads.metal")
+  out = np.zeros(1024, np.uint32)
+
+  def run(kernel, threads):
+    lib.dispatch(kernel, buffers={0: out}, constants={}, grid=(1, 1, 1),
+                 threadgroup=(threads, 1, 1))
+
+  # N = 32 * kSimdgroups, evaluated per instantiation; the separate
+  # attribute spelling; no attribute: Metal's 1024.
+  for kernel, limit in (("bounded_2", 64), ("bounded_4", 128), ("bounded_64", 64),
+                        ("unbounded", 1024)):
+    out[:] = 0
+    run(kernel, limit)
+    assert out[limit - 1] != 0, kernel
+    with pytest.raises(_msl_standalone.EmulatorError) as e:
+      run(kernel, limit + 32)
+    if kernel == "unbounded":
+      assert "1..1024" in str(e.value)
+    else:
+      assert str(e.value) == (f"kernel {kernel}: {limit + 32} threads per threadgroup exceed "
+                              f"the kernel's max_total_threads_per_threadgroup({limit})")

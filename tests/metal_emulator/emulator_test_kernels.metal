@@ -247,7 +247,9 @@ inline void emu_load_tile(threadgroup T* dst, const device T* src, int ld_src, i
   threadgroup half Bs[16 * 64];
   const int sm = int(sg / 2) * 32, sn = int(sg % 2) * 32;
   simdgroup_matrix<float, 8, 8> acc[4][4];
+#pragma clang loop unroll(full)
   for (int i = 0; i < 4; ++i) {
+#pragma clang loop unroll(full)
     for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   for (int k0 = 0; k0 < int(K); k0 += 16) {
@@ -257,14 +259,20 @@ inline void emu_load_tile(threadgroup T* dst, const device T* src, int ld_src, i
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (int kk = 0; kk < 16; kk += 8) {
       simdgroup_matrix<float, 8, 8> a[4], b[4];
+#pragma clang loop unroll(full)
       for (int i = 0; i < 4; ++i) simdgroup_load(a[i], &As[(sm + i * 8) * 16 + kk], 16);
+#pragma clang loop unroll(full)
       for (int j = 0; j < 4; ++j) simdgroup_load(b[j], &Bs[kk * 64 + sn + j * 8], 64);
+#pragma clang loop unroll(full)
       for (int i = 0; i < 4; ++i) {
+#pragma clang loop unroll(full)
         for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
       }
     }
   }
+#pragma clang loop unroll(full)
   for (int i = 0; i < 4; ++i) {
+#pragma clang loop unroll(full)
     for (int j = 0; j < 4; ++j) simdgroup_store(acc[i][j], C + (sm + i * 8) * 64 + sn + j * 8, 64);
   }
 }

@@ -890,7 +890,7 @@ const MethodTable& device_methods() {
              // The device's limit, lowered to the kernel's declared one and
              // to a limit a test set for this kernel.
              NS::UInteger max_threads = kMaxThreadsPerThreadgroup;
-             if (function->kernel->max_threads != 0) {
+             if (function->kernel->declared_max_threads) {
                max_threads = std::min<NS::UInteger>(max_threads, function->kernel->max_threads);
              }
              NS::UInteger width = 32;

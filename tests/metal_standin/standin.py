@@ -203,14 +203,18 @@ def build(plant: str | None = None, *, verbose: bool = False) -> Path:
 
   # The library: the packaged source, pre-passed to C++ (and embedded as text).
   source = library_source()
-  lib_key = _digest(environment, source, (EMULATOR / "msl_prepass.py").read_text())[:24]
+  lib_key = _digest(environment, source, (EMULATOR / "msl_prepass.py").read_text(),
+                    (EMULATOR / "msl_rules.py").read_text())[:24]
   lib_dir = work / "library" / lib_key
   if not (lib_dir / "library.cc").is_file():
     lib_dir.mkdir(parents=True, exist_ok=True)
     (lib_dir / "library.metal").write_text(source)
     tmp_cc = lib_dir / "library.cc.tmp"
+    # The package build enforces the source rules on these kernels
+    # (cmake/metal_emulator.cmake decides whether the unroll rule applies).
     _run([sys.executable, str(EMULATOR / "msl_prepass.py"), str(lib_dir / "library.metal"),
-          str(tmp_cc), "--cxx", cxx], "the MSL pre-pass of the kernel library")
+          str(tmp_cc), "--cxx", cxx, "--skip-rule", "unroll"],
+         "the MSL pre-pass of the kernel library")
     os.replace(tmp_cc, lib_dir / "library.cc")
   (lib_dir / "library_source.S").write_text(
       "    .section .rodata\n"

@@ -9,8 +9,14 @@ something C++ has no word for. This pre-pass
   file's directory and the ``-I`` roots, macros such as instantiation lists;
   the Metal standard headers are left to the shim),
 * records every ``[[kernel]]`` function's parameters and their attributes
-  (also ``[[kernel, max_total_threads_per_threadgroup(N)]]``, whose bound the
-  glue checks at dispatch),
+  (also ``[[kernel, max_total_threads_per_threadgroup(N)]]`` or the separate
+  ``[[max_total_threads_per_threadgroup(N)]]``: N, which may depend on
+  template parameters, is evaluated per instantiation as a constexpr and the
+  runtime refuses dispatches with larger threadgroups),
+* enforces the rules of ``msl_rules.py`` (loop unrolling of register arrays,
+  no exceptions / new / virtual / std:: / function pointers / recursion, and
+  with ``--clang`` distinct address spaces); a kernel that breaks one is
+  not translated,
 * records every ``[[host_name("...")]]`` instantiation and every
   ``[[function_constant(N)]]`` declaration,
 * rewrites ``device``/``constant`` pointers into bounds-checked ``msl::rt::dptr``,
@@ -29,7 +35,7 @@ something C++ has no word for. This pre-pass
   instantiated).
 
 Usage: msl_prepass.py INPUT.metal OUTPUT.cc [--cxx COMPILER] [-I DIR ...]
-                      [--kernels NAME,...]
+                      [--kernels NAME,...] [--clang CLANGXX] [--skip-rule RULE ...]
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import msl_rules  # noqa: E402  (this directory)
 
 BUILTINS = {
     "threadgroup_position_in_grid": "kThreadgroupPositionInGrid",
@@ -188,14 +197,16 @@ FUNCTION_HEAD_RE = re.compile(
     r".*\)\s*((const|volatile|noexcept|override|final|&|&&)\s*)*(->[^{};]*)?", re.S)
 
 
-def _normalise(head: str) -> str:
+def _normalise(head: str, keep_address_spaces: bool = False) -> str:
   lines = [ln for ln in head.split("\n") if not ln.lstrip().startswith("#")]
-  text = ADDRESS_SPACE_RE.sub(" ", " ".join(lines))
+  text = " ".join(lines)
+  if not keep_address_spaces:
+    text = ADDRESS_SPACE_RE.sub(" ", text)
   text = re.sub(r"^\s*(public|private|protected)\s*:", " ", text)
   return " ".join(text.split())
 
 
-def remove_address_space_duplicates(code: str) -> str:
+def remove_address_space_duplicates(code: str, keep_address_spaces: bool = False) -> str:
   """Drops definitions that become duplicates once address spaces vanish.
 
   MSL overloads functions and partial specialisations on address spaces
@@ -205,7 +216,9 @@ def remove_address_space_duplicates(code: str) -> str:
   collapses to one definition: the first is kept, later ones whose signature
   is the same after removing the address-space words (in the same namespace
   or class) are blanked (line breaks and line markers kept). Function bodies
-  are not searched: only namespace and class scopes.
+  are not searched: only namespace and class scopes. With
+  ``keep_address_spaces`` (the address-space check's text) only exact
+  duplicates are dropped.
   """
   removals: list[tuple[int, int]] = []
 
@@ -227,7 +240,7 @@ def remove_address_space_duplicates(code: str) -> str:
       elif c in ")]":
         parens -= 1
       elif c == ";" and parens == 0:
-        stmt = _normalise(code[head_start:i])
+        stmt = _normalise(code[head_start:i], keep_address_spaces)
         # A member function declared twice (differing only by address space).
         if is_class and FUNCTION_HEAD_RE.fullmatch(stmt) and "=" not in stmt:
           key = (scope, stmt)
@@ -239,7 +252,7 @@ def remove_address_space_duplicates(code: str) -> str:
         i = match_close(code, i, "{", "}")  # a braced initialiser in a parameter list
       elif c == "{":
         close = match_close(code, i, "{", "}")
-        head = _normalise(code[head_start:i])
+        head = _normalise(code[head_start:i], keep_address_spaces)
         if re.match(r"(inline\s+)?namespace\b|extern\s+\"C", head):
           walk(i + 1, close, scope + (head,), False, seen)
         elif re.match(r"(template\s*<.*>\s*)?(struct|class|union)\b", head, re.S):
@@ -306,8 +319,15 @@ def preprocess(path: str, cxx: str, include_dirs: list[str]) -> str:
   return proc.stdout.replace(stubs, "<metal-headers>")
 
 
-def transform(src: str, path: str):
-  """``src`` is the preprocessed source of ``path``."""
+def transform(src: str, path: str, address_spaces: bool = False):
+  """``src`` is the preprocessed source of ``path``.
+
+  With ``address_spaces`` the result is the text the address-space check
+  compiles (msl_rules.check_address_spaces): address-space qualifiers stay
+  (the shim makes them clang address spaces), threadgroup variables become
+  function-local statics of that address space, and instead of the binding
+  glue every instantiation is named once (so that clang checks its body).
+  """
   code = blank_comments(src)
   constants: dict[str, tuple[str, int]] = {}   # name -> (type, index)
   instantiations: list[tuple[str, str, str]] = []
@@ -320,6 +340,8 @@ def transform(src: str, path: str):
   def fc_sub(m):
     ctype, name, idx = m.group(1), m.group(2), int(m.group(3))
     constants[name] = (ctype, idx)
+    if address_spaces:
+      return same_lines(m.group(0), f"static {ctype} {name};")
     return same_lines(m.group(0), f"static thread_local {ctype} {name};")
   code = re.sub(r"\bconstant\s+(\w+)\s+(\w+)\s*\[\[\s*function_constant\(\s*(\d+)\s*\)\s*\]\]\s*;",
                 fc_sub, code)
@@ -338,8 +360,11 @@ def transform(src: str, path: str):
   # Kernel definitions: `[[kernel]]` or an attribute list that contains it,
   # e.g. `[[kernel, max_total_threads_per_threadgroup(N)]]`.
   out, pos = [], 0
-  for m in re.finditer(r"\[\[([^\[\]]*)\]\]\s*void\s+(\w+)\s*\(", code):
-    attrs = [a.strip() for a in split_top_level(m.group(1))]
+  # The attributes may also be separate lists: `[[kernel]]
+  # [[max_total_threads_per_threadgroup(N)]]`.
+  for m in re.finditer(r"((?:\[\[[^\[\]]*\]\]\s*)+)void\s+(\w+)\s*\(", code):
+    attrs = [a.strip() for group in re.findall(r"\[\[([^\[\]]*)\]\]", m.group(1))
+             for a in split_top_level(group)]
     if "kernel" not in attrs:
       continue
     name = m.group(2)
@@ -367,8 +392,7 @@ def transform(src: str, path: str):
       elif a != "kernel":
         raise PrepassError(f"kernel {name}: unsupported kernel attribute [[{a}]]")
     kernels[name] = kernel
-    attr_text = code[m.start():m.end(1) + 2]
-    head = re.sub(r"[^\n]", " ", attr_text) + code[m.end(1) + 2:m.end() - 1]
+    head = re.sub(r"[^\n]", " ", m.group(1)) + code[m.end(1):m.end() - 1]
     out.append(code[pos:m.start()])
     out.append(head + "(" + ",".join(new_params) + ")")
     out.append(code[close_paren + 1:end + 1])
@@ -381,6 +405,28 @@ def transform(src: str, path: str):
     pos = end + 1
   out.append(code[pos:])
   code = "".join(out)
+
+  if address_spaces:
+    # Attributes and literal suffixes as below; nothing else changes.
+    code = ATTR_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)) if is_msl_attribute(m.group(1))
+                       else m.group(0), code)
+    code = LITERAL_RE.sub(
+        lambda m: f"static_cast<{'half' if m.group(2) in 'hH' else 'bfloat'}>({m.group(1)})",
+        code)
+    code = re.sub(rf"\bthreadgroup\s+({TYPE_RE})\s+(\w+)\s*((?:\[[^\]]+\]\s*)*);",
+                  lambda m: "static " + m.group(0), code)
+    # clang has no address-space-qualified member functions: `f() const
+    # threadgroup` / `f() const thread` overloads collapse to one.
+    code = re.sub(r"\)(\s*(?:const\s+)?)(?:thread|threadgroup|device|constant)\b(?=\s*(?:const\s*)?"
+                  r"(?:\{|;|=|:(?!:)))", r")\1", code)
+    # Array parameters of an address space are the pointers they decay to.
+    code = re.sub(rf"\b(constant|device|threadgroup)\s+((?:const\s+)?{TYPE_RE})\s+(\w+)\s*"
+                  r"\[[^\]]*\](?=\s*[,)])", r"\1 \2* \3", code)
+    code = remove_address_space_duplicates(code, keep_address_spaces=True)
+    for name, k in kernels.items():
+      if not k.is_template:
+        instantiations.append((name, name, None))
+    return code, constants, instantiations, kernels
 
   code = rewrite_threadgroup(code)
   # device / constant pointers -> checked pointers.
@@ -526,13 +572,15 @@ def glue(path: str, constants, instantiations, kernels) -> str:
     g.extend(f"    {{{idx}, \"{n}\"}}," for n, idx in used)
     g.append("    {-1, \"\"}};")
     fn = func if targs is None else f"{func}<{targs}>"
-    check, limit = "", "0"
+    # [[max_total_threads_per_threadgroup(N)]], N evaluated for this
+    # instantiation; the runtime refuses larger threadgroups at dispatch.
+    limit = "1024"
     if k.max_threads is not None:
       limit = f"msl_emu_max_threads_{func}" + ("()" if targs is None else f"<{targs}>()")
-      check = f"::msl::rt::check_max_threads({limit}); "
-    g.append(f"void msl_emu_run_{i}() {{ {check}::msl::rt::invoke(&{fn}, msl_emu_attrs_{i}); }}")
+    g.append(f"void msl_emu_run_{i}() {{ ::msl::rt::invoke(&{fn}, msl_emu_attrs_{i}); }}")
     entries.append(f"    {{\"{host}\", \"{path}\", &msl_emu_run_{i}, &msl_emu_set_constants, "
-                   f"msl_emu_consts_{i}, {len(used)}, {limit}}},")
+                   f"msl_emu_consts_{i}, {len(used)}, {limit}, "
+                   f"{'true' if k.max_threads is not None else 'false'}}},")
   g.append("const ::msl::rt::KernelEntry msl_emu_entries[] = {")
   g.extend(entries)
   g.append("};")
@@ -553,10 +601,17 @@ def main(argv):
   parser.add_argument("--kernels", default=None,
                       help="comma-separated host names: register (and so instantiate) only "
                            "these kernels")
+  parser.add_argument("--skip-rule", action="append", default=[],
+                      choices=("unroll", "language", "address-space"),
+                      help="do not enforce this rule of msl_rules.py (repeatable)")
+  parser.add_argument("--clang", default=None,
+                      help="clang++ for the address-space rule (without it that rule is skipped)")
   args = parser.parse_args(argv[1:])
   src_path, out_path = args.input, args.output
   try:
     src = preprocess(src_path, args.cxx, args.include_dirs)
+    findings = msl_rules.check(src, [r for r in ("unroll", "language")
+                                     if r not in args.skip_rule])
     code, constants, insts, kernels = transform(src, src_path)
     if not insts:
       raise PrepassError(f"{src_path}: no [[host_name]] kernel instantiations found")
@@ -566,6 +621,20 @@ def main(argv):
       if missing:
         raise PrepassError(f"{src_path}: no kernel instantiated as {', '.join(missing)}")
       insts = [inst for inst in insts if inst[0] in wanted]
+    if args.clang and "address-space" not in args.skip_rule:
+      as_code, _, _, _ = transform(src, src_path, address_spaces=True)
+      named = "".join(f"[[maybe_unused]] static auto* const msl_emu_instance_{i} = "
+                      f"&{func}{'' if targs is None else f'<{targs}>'};\n"
+                      for i, (_, func, targs) in enumerate(insts))
+      include = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+      try:
+        findings += msl_rules.check_address_spaces(as_code + "\n" + named, args.clang, include)
+      except msl_rules.ClangUnusable as e:
+        print(f"msl_prepass: warning: address-space rule skipped: {e}", file=sys.stderr)
+    if findings:
+      raise PrepassError(f"{src_path} breaks {len(findings)} MSL rule(s) "
+                         f"(cpp/metal/emulator/README.md, \"Rules\"):\n" +
+                         "\n".join(map(str, findings)))
     text = ("// Generated from " + src_path + " by msl_prepass.py. Do not edit.\n"
             "#include <metal_stdlib>\n" + code + glue(src_path, constants, insts, kernels))
   except PrepassError as e:

@@ -554,6 +554,11 @@ std::string validate_and_prepare(const DispatchSpec& spec, Dispatch* d) {
     return "kernel " + spec.kernel + ": threads per threadgroup must be 1..1024, got " +
            std::to_string(threads);
   }
+  if (d->entry->declared_max_threads && threads > d->entry->max_threads) {
+    return "kernel " + spec.kernel + ": " + std::to_string(threads) +
+           " threads per threadgroup exceed the kernel's max_total_threads_per_threadgroup(" +
+           std::to_string(d->entry->max_threads) + ")";
+  }
   if (spec.grid.x == 0 || spec.grid.y == 0 || spec.grid.z == 0) {
     return "kernel " + spec.kernel + ": empty grid";
   }

@@ -165,7 +165,10 @@ struct KernelEntry {
   void (*set_constants)(const ConstantValue* values, int count);
   const FunctionConstantDecl* used_constants;  // referenced by the kernel body
   int used_constant_count;
-  unsigned long max_threads = 0;  // its [[max_total_threads_per_threadgroup(N)]]: N, else 0
+  // Threads per threadgroup the kernel accepts: its
+  // [[max_total_threads_per_threadgroup(N)]] (declared_max_threads), else 1024.
+  unsigned long max_threads;
+  bool declared_max_threads;
 };
 
 struct Registrar {

@@ -35,6 +35,15 @@ inline short frag_col(uint lane) { return short(((lane / 4) & 2) * 2 + (lane % 2
 
 inline frag_t zero_frag() { return make_filled_simdgroup_matrix<float, 8, 8>(0.0f); }
 
+// N fragments of T kept in registers; FragArray<T, 0> is empty, so a kernel
+// variant that does not keep them declares no registers at all.
+template <typename T, int N>
+struct FragArray {
+  simdgroup_matrix<T, 8, 8> f[N];
+};
+template <typename T>
+struct FragArray<T, 0> {};
+
 // Which scores a query row may see, and the additive mask, for one (b, h).
 template <typename MaskT, bool kBoolMask>
 struct ScoreCtx {
@@ -68,8 +77,8 @@ inline float score2(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i
   float s = dot * c.scale2;
   if (c.use_mask) {
     const MaskT m = c.mask[c.mask_base + long(i) * c.mask_row_stride + long(j)];
-    if (kBoolMask) {
-      if (!bool(m)) return -INFINITY;
+    if constexpr (kBoolMask) {
+      if (!m) return -INFINITY;
     } else {
       s += float(m) * kLog2e;
     }

@@ -38,6 +38,7 @@ inline void tile_load(threadgroup T* dst, const device T* src, long stride, int 
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+#pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
     const int r = v / kVecsPerRow;
@@ -59,6 +60,7 @@ inline void tile_store(device T* dst, long stride, int row0, int n_valid,
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+#pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
     const int r = v / kVecsPerRow;

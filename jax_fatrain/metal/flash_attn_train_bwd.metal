@@ -111,15 +111,14 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   // dO, K and V (f32, D = 256); it is staged through the K tile then.
   constexpr bool kQInRegs =
       (2 * BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 > kMaxThreadgroupBytes;
-  constexpr int kQs = kQInRegs ? 1 : BQ * LD;
+  constexpr int kQs = kQInRegs ? 0 : BQ * LD;  // elements of the Q tile
   constexpr int kTgBytes = (kQs + (BQ + 2 * BK) * LD) * int(sizeof(T)) + kSx * 4;
   static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(!kQInRegs || BK >= BQ, "Q is staged through the K tile");
   static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
 
-  threadgroup T Qs[kQs];      // Q rows, then the output dQ rows
-  threadgroup T dOs[BQ * LD];
+  threadgroup T dOs[BQ * LD + kQs];  // dO rows, then (when staged) Q rows
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
@@ -139,7 +138,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   const int c0 = wn * DW;
   const int my_row = r0 + fr;
   const bool row_in = align_Q || my_row < ql;
-  threadgroup T* q_stage = kQInRegs ? Ks : Qs;
+  // Q rows, then the output dQ rows: after dO's, or (Q in registers) the K tile.
+  threadgroup T* q_stage = kQInRegs ? Ks : dOs + BQ * LD;
 
   const long qbase = long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const long obase = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
@@ -167,8 +167,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
   }
 
-  simdgroup_matrix<T, 8, 8> Qr[kQInRegs ? TD : 1];
+  FragArray<T, kQInRegs ? TD : 0> Qr;  // Q's fragments when Q is not staged
   frag_t dQf[TD];
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) dQf[dd] = zero_frag();
 
   if (k_first < k_stop) {
@@ -176,9 +177,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     tile_load<T, BQ, D, LD>(dOs, dO + obase, params->o_strides[2], q0, q_valid, tix);
     tile_load<T, BK, D, LD>(Vs, v_ptr, vs, k_first, align_K ? BK : min(BK, kl - k_first), tix);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (kQInRegs) {
+    if constexpr (kQInRegs) {
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
-        simdgroup_load(Qr[kQInRegs ? dd : 0], Ks + (wm * 8) * LD + c0 + dd * 8, LD);
+        simdgroup_load(Qr.f[dd], Ks + (wm * 8) * LD + c0 + dd * 8, LD);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
@@ -190,6 +192,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
                        ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
     bool any_live = false;
+#pragma clang loop unroll(full)
     for (int t = 0; t < TK; ++t) {
       live[t] = meets && kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
@@ -198,15 +201,19 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     frag_t S[TK];
     frag_t dP[TK];
     if (any_live) {
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) dP[t] = zero_frag();
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_matrix<T, 8, 8> dOf;
         simdgroup_load(dOf, dOs + (wm * 8) * LD + c0 + dd * 8, LD);
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Vt;  // row = head dim, col = key
-          simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Vt;  // row = head dim, col = key
+            simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
+          }
         }
       }
     }
@@ -216,63 +223,77 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
     }
     if (any_live) {
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) S[t] = zero_frag();
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_matrix<T, 8, 8> Qf;
-        if (kQInRegs) {
-          Qf = Qr[kQInRegs ? dd : 0];
+        if constexpr (kQInRegs) {
+          Qf = Qr.f[dd];
         } else {
-          simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
+          simdgroup_load(Qf, q_stage + (wm * 8) * LD + c0 + dd * 8, LD);
         }
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Kt;  // row = head dim, col = key
-          simdgroup_load(Kt, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(S[t], Qf, Kt, S[t]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Kt;  // row = head dim, col = key
+            simdgroup_load(Kt, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(S[t], Qf, Kt, S[t]);
+          }
         }
       }
-      if (WN > 1) {
+      if constexpr (WN > 1) {
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
-          simdgroup_store(dP[t], Sx + (kSimdgroups + int(simd_gid)) * 8 * BK + t * 8, BK);
+          if (live[t]) {
+            simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
+            simdgroup_store(dP[t], Sx + (kSimdgroups + int(simd_gid)) * 8 * BK + t * 8, BK);
+          }
         }
       }
     }
-    if (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
+    if constexpr (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
     if (any_live) {
       simdgroup_matrix<T, 8, 8> dS[TK];
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
-        if (!live[t]) continue;
-        if (WN > 1) {
-          // Full S and dP: the partials summed in simdgroup order.
-          S[t] = zero_frag();
-          dP[t] = zero_frag();
-          for (int w = 0; w < WN; ++w) {
-            frag_t part_s;
-            frag_t part_dp;
-            simdgroup_load(part_s, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
-            simdgroup_load(part_dp, Sx + (kSimdgroups + wm * WN + w) * 8 * BK + t * 8, BK);
-            for (int j = 0; j < 2; ++j) {
-              S[t].thread_elements()[j] += part_s.thread_elements()[j];
-              dP[t].thread_elements()[j] += part_dp.thread_elements()[j];
+        if (live[t]) {
+          if constexpr (WN > 1) {
+            // Full S and dP: the partials summed in simdgroup order.
+            S[t] = zero_frag();
+            dP[t] = zero_frag();
+#pragma clang loop unroll(full)
+            for (int w = 0; w < WN; ++w) {
+              frag_t part_s;
+              frag_t part_dp;
+              simdgroup_load(part_s, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
+              simdgroup_load(part_dp, Sx + (kSimdgroups + wm * WN + w) * 8 * BK + t * 8, BK);
+#pragma clang loop unroll(full)
+              for (int j = 0; j < 2; ++j) {
+                S[t].thread_elements()[j] += part_s.thread_elements()[j];
+                dP[t].thread_elements()[j] += part_dp.thread_elements()[j];
+              }
             }
           }
-        }
-        // dS = P * (dP - Delta); P = 0 for masked scores and rows without keys.
-        for (int j = 0; j < 2; ++j) {
-          const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
-          const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
-          dS[t].thread_elements()[j] = T(p * (dP[t].thread_elements()[j] - delta));
+          // dS = P * (dP - Delta); P = 0 for masked scores and rows without keys.
+#pragma clang loop unroll(full)
+          for (int j = 0; j < 2; ++j) {
+            const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
+            const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
+            dS[t].thread_elements()[j] = T(p * (dP[t].thread_elements()[j] - delta));
+          }
         }
       }
       // dQ += dS K.
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Kf;  // row = key, col = head dim
-          simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD);
-          simdgroup_multiply_accumulate(dQf[dd], dS[t], Kf, dQf[dd]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Kf;  // row = key, col = head dim
+            simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD);
+            simdgroup_multiply_accumulate(dQf[dd], dS[t], Kf, dQf[dd]);
+          }
         }
       }
     }
@@ -281,6 +302,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 
   // dQ * scale through the Q staging tile, then coalesced row stores.
   const float scale = params->scale;
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) {
     simdgroup_matrix<T, 8, 8> out;
     out.thread_elements()[0] = T(dQf[dd].thread_elements()[0] * scale);

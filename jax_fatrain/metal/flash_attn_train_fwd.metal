@@ -108,6 +108,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   }
 
   frag_t Of[TD];
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) Of[dd] = zero_frag();
   float m = -INFINITY;  // running max of this lane's row (base 2)
   float l = 0.0f;       // this lane's part of the running sum of exp2(s - m)
@@ -128,24 +129,30 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
                        ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
     bool any_live = false;
+#pragma clang loop unroll(full)
     for (int t = 0; t < TK; ++t) {
       live[t] = meets && kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
     }
     frag_t S[TK];
     if (any_live) {
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) S[t] = zero_frag();
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_matrix<T, 8, 8> Qf;
         simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Kf;  // row = head dim, col = key
-          simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(S[t], Qf, Kf, S[t]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Kf;  // row = head dim, col = key
+            simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(S[t], Qf, Kf, S[t]);
+          }
         }
       }
-      if (WN > 1) {
+      if constexpr (WN > 1) {
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
           if (live[t]) simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
         }
@@ -158,23 +165,28 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
                               tix);
     }
     if (any_live) {
-      if (WN > 1) {
+      if constexpr (WN > 1) {
         // Full scores: the partials of the WN simdgroups of this row block,
         // summed in simdgroup order (identical in all of them).
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          S[t] = zero_frag();
-          for (int w = 0; w < WN; ++w) {
-            frag_t part;
-            simdgroup_load(part, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
-            S[t].thread_elements()[0] += part.thread_elements()[0];
-            S[t].thread_elements()[1] += part.thread_elements()[1];
+          if (live[t]) {
+            S[t] = zero_frag();
+#pragma clang loop unroll(full)
+            for (int w = 0; w < WN; ++w) {
+              frag_t part;
+              simdgroup_load(part, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
+              S[t].thread_elements()[0] += part.thread_elements()[0];
+              S[t].thread_elements()[1] += part.thread_elements()[1];
+            }
           }
         }
       }
       // Online softmax; masked scores are -inf.
       float tile_max = -INFINITY;
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
+#pragma clang loop unroll(full)
         for (int j = 0; j < 2; ++j) {
           const float s = live[t] ? score2(ctx, S[t].thread_elements()[j], my_row,
                                            kb + t * 8 + fc + j)
@@ -187,7 +199,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       const float alpha = m == -INFINITY ? 0.0f : fast::exp2(m - m_new);
       simdgroup_matrix<T, 8, 8> P[TK];
       float part_sum = 0.0f;
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
+#pragma clang loop unroll(full)
         for (int j = 0; j < 2; ++j) {
           const float s = S[t].thread_elements()[j];
           const float p = s == -INFINITY ? 0.0f : fast::exp2(s - m_new);
@@ -198,14 +212,17 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       l = l * alpha + part_sum;
       m = m_new;
       // O = alpha * O + P V.
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         Of[dd].thread_elements()[0] *= alpha;
         Of[dd].thread_elements()[1] *= alpha;
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Vf;  // row = key, col = head dim
-          simdgroup_load(Vf, Vs + (t * 8) * LD + c0 + dd * 8, LD);
-          simdgroup_multiply_accumulate(Of[dd], P[t], Vf, Of[dd]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Vf;  // row = key, col = head dim
+            simdgroup_load(Vf, Vs + (t * 8) * LD + c0 + dd * 8, LD);
+            simdgroup_multiply_accumulate(Of[dd], P[t], Vf, Of[dd]);
+          }
         }
       }
     }
@@ -217,6 +234,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   // l NaN, and that NaN reaches O and L (the backward then spreads it).
   l = row_sum4(l);
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) {
     simdgroup_matrix<T, 8, 8> Ot;
     Ot.thread_elements()[0] = T(Of[dd].thread_elements()[0] * inv_l);

@@ -78,6 +78,10 @@ FATRAIN_ABI_BEGIN
 // Threads per threadgroup are (32, kSimdgroups, 1) in the forward, compute-D and
 // dQ kernels (the dK/dV kernel: see bwd_dkdv_simdgroups below).
 FATRAIN_ABI_CONST int kSimdgroups = 4;
+// ... so kThreadgroupThreads = 32 * kSimdgroups threads: the bound those kernels
+// declare as max_total_threads_per_threadgroup and the threadgroup size the
+// plan dispatches them with.
+FATRAIN_ABI_CONST int kThreadgroupThreads = 32 * kSimdgroups;
 
 // Tile sizes per head dim and element size (bytes of Q/K/V's dtype). The
 // forward and dQ kernels own block_q query rows per threadgroup and sweep the

@@ -17,7 +17,7 @@
 
 #include "flash_attn_common.h"
 
-static constant constexpr const int kThreads = 32 * kSimdgroups;
+static constant constexpr const int kThreads = kThreadgroupThreads;
 static constant constexpr const int kTilePad = 8;
 static constant constexpr const int kMaxThreadgroupBytes = 32768;
 

@@ -42,7 +42,7 @@
 #include "flash_attn_tiles.h"
 
 template <typename T>
-[[kernel]] void flash_attn_train_bwd_compute_d(
+[[kernel, max_total_threads_per_threadgroup(kThreadgroupThreads)]] void flash_attn_train_bwd_compute_d(
     const device T* O [[buffer(FATRAIN_BUF_O)]],
     constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
     const device T* dO [[buffer(FATRAIN_BUF_DO)]],
@@ -80,7 +80,7 @@ template <typename T>
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
-[[kernel]] void flash_attn_train_bwd_dq(
+[[kernel, max_total_threads_per_threadgroup(kThreadgroupThreads)]] void flash_attn_train_bwd_dq(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
     const device T* K [[buffer(FATRAIN_BUF_K)]],
     const device T* V [[buffer(FATRAIN_BUF_V)]],

@@ -34,7 +34,7 @@
 #include "flash_attn_tiles.h"
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
-[[kernel]] void flash_attn_train_fwd(
+[[kernel, max_total_threads_per_threadgroup(kThreadgroupThreads)]] void flash_attn_train_fwd(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
     const device T* K [[buffer(FATRAIN_BUF_K)]],
     const device T* V [[buffer(FATRAIN_BUF_V)]],

@@ -10,9 +10,10 @@
 // kThreads threads of the threadgroup move 4-element vectors, vector v =
 // thread + i * kThreads, row v / (D / 4); consecutive lanes read consecutive
 // 8-byte (16-bit types) or 16-byte (f32) vectors along the head dim, so one
-// simdgroup-wide load covers whole 128-byte cache lines. Device row starts
-// must be 4-element aligned (the dispatch plan requires strides that are
-// multiples of 4).
+// simdgroup-wide load covers whole 128-byte cache lines, and each vector is
+// one threadgroup store (or load) too. Device row starts must be 4-element
+// aligned (the dispatch plan requires strides that are multiples of 4); tile
+// rows are, since D and kTilePad are multiples of 4.
 #pragma once
 
 #include "flash_attn_common.h"
@@ -38,6 +39,7 @@ inline void tile_load(threadgroup T* dst, const device T* src, long stride, int 
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+  static_assert(LD % 4 == 0, "tile rows must be vector-aligned");
 #pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
@@ -45,11 +47,7 @@ inline void tile_load(threadgroup T* dst, const device T* src, long stride, int 
     const int c = (v % kVecsPerRow) * 4;
     V x = V(T(0));
     if (r < n_valid) x = *((const device V*)(src + (long(row0 + r) * stride + c)));
-    threadgroup T* out = dst + r * LD + c;
-    out[0] = x[0];
-    out[1] = x[1];
-    out[2] = x[2];
-    out[3] = x[3];
+    *((threadgroup V*)(dst + r * LD + c)) = x;
   }
 }
 
@@ -60,14 +58,15 @@ inline void tile_store(device T* dst, long stride, int row0, int n_valid,
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+  static_assert(LD % 4 == 0, "tile rows must be vector-aligned");
 #pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
     const int r = v / kVecsPerRow;
     const int c = (v % kVecsPerRow) * 4;
     if (r < n_valid) {
-      const threadgroup T* in = src + r * LD + c;
-      *((device V*)(dst + (long(row0 + r) * stride + c))) = V(in[0], in[1], in[2], in[3]);
+      *((device V*)(dst + (long(row0 + r) * stride + c))) =
+          *((const threadgroup V*)(src + r * LD + c));
     }
   }
 }

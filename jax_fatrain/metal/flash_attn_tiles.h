@@ -29,26 +29,58 @@ template <> struct Vec4Of<half> { typedef half4 type; };
 template <> struct Vec4Of<float> { typedef float4 type; };
 template <typename T> using vec4_t = typename Vec4Of<T>::type;
 
-// Copies rows [row0, row0 + ROWS) of a device matrix (row stride `stride`
-// elements, head dim contiguous) into the tile dst[ROWS][LD]; rows
-// >= n_valid are written as zeros (never left uninitialised: a NaN in a
-// padded row would reach the outputs through 0 * NaN).
-template <typename T, int ROWS, int D, int LD>
-inline void tile_load(threadgroup T* dst, const device T* src, long stride, int row0, int n_valid,
-                      int tix) {
+// This thread's share of a [ROWS, D] tile in registers (ROWS * D / (4 *
+// kThreads) vectors: 8 to 16 32-bit registers for the kernels' key tiles).
+// A kernel issues the device loads of its next tile into these registers
+// before the math on the current tiles (tile_fetch) and stores them to
+// threadgroup memory after it (tile_put), so the loads' latency overlaps the
+// math instead of stalling the threads that wait for them.
+template <typename T, int ROWS, int D>
+struct TileRegs {
+  vec4_t<T> v[ROWS * D / (4 * kThreads)];
+};
+
+// Loads rows [row0, row0 + ROWS) of a device matrix (row stride `stride`
+// elements, head dim contiguous) into registers; rows >= n_valid are zeros
+// (never left uninitialised: a NaN in a padded row would reach the outputs
+// through 0 * NaN).
+template <typename T, int ROWS, int D>
+inline void tile_fetch(thread TileRegs<T, ROWS, D>& r, const device T* src, long stride, int row0,
+                       int n_valid, int tix) {
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+#pragma clang loop unroll(full)
+  for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
+    const int v = i * kThreads + tix;
+    const int row = v / kVecsPerRow;
+    const int c = (v % kVecsPerRow) * 4;
+    r.v[i] = V(T(0));
+    if (row < n_valid) r.v[i] = *((const device V*)(src + (long(row0 + row) * stride + c)));
+  }
+}
+
+// Stores fetched rows into the tile dst[ROWS][LD], one vector store each.
+template <typename T, int ROWS, int D, int LD>
+inline void tile_put(threadgroup T* dst, thread const TileRegs<T, ROWS, D>& r, int tix) {
+  typedef vec4_t<T> V;
+  constexpr int kVecsPerRow = D / 4;
   static_assert(LD % 4 == 0, "tile rows must be vector-aligned");
 #pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
-    const int r = v / kVecsPerRow;
-    const int c = (v % kVecsPerRow) * 4;
-    V x = V(T(0));
-    if (r < n_valid) x = *((const device V*)(src + (long(row0 + r) * stride + c)));
-    *((threadgroup V*)(dst + r * LD + c)) = x;
+    *((threadgroup V*)(dst + (v / kVecsPerRow) * LD + (v % kVecsPerRow) * 4)) = r.v[i];
   }
+}
+
+// tile_fetch and tile_put at once (tiles loaded before a barrier with no
+// math to overlap: Q and dO).
+template <typename T, int ROWS, int D, int LD>
+inline void tile_load(threadgroup T* dst, const device T* src, long stride, int row0, int n_valid,
+                      int tix) {
+  TileRegs<T, ROWS, D> r;
+  tile_fetch<T, ROWS, D>(r, src, stride, row0, n_valid, tix);
+  tile_put<T, ROWS, D, LD>(dst, r, tix);
 }
 
 // Copies tile rows [0, n_valid) to device rows [row0, row0 + n_valid).

@@ -7,9 +7,10 @@
 //     H_q, B), threadgroup (32, 4, 1), BQ and BK = dq_block_q / dq_block_k
 //     (flash_attn_abi.h). The threadgroup stages its Q and dO rows once and
 //     sweeps the visible keys BK at a time through a K and a V tile in
-//     threadgroup memory (coalesced vector loads). Per key step:
-//       load K_j | dP = dO V_j^T  (barrier)  load V_j+1 | S = Q K_j^T, dS,
-//       dQ += dS K_j  (barrier)
+//     threadgroup memory (coalesced vector loads, issued into registers
+//     before the math on the other tile and stored after it). Per key step:
+//       fetch K_j | dP = dO V_j^T | put K_j  (barrier)
+//       fetch V_j+1 | S = Q K_j^T, dS, dQ += dS K_j | put V_j+1  (barrier)
 //     (plus one barrier before the partial sums when WN > 1). Simdgroup
 //     (wm, wn) owns rows wm * 8 .. +7 and head-dim columns wn * D / WN .. as
 //     in the forward, keeping dQ in float32 registers:
@@ -185,9 +186,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
+  TileRegs<T, BK, D> next;  // this thread's share of the next K or V tile
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
-    tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb, k_valid, tix);  // overlaps dP = dO V^T
+    tile_fetch<T, BK, D>(next, k_ptr, ks, kb, k_valid, tix);  // K_j, stored after dP
     const bool meets = !has_segments ||
                        ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
@@ -217,10 +219,12 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j loaded, V_j read
+    tile_put<T, BK, D, LD>(Ks, next, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j stored, V_j read
 
-    if (kb + BK < k_stop) {  // overlaps S, dS and dQ
-      tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
+    const bool more = kb + BK < k_stop;
+    if (more) {  // V_j+1, stored after S, dS and dQ
+      tile_fetch<T, BK, D>(next, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
     }
     if (any_live) {
 #pragma clang loop unroll(full)
@@ -297,7 +301,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j and Sx read, V_j+1 loaded
+    if (more) tile_put<T, BK, D, LD>(Vs, next, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j and Sx read, V_j+1 stored
   }
 
   // dQ * scale through the Q staging tile, then coalesced row stores.

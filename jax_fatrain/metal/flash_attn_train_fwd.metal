@@ -4,11 +4,14 @@
 // step) per head dim and dtype from flash_attn_abi.h. The threadgroup stages
 // its BQ query rows once, then sweeps the visible keys BK at a time through
 // two threadgroup tiles, K and V, loaded cooperatively with coalesced vector
-// loads. The loads alternate with the math on the other tile:
+// loads. Each thread issues its share of a tile's device loads into registers
+// before the math on the other tile and stores them to threadgroup memory
+// after it:
 //
-//   load V_j      | S = Q K_j^T      (barrier)  load K_j+1 | O += P V_j  (barrier)
+//   fetch V_j | S = Q K_j^T | put V_j  (barrier)
+//   fetch K_j+1 | O += P V_j | put K_j+1  (barrier)
 //
-// so every load has the other operand's math to overlap with, at two barriers
+// so every load's latency overlaps the other operand's math, at two barriers
 // per key step. Simdgroup (wm, wn) owns query rows wm * 8 .. +7 and head-dim
 // columns wn * D / WN .. (WN = 4 * 8 / BQ simdgroups share a row block at
 // D = 256 and f32 D = 128; their partial scores over their columns are summed
@@ -118,9 +121,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     tile_load<T, BK, D, LD>(Ks, k_ptr, ks, k_first, align_K ? BK : min(BK, kl - k_first), tix);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  TileRegs<T, BK, D> next;  // this thread's share of the next K or V tile
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
-    tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb, k_valid, tix);
+    tile_fetch<T, BK, D>(next, v_ptr, vs, kb, k_valid, tix);  // V_j, stored after S
 
     // S = Q K^T over this simdgroup's columns, for the 8-key fragments its
     // rows can see (uniform across the simdgroup), in a block whose segment
@@ -158,11 +162,12 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // V_j loaded, K_j read, Sx written
+    tile_put<T, BK, D, LD>(Vs, next, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // V_j stored, K_j read, Sx written
 
-    if (kb + BK < k_stop) {
-      tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb + BK, align_K ? BK : min(BK, kl - kb - BK),
-                              tix);
+    const bool more = kb + BK < k_stop;
+    if (more) {  // K_j+1, stored after O += P V_j
+      tile_fetch<T, BK, D>(next, k_ptr, ks, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
     }
     if (any_live) {
       if constexpr (WN > 1) {
@@ -226,7 +231,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j+1 loaded, V_j and Sx read
+    if (more) tile_put<T, BK, D, LD>(Ks, next, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j+1 stored, V_j and Sx read
   }
 
   // O = O / l through the Q tile (no longer read), then coalesced row stores.

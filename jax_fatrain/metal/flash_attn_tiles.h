@@ -20,13 +20,16 @@
 
 static constant constexpr const int kThreads = kThreadgroupThreads;
 static constant constexpr const int kTilePad = 8;
-static constant constexpr const int kMaxThreadgroupBytes = 32768;
+// Two threadgroups per GPU core: Apple GPUs have about 60 KiB of threadgroup
+// memory per core (Apple7-9), so a kernel uses at most 30 KiB.
+static constant constexpr const int kMaxThreadgroupBytes = 30 * 1024;
 
-// 4-element vector of T (bfloat4, half4, float4).
+// 4-element vector of T (bfloat4, half4, float4; bool4 for boolean masks).
 template <typename T> struct Vec4Of;
 template <> struct Vec4Of<bfloat> { typedef bfloat4 type; };
 template <> struct Vec4Of<half> { typedef half4 type; };
 template <> struct Vec4Of<float> { typedef float4 type; };
+template <> struct Vec4Of<bool> { typedef bool4 type; };
 template <typename T> using vec4_t = typename Vec4Of<T>::type;
 
 // This thread's share of a [ROWS, D] tile in registers (ROWS * D / (4 *
@@ -119,6 +122,81 @@ inline int2 visible_keys(thread const ScoreCtx<MaskT, kBoolMask>& c, int row_fir
   if (c.window && c.window_right >= 0) end = min64(end, long(row_last) + c.window_right + 1);
   if (c.window && c.window_left >= 0) begin = max64(begin, long(row_first) - c.window_left);
   return int2(int(begin), int(max64(begin, end)));
+}
+
+// The score operands of one key step, staged in threadgroup memory once per
+// step so that scores read them there instead of from device memory per
+// element: the mask of the BQ query rows x BK keys (additive in Q's dtype,
+// or bool), rows padded by 16 bytes to mask_tile_ld elements (the 8 rows of a
+// fragment then start in different banks), and the BK keys' segment ids.
+// Threadgroup bytes: BQ * mask_tile_ld * sizeof(MaskT) + BK * 4.
+constexpr int mask_tile_ld(int block_k, int mask_bytes) { return block_k + 16 / mask_bytes; }
+
+// This thread's share of a key step's score operands in registers (fetched
+// with the step's K or V tile, stored after the math that follows).
+template <typename MaskT, int BQ, int BK>
+struct ScoreTileRegs {
+  vec4_t<MaskT> mask[(BQ * BK / 4 + kThreads - 1) / kThreads];
+  int kv_id;  // the segment id of key kb + tix (threads tix < BK)
+};
+
+// Loads the mask of query rows [q0, q0 + BQ) x keys [kb, kb + BK) (when
+// c.use_mask) with 4-element vectors, consecutive threads on consecutive
+// vectors along a row, and key kb + tix's segment id (c.segments). Vectors
+// whose keys no row of theirs can see (lengths, causal, window), and those
+// past the limits, are zeros and not read; where rows are not 4-element
+// aligned (odd strides of a broadcast mask) or the keys end inside a vector,
+// its elements are read one by one.
+template <typename MaskT, bool kBoolMask, int BQ, int BK>
+inline void score_tile_fetch(thread ScoreTileRegs<MaskT, BQ, BK>& r,
+                             thread const ScoreCtx<MaskT, kBoolMask>& c, int q0, int kb, int tix) {
+  typedef vec4_t<MaskT> V;
+  constexpr int kVecs = BQ * BK / 4;
+  constexpr int kPerThread = (kVecs + kThreads - 1) / kThreads;
+  static_assert(BK % 4 == 0 && BK <= kThreads, "score tile shape");
+  if (c.use_mask) {
+#pragma clang loop unroll(full)
+    for (int i = 0; i < kPerThread; ++i) {
+      const int v = i * kThreads + tix;
+      const int q = q0 + v / (BK / 4);
+      const int k = kb + (v % (BK / 4)) * 4;
+      const int2 seen = visible_keys(c, q, q);  // keys row q can see (none past q_limit)
+      r.mask[i] = V(MaskT(0));
+      if ((kVecs % kThreads == 0 || v < kVecs) && k < seen.y && k + 4 > seen.x) {
+        const device MaskT* src = c.mask + (c.mask_base + long(q) * c.mask_row_stride + k);
+        if (c.mask_vec4 && k + 4 <= c.k_limit) {
+          r.mask[i] = *((const device V*)src);
+        } else {
+#pragma clang loop unroll(full)
+          for (int e = 0; e < 4; ++e) {
+            if (k + e < c.k_limit) r.mask[i][e] = src[e];
+          }
+        }
+      }
+    }
+  }
+  r.kv_id = 0;
+  if (c.segments && tix < BK && kb + tix < c.k_limit) r.kv_id = c.kv_seg[kb + tix];
+}
+
+// Stores fetched score operands: the mask tile ms[BQ][LDM], the ids kv_ids[BK].
+template <typename MaskT, bool kBoolMask, int BQ, int BK, int LDM>
+inline void score_tile_put(threadgroup MaskT* ms, threadgroup int* kv_ids,
+                           thread const ScoreTileRegs<MaskT, BQ, BK>& r,
+                           thread const ScoreCtx<MaskT, kBoolMask>& c, int tix) {
+  typedef vec4_t<MaskT> V;
+  constexpr int kVecs = BQ * BK / 4;
+  static_assert(LDM % 4 == 0, "mask tile rows must be vector-aligned");
+  if (c.use_mask) {
+#pragma clang loop unroll(full)
+    for (int i = 0; i < (kVecs + kThreads - 1) / kThreads; ++i) {
+      const int v = i * kThreads + tix;
+      if (kVecs % kThreads == 0 || v < kVecs) {
+        *((threadgroup V*)(ms + (v / (BK / 4)) * LDM + (v % (BK / 4)) * 4)) = r.mask[i];
+      }
+    }
+  }
+  if (c.segments && tix < BK) kv_ids[tix] = r.kv_id;
 }
 
 // Segment ids: the smallest and largest of ids[first .. first + n) (1 <= n

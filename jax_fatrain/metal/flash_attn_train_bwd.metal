@@ -16,7 +16,9 @@
 //     in the forward, keeping dQ in float32 registers:
 //       S = Q K^T, P = exp2(S * scale * log2e + mask * log2e - L * log2e),
 //       dP = dO V^T, dS = P * (dP - Delta), dQ += dS K; dQ *= scale.
-//     dS is rounded to the input dtype for dS K (exact for f32).
+//     dS is rounded to the input dtype for dS K (exact for f32). The key
+//     step's mask and key segment ids are fetched with K_j and staged in
+//     threadgroup memory, as in the forward.
 //  3. flash_attn_train_bwd_dkdv_{dt}_d{D}: KV tiles outer. Grid (ceil(kL /
 //     bwd_block_kv), H_kv, B), threadgroup (32, bwd_dkdv_simdgroups, 1); each
 //     threadgroup loops over the query heads of its GQA group and the visible
@@ -108,13 +110,15 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int TK = BK / 8;
   constexpr int LD = D + kTilePad;
   constexpr int kSx = WN > 1 ? 2 * kSimdgroups * 8 * BK : 1;  // partial S and dP
+  constexpr int LDM = mask_tile_ld(BK, int(sizeof(MaskT)));
+  constexpr int kScoreBytes = BQ * LDM * int(sizeof(MaskT)) + BK * 4;  // mask, key ids
   // Q stays in registers (TD fragments) where its tile does not fit beside
-  // dO, K and V (f32, D = 256); it is staged through the K tile then.
+  // dO, K, V and the rest (f32, D = 256); it is staged through the K tile then.
   constexpr bool kQInRegs =
-      (2 * BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 > kMaxThreadgroupBytes;
+      (2 * BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 + kScoreBytes > kMaxThreadgroupBytes;
   constexpr int kQs = kQInRegs ? 0 : BQ * LD;  // elements of the Q tile
-  constexpr int kTgBytes = (kQs + (BQ + 2 * BK) * LD) * int(sizeof(T)) + kSx * 4;
-  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
+  constexpr int kTgBytes = (kQs + (BQ + 2 * BK) * LD) * int(sizeof(T)) + kSx * 4 + kScoreBytes;
+  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 30 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(!kQInRegs || BK >= BQ, "Q is staged through the K tile");
   static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
@@ -123,6 +127,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
+  threadgroup MaskT Ms[BQ * LDM];  // the mask of the key step (has_mask)
+  threadgroup int KvIds[BK];       // the key step's segment ids (has_segments)
 
   const int b = int(tid.z);
   const int h = int(tid.y);
@@ -163,9 +169,11 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   int k_stop = tg_keys.y;
   const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
   int2 q_ids = int2(0, 0);  // the query rows' segment id range
+  int my_id = 0;            // this lane's row's segment id
   if (has_segments && k_first < k_stop) {
     q_ids = segment_range(ctx.q_seg, q0, q_valid, simd_lid);
     narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
+    if (my_row < ctx.q_limit) my_id = ctx.q_seg[my_row];
   }
 
   FragArray<T, kQInRegs ? TD : 0> Qr;  // Q's fragments when Q is not staged
@@ -187,9 +195,12 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     }
   }
   TileRegs<T, BK, D> next;  // this thread's share of the next K or V tile
+  ScoreTileRegs<MaskT, BQ, BK> next_score;  // ... of the key step's mask and ids
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
-    tile_fetch<T, BK, D>(next, k_ptr, ks, kb, k_valid, tix);  // K_j, stored after dP
+    // K_j, the mask and the keys' ids, stored after dP.
+    tile_fetch<T, BK, D>(next, k_ptr, ks, kb, k_valid, tix);
+    score_tile_fetch<MaskT, kBoolMask, BQ, BK>(next_score, ctx, q0, kb, tix);
     const bool meets = !has_segments ||
                        ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
@@ -220,7 +231,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       }
     }
     tile_put<T, BK, D, LD>(Ks, next, tix);
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j stored, V_j read
+    score_tile_put<MaskT, kBoolMask, BQ, BK, LDM>(Ms, KvIds, next_score, ctx, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j, mask and ids stored, V_j read
 
     const bool more = kb + BK < k_stop;
     if (more) {  // V_j+1, stored after S, dS and dQ
@@ -259,6 +271,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     if constexpr (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
     if (any_live) {
       simdgroup_matrix<T, 8, 8> dS[TK];
+      const threadgroup MaskT* my_mask = Ms + (wm * 8 + fr) * LDM + fc;
 #pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
         if (live[t]) {
@@ -282,7 +295,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
           // dS = P * (dP - Delta); P = 0 for masked scores and rows without keys.
 #pragma clang loop unroll(full)
           for (int j = 0; j < 2; ++j) {
-            const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
+            const int c = t * 8 + fc + j;  // key kb + c
+            const float s = score2_staged(ctx, S[t].thread_elements()[j], my_row, kb + c,
+                                          my_mask + t * 8 + j, KvIds + c, my_id);
             const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
             dS[t].thread_elements()[j] = T(p * (dP[t].thread_elements()[j] - delta));
           }

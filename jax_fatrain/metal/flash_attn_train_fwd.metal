@@ -24,7 +24,9 @@
 // Segment ids (packed sequences): the id range of the threadgroup's query
 // rows is computed once, the sweep is narrowed to the first through the last
 // key block whose ids meet it, and blocks in between that share no id are
-// not computed; ids are compared per score.
+// not computed; ids are compared per score. The key step's mask (BQ x BK,
+// coalesced vector loads) and its keys' segment ids are fetched with V_j and
+// staged in threadgroup memory beside it, so scores read them there.
 // A row that sees no key gets O = 0 and L = -inf exactly (masked scores are
 // -inf and give p = 0 without evaluating exp2).
 //
@@ -62,8 +64,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int TK = BK / 8;
   constexpr int LD = D + kTilePad;
   constexpr int kSx = WN > 1 ? kSimdgroups * 8 * BK : 1;  // partial scores
-  constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4;
-  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
+  constexpr int LDM = mask_tile_ld(BK, int(sizeof(MaskT)));
+  constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 +
+                           BQ * LDM * int(sizeof(MaskT)) + BK * 4;
+  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 30 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
 
@@ -71,6 +75,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
+  threadgroup MaskT Ms[BQ * LDM];  // the mask of the key step (has_mask)
+  threadgroup int KvIds[BK];       // the key step's segment ids (has_segments)
 
   const int b = int(tid.z);
   const int h = int(tid.y);
@@ -105,9 +111,11 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   int k_stop = tg_keys.y;
   const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
   int2 q_ids = int2(0, 0);  // the query rows' segment id range
+  int my_id = 0;            // this lane's row's segment id
   if (has_segments && k_first < k_stop) {
     q_ids = segment_range(ctx.q_seg, q0, q_valid, simd_lid);
     narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
+    if (my_row < ctx.q_limit) my_id = ctx.q_seg[my_row];
   }
 
   frag_t Of[TD];
@@ -122,9 +130,12 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   TileRegs<T, BK, D> next;  // this thread's share of the next K or V tile
+  ScoreTileRegs<MaskT, BQ, BK> next_score;  // ... of the key step's mask and ids
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
-    tile_fetch<T, BK, D>(next, v_ptr, vs, kb, k_valid, tix);  // V_j, stored after S
+    // V_j, the mask and the keys' ids, stored after S.
+    tile_fetch<T, BK, D>(next, v_ptr, vs, kb, k_valid, tix);
+    score_tile_fetch<MaskT, kBoolMask, BQ, BK>(next_score, ctx, q0, kb, tix);
 
     // S = Q K^T over this simdgroup's columns, for the 8-key fragments its
     // rows can see (uniform across the simdgroup), in a block whose segment
@@ -163,7 +174,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       }
     }
     tile_put<T, BK, D, LD>(Vs, next, tix);
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // V_j stored, K_j read, Sx written
+    score_tile_put<MaskT, kBoolMask, BQ, BK, LDM>(Ms, KvIds, next_score, ctx, tix);
+    // V_j, mask and ids stored, K_j read, Sx written.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const bool more = kb + BK < k_stop;
     if (more) {  // K_j+1, stored after O += P V_j
@@ -189,12 +202,14 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       }
       // Online softmax; masked scores are -inf.
       float tile_max = -INFINITY;
+      const threadgroup MaskT* my_mask = Ms + (wm * 8 + fr) * LDM + fc;
 #pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
 #pragma clang loop unroll(full)
         for (int j = 0; j < 2; ++j) {
-          const float s = live[t] ? score2(ctx, S[t].thread_elements()[j], my_row,
-                                           kb + t * 8 + fc + j)
+          const int c = t * 8 + fc + j;  // key kb + c
+          const float s = live[t] ? score2_staged(ctx, S[t].thread_elements()[j], my_row, kb + c,
+                                                  my_mask + t * 8 + j, KvIds + c, my_id)
                                   : -INFINITY;
           S[t].thread_elements()[j] = s;
           tile_max = max(tile_max, s);

@@ -55,7 +55,9 @@ template <typename T>
     uint simd_lid [[thread_index_in_simdgroup]]) {
   // Each simdgroup reduces 8 rows; lane i dots the 4-element vectors i,
   // i + 32, ... of a row (coalesced 8- or 16-byte loads), then simd_sum.
-  // Lane r keeps row r's sum, so the 8 results leave in one 32-byte store.
+  // All 8 rows' loads are issued before the first reduction, so their
+  // latencies overlap. Lane r keeps row r's sum, so the 8 results leave in
+  // one 32-byte store.
   typedef vec4_t<T> V4;
   const int b = int(tid.z);
   const int h = int(tid.y);
@@ -64,20 +66,27 @@ template <typename T>
   const long base = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
   const int row0 = int(tid.x) * (8 * kSimdgroups) + int(simd_gid) * 8;
   const int rows = min(8, ql - row0);  // uniform across the simdgroup
-  float mine = 0.0f;
-  for (int r = 0; r < rows; ++r) {
-    const long off = base + long(row0 + r) * params->o_strides[2];
-    float acc = 0.0f;
-    for (int c = int(simd_lid); c < d4; c += 32) {
-      const V4 o = *((const device V4*)(O + (off + 4 * c)));
-      const V4 g = *((const device V4*)(dO + (off + 4 * c)));
-      acc += float(o[0]) * float(g[0]);
-      acc += float(o[1]) * float(g[1]);
-      acc += float(o[2]) * float(g[2]);
-      acc += float(o[3]) * float(g[3]);
+  float part[8];  // this lane's share of each row's dot product
+#pragma clang loop unroll(full)
+  for (int r = 0; r < 8; ++r) {
+    part[r] = 0.0f;
+    if (r < rows) {
+      const long off = base + long(row0 + r) * params->o_strides[2];
+      for (int c = int(simd_lid); c < d4; c += 32) {
+        const V4 o = *((const device V4*)(O + (off + 4 * c)));
+        const V4 g = *((const device V4*)(dO + (off + 4 * c)));
+        part[r] += float(o[0]) * float(g[0]);
+        part[r] += float(o[1]) * float(g[1]);
+        part[r] += float(o[2]) * float(g[2]);
+        part[r] += float(o[3]) * float(g[3]);
+      }
     }
-    acc = simd_sum(acc);
-    if (int(simd_lid) == r) mine = acc;
+  }
+  float mine = 0.0f;
+#pragma clang loop unroll(full)
+  for (int r = 0; r < 8; ++r) {
+    const float sum = simd_sum(part[r]);  // every lane joins, rows or not
+    if (int(simd_lid) == r) mine = sum;
   }
   if (int(simd_lid) < rows) Delta[(long(b) * params->h + h) * ql + row0 + int(simd_lid)] = mine;
 }

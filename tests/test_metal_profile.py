@@ -12,6 +12,9 @@
 * segment ids: a causal pack of documents aligned to every tile costs
   exactly the MMAs of its documents run alone, in the forward, dQ and dK/dV
   kernels (the tiles between documents are skipped);
+* masks: the forward and dQ kernels stage each key step's mask tile with
+  vector loads, so a masked problem's device reads stay coalesced, and the
+  tile fits their 30 KiB of threadgroup memory;
 * sampling scales to the full run within tolerance;
 * recording is off unless requested, and its arguments are checked.
 """
@@ -139,6 +142,39 @@ def test_packed_documents_skip_the_tiles_between_them(dtype, head_dim):
     _check_launch(packed[kind])
     assert packed[kind]["simdgroup_mma"] == 4 * alone[kind]["simdgroup_mma"], kind
     assert packed[kind]["simdgroup_mma"] < 0.5 * dense[kind]["simdgroup_mma"], kind
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_masks_are_staged_with_coalesced_loads(kind):
+  """A full [1, 1, T, S] mask, bf16, D = 64 (32 x 32 tiles): the forward and
+  dQ kernels read each key step's mask rows as 4-element vectors along the
+  keys into threadgroup memory (a 64-byte bf16 or 32-byte bool row segment
+  per 8 or 4 lanes), which keeps the kernel's coalescing above 0.7; read
+  per score element from the fragments' lanes (8 rows of 16 or 8 bytes per
+  load) it would be about 0.25. Same MMAs as without the mask, no races."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jax_fatrain
+  n, d = 128, 64
+  rng = np.random.default_rng(5)
+  q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2, n, d)), jnp.bfloat16)
+                 for _ in range(4))
+  mask = (jnp.asarray(rng.standard_normal((1, 1, n, n)), jnp.bfloat16) if kind == "additive"
+          else jnp.asarray(rng.random((1, 1, n, n)) < 0.8))
+  args = dict(scale=0.125, causal=False, implementation="metal_emulated")
+  with metal_profile.record() as launches:
+    o, lse = jax.block_until_ready(jax_fatrain.flash_attn_train_fwd(q, k, v, mask, **args))
+    jax.block_until_ready(jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, mask, **args))
+  plain = _by_kernel(metal_profile.run_problem(seq_len=n, head_dim=d, q_heads=2, kv_heads=2,
+                                               backward=True))
+  for kind_, launch in _by_kernel(launches).items():
+    _check_launch(launch)
+    assert launch["simdgroup_mma"] == plain[kind_]["simdgroup_mma"], kind_
+    if kind_ in ("fwd", "dq"):
+      assert launch["peak_tg_bytes"] <= 30 * 1024, kind_
+      assert metal_profile.coalescing(launch) > 0.7, (kind_, metal_profile.coalescing(launch))
 
 
 def test_sampling_scales_to_the_full_run():

@@ -78,6 +78,10 @@ FATRAIN_ABI_BEGIN
 // Threads per threadgroup are (32, kSimdgroups, 1) in the forward, compute-D and
 // dQ kernels (the dK/dV kernel: see bwd_dkdv_simdgroups below).
 FATRAIN_ABI_CONST int kSimdgroups = 4;
+// ... so kThreadgroupThreads = 32 * kSimdgroups threads: the bound those kernels
+// declare as max_total_threads_per_threadgroup and the threadgroup size the
+// plan dispatches them with.
+FATRAIN_ABI_CONST int kThreadgroupThreads = 32 * kSimdgroups;
 
 // Tile sizes per head dim and element size (bytes of Q/K/V's dtype). The
 // forward and dQ kernels own block_q query rows per threadgroup and sweep the
@@ -85,12 +89,13 @@ FATRAIN_ABI_CONST int kSimdgroups = 4;
 // threadgroup memory; a threadgroup's kSimdgroups simdgroups cover the
 // block_q rows 8 at a time and split the head dim among the simdgroups that
 // share 8 rows (kSimdgroups * 8 / block_q of them). The sizes are the largest
-// that keep every variant within 32 KiB of threadgroup memory and about 64
-// live floats per lane (jax_fatrain/metal/README.md has the counts).
+// that keep every variant within 30 KiB of threadgroup memory (two
+// threadgroups per GPU core), the mask tile included, and about 64 live
+// floats per lane (jax_fatrain/metal/README.md has the counts).
 //
 //              forward (block_q, block_k)   dQ (block_q, block_k)
 //   head dim   16-bit      f32              16-bit      f32
-//   64         32, 32      32, 32           32, 32      32, 16
+//   64         32, 32      32, 16           32, 32      32, 16
 //   128        32, 32      16, 16           32, 16      16, 8
 //   256        16, 16       8,  8           16, 8        8, 8
 FATRAIN_ABI_FN int fwd_block_q(int head_dim, int elem_bytes) {
@@ -98,7 +103,7 @@ FATRAIN_ABI_FN int fwd_block_q(int head_dim, int elem_bytes) {
                                                : (elem_bytes <= 2 ? 16 : 8);
 }
 FATRAIN_ABI_FN int fwd_block_k(int head_dim, int elem_bytes) {
-  return fwd_block_q(head_dim, elem_bytes);
+  return head_dim <= 64 && elem_bytes > 2 ? 16 : fwd_block_q(head_dim, elem_bytes);
 }
 FATRAIN_ABI_FN int dq_block_q(int head_dim, int elem_bytes) {
   return fwd_block_q(head_dim, elem_bytes);

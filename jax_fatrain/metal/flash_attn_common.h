@@ -35,6 +35,15 @@ inline short frag_col(uint lane) { return short(((lane / 4) & 2) * 2 + (lane % 2
 
 inline frag_t zero_frag() { return make_filled_simdgroup_matrix<float, 8, 8>(0.0f); }
 
+// N fragments of T kept in registers; FragArray<T, 0> is empty, so a kernel
+// variant that does not keep them declares no registers at all.
+template <typename T, int N>
+struct FragArray {
+  simdgroup_matrix<T, 8, 8> f[N];
+};
+template <typename T>
+struct FragArray<T, 0> {};
+
 // Which scores a query row may see, and the additive mask, for one (b, h).
 template <typename MaskT, bool kBoolMask>
 struct ScoreCtx {
@@ -48,6 +57,7 @@ struct ScoreCtx {
   int window_right;
   float scale2;  // scale * log2(e)
   bool use_mask;
+  bool mask_vec4;  // mask rows start 4-element aligned: vector loads allowed
   bool causal;
   bool window;
   bool segments;
@@ -55,21 +65,50 @@ struct ScoreCtx {
   const device int* kv_seg;
 };
 
-// The base-2 score of (query i, key j) from the raw dot product, or -inf.
+// Whether query i may see key j through the lengths, causal and window limits.
+template <typename MaskT, bool kBoolMask>
+inline bool sees(thread const ScoreCtx<MaskT, kBoolMask>& c, int i, int j) {
+  if (i >= c.q_limit || j >= c.k_limit) return false;
+  if (c.causal && j > i + c.ql_off) return false;
+  if (c.window) {
+    if (c.window_left >= 0 && j < i - c.window_left) return false;
+    if (c.window_right >= 0 && j > i + c.window_right) return false;
+  }
+  return true;
+}
+
+// The base-2 score of (query i, key j) from the raw dot product, or -inf;
+// segment ids and the mask are read from device memory.
 template <typename MaskT, bool kBoolMask>
 inline float score2(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i, int j) {
-  if (i >= c.q_limit || j >= c.k_limit) return -INFINITY;
-  if (c.causal && j > i + c.ql_off) return -INFINITY;
-  if (c.window) {
-    if (c.window_left >= 0 && j < i - c.window_left) return -INFINITY;
-    if (c.window_right >= 0 && j > i + c.window_right) return -INFINITY;
-  }
+  if (!sees(c, i, j)) return -INFINITY;
   if (c.segments && c.q_seg[i] != c.kv_seg[j]) return -INFINITY;
   float s = dot * c.scale2;
   if (c.use_mask) {
     const MaskT m = c.mask[c.mask_base + long(i) * c.mask_row_stride + long(j)];
-    if (kBoolMask) {
-      if (!bool(m)) return -INFINITY;
+    if constexpr (kBoolMask) {
+      if (!m) return -INFINITY;
+    } else {
+      s += float(m) * kLog2e;
+    }
+  }
+  return s;
+}
+
+// The same score with the mask value and key j's segment id read from
+// threadgroup tiles (mask_at: the (i, j) element of the staged mask tile,
+// kv_id_at: key j's staged id) and query i's segment id passed in q_id.
+template <typename MaskT, bool kBoolMask>
+inline float score2_staged(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i, int j,
+                           const threadgroup MaskT* mask_at, const threadgroup int* kv_id_at,
+                           int q_id) {
+  if (!sees(c, i, j)) return -INFINITY;
+  if (c.segments && *kv_id_at != q_id) return -INFINITY;
+  float s = dot * c.scale2;
+  if (c.use_mask) {
+    const MaskT m = *mask_at;
+    if constexpr (kBoolMask) {
+      if (!m) return -INFINITY;
     } else {
       s += float(m) * kLog2e;
     }
@@ -95,6 +134,7 @@ inline ScoreCtx<MaskT, kBoolMask> make_score_ctx(
     c.mask_base = long(b) * mask_params->m_strides[0] + long(h) * mask_params->m_strides[1];
     c.mask_row_stride = mask_params->m_strides[2];
   }
+  c.mask_vec4 = c.mask_base % 4 == 0 && c.mask_row_stride % 4 == 0;
   c.q_limit = params->ql;
   c.k_limit = params->kl;
   if (use_q_lengths) c.q_limit = min(params->ql, max(0, q_lengths[b]));

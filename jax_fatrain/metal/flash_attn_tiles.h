@@ -10,46 +10,80 @@
 // kThreads threads of the threadgroup move 4-element vectors, vector v =
 // thread + i * kThreads, row v / (D / 4); consecutive lanes read consecutive
 // 8-byte (16-bit types) or 16-byte (f32) vectors along the head dim, so one
-// simdgroup-wide load covers whole 128-byte cache lines. Device row starts
-// must be 4-element aligned (the dispatch plan requires strides that are
-// multiples of 4).
+// simdgroup-wide load covers whole 128-byte cache lines, and each vector is
+// one threadgroup store (or load) too. Device row starts must be 4-element
+// aligned (the dispatch plan requires strides that are multiples of 4); tile
+// rows are, since D and kTilePad are multiples of 4.
 #pragma once
 
 #include "flash_attn_common.h"
 
-static constant constexpr const int kThreads = 32 * kSimdgroups;
+static constant constexpr const int kThreads = kThreadgroupThreads;
 static constant constexpr const int kTilePad = 8;
-static constant constexpr const int kMaxThreadgroupBytes = 32768;
+// Two threadgroups per GPU core: Apple GPUs have about 60 KiB of threadgroup
+// memory per core (Apple7-9), so a kernel uses at most 30 KiB.
+static constant constexpr const int kMaxThreadgroupBytes = 30 * 1024;
 
-// 4-element vector of T (bfloat4, half4, float4).
+// 4-element vector of T (bfloat4, half4, float4; bool4 for boolean masks).
 template <typename T> struct Vec4Of;
 template <> struct Vec4Of<bfloat> { typedef bfloat4 type; };
 template <> struct Vec4Of<half> { typedef half4 type; };
 template <> struct Vec4Of<float> { typedef float4 type; };
+template <> struct Vec4Of<bool> { typedef bool4 type; };
 template <typename T> using vec4_t = typename Vec4Of<T>::type;
 
-// Copies rows [row0, row0 + ROWS) of a device matrix (row stride `stride`
-// elements, head dim contiguous) into the tile dst[ROWS][LD]; rows
-// >= n_valid are written as zeros (never left uninitialised: a NaN in a
-// padded row would reach the outputs through 0 * NaN).
-template <typename T, int ROWS, int D, int LD>
-inline void tile_load(threadgroup T* dst, const device T* src, long stride, int row0, int n_valid,
-                      int tix) {
+// This thread's share of a [ROWS, D] tile in registers (ROWS * D / (4 *
+// kThreads) vectors: 8 to 16 32-bit registers for the kernels' key tiles).
+// A kernel issues the device loads of its next tile into these registers
+// before the math on the current tiles (tile_fetch) and stores them to
+// threadgroup memory after it (tile_put), so the loads' latency overlaps the
+// math instead of stalling the threads that wait for them.
+template <typename T, int ROWS, int D>
+struct TileRegs {
+  vec4_t<T> v[ROWS * D / (4 * kThreads)];
+};
+
+// Loads rows [row0, row0 + ROWS) of a device matrix (row stride `stride`
+// elements, head dim contiguous) into registers; rows >= n_valid are zeros
+// (never left uninitialised: a NaN in a padded row would reach the outputs
+// through 0 * NaN).
+template <typename T, int ROWS, int D>
+inline void tile_fetch(thread TileRegs<T, ROWS, D>& r, const device T* src, long stride, int row0,
+                       int n_valid, int tix) {
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+#pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
-    const int r = v / kVecsPerRow;
+    const int row = v / kVecsPerRow;
     const int c = (v % kVecsPerRow) * 4;
-    V x = V(T(0));
-    if (r < n_valid) x = *((const device V*)(src + (long(row0 + r) * stride + c)));
-    threadgroup T* out = dst + r * LD + c;
-    out[0] = x[0];
-    out[1] = x[1];
-    out[2] = x[2];
-    out[3] = x[3];
+    r.v[i] = V(T(0));
+    if (row < n_valid) r.v[i] = *((const device V*)(src + (long(row0 + row) * stride + c)));
   }
+}
+
+// Stores fetched rows into the tile dst[ROWS][LD], one vector store each.
+template <typename T, int ROWS, int D, int LD>
+inline void tile_put(threadgroup T* dst, thread const TileRegs<T, ROWS, D>& r, int tix) {
+  typedef vec4_t<T> V;
+  constexpr int kVecsPerRow = D / 4;
+  static_assert(LD % 4 == 0, "tile rows must be vector-aligned");
+#pragma clang loop unroll(full)
+  for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
+    const int v = i * kThreads + tix;
+    *((threadgroup V*)(dst + (v / kVecsPerRow) * LD + (v % kVecsPerRow) * 4)) = r.v[i];
+  }
+}
+
+// tile_fetch and tile_put at once (tiles loaded before a barrier with no
+// math to overlap: Q and dO).
+template <typename T, int ROWS, int D, int LD>
+inline void tile_load(threadgroup T* dst, const device T* src, long stride, int row0, int n_valid,
+                      int tix) {
+  TileRegs<T, ROWS, D> r;
+  tile_fetch<T, ROWS, D>(r, src, stride, row0, n_valid, tix);
+  tile_put<T, ROWS, D, LD>(dst, r, tix);
 }
 
 // Copies tile rows [0, n_valid) to device rows [row0, row0 + n_valid).
@@ -59,13 +93,15 @@ inline void tile_store(device T* dst, long stride, int row0, int n_valid,
   typedef vec4_t<T> V;
   constexpr int kVecsPerRow = D / 4;
   static_assert((ROWS * kVecsPerRow) % kThreads == 0, "tile must split evenly over the threads");
+  static_assert(LD % 4 == 0, "tile rows must be vector-aligned");
+#pragma clang loop unroll(full)
   for (int i = 0; i < ROWS * kVecsPerRow / kThreads; ++i) {
     const int v = i * kThreads + tix;
     const int r = v / kVecsPerRow;
     const int c = (v % kVecsPerRow) * 4;
     if (r < n_valid) {
-      const threadgroup T* in = src + r * LD + c;
-      *((device V*)(dst + (long(row0 + r) * stride + c))) = V(in[0], in[1], in[2], in[3]);
+      *((device V*)(dst + (long(row0 + r) * stride + c))) =
+          *((const threadgroup V*)(src + r * LD + c));
     }
   }
 }
@@ -86,6 +122,81 @@ inline int2 visible_keys(thread const ScoreCtx<MaskT, kBoolMask>& c, int row_fir
   if (c.window && c.window_right >= 0) end = min64(end, long(row_last) + c.window_right + 1);
   if (c.window && c.window_left >= 0) begin = max64(begin, long(row_first) - c.window_left);
   return int2(int(begin), int(max64(begin, end)));
+}
+
+// The score operands of one key step, staged in threadgroup memory once per
+// step so that scores read them there instead of from device memory per
+// element: the mask of the BQ query rows x BK keys (additive in Q's dtype,
+// or bool), rows padded by 16 bytes to mask_tile_ld elements (the 8 rows of a
+// fragment then start in different banks), and the BK keys' segment ids.
+// Threadgroup bytes: BQ * mask_tile_ld * sizeof(MaskT) + BK * 4.
+constexpr int mask_tile_ld(int block_k, int mask_bytes) { return block_k + 16 / mask_bytes; }
+
+// This thread's share of a key step's score operands in registers (fetched
+// with the step's K or V tile, stored after the math that follows).
+template <typename MaskT, int BQ, int BK>
+struct ScoreTileRegs {
+  vec4_t<MaskT> mask[(BQ * BK / 4 + kThreads - 1) / kThreads];
+  int kv_id;  // the segment id of key kb + tix (threads tix < BK)
+};
+
+// Loads the mask of query rows [q0, q0 + BQ) x keys [kb, kb + BK) (when
+// c.use_mask) with 4-element vectors, consecutive threads on consecutive
+// vectors along a row, and key kb + tix's segment id (c.segments). Vectors
+// whose keys no row of theirs can see (lengths, causal, window), and those
+// past the limits, are zeros and not read; where rows are not 4-element
+// aligned (odd strides of a broadcast mask) or the keys end inside a vector,
+// its elements are read one by one.
+template <typename MaskT, bool kBoolMask, int BQ, int BK>
+inline void score_tile_fetch(thread ScoreTileRegs<MaskT, BQ, BK>& r,
+                             thread const ScoreCtx<MaskT, kBoolMask>& c, int q0, int kb, int tix) {
+  typedef vec4_t<MaskT> V;
+  constexpr int kVecs = BQ * BK / 4;
+  constexpr int kPerThread = (kVecs + kThreads - 1) / kThreads;
+  static_assert(BK % 4 == 0 && BK <= kThreads, "score tile shape");
+  if (c.use_mask) {
+#pragma clang loop unroll(full)
+    for (int i = 0; i < kPerThread; ++i) {
+      const int v = i * kThreads + tix;
+      const int q = q0 + v / (BK / 4);
+      const int k = kb + (v % (BK / 4)) * 4;
+      const int2 seen = visible_keys(c, q, q);  // keys row q can see (none past q_limit)
+      r.mask[i] = V(MaskT(0));
+      if ((kVecs % kThreads == 0 || v < kVecs) && k < seen.y && k + 4 > seen.x) {
+        const device MaskT* src = c.mask + (c.mask_base + long(q) * c.mask_row_stride + k);
+        if (c.mask_vec4 && k + 4 <= c.k_limit) {
+          r.mask[i] = *((const device V*)src);
+        } else {
+#pragma clang loop unroll(full)
+          for (int e = 0; e < 4; ++e) {
+            if (k + e < c.k_limit) r.mask[i][e] = src[e];
+          }
+        }
+      }
+    }
+  }
+  r.kv_id = 0;
+  if (c.segments && tix < BK && kb + tix < c.k_limit) r.kv_id = c.kv_seg[kb + tix];
+}
+
+// Stores fetched score operands: the mask tile ms[BQ][LDM], the ids kv_ids[BK].
+template <typename MaskT, bool kBoolMask, int BQ, int BK, int LDM>
+inline void score_tile_put(threadgroup MaskT* ms, threadgroup int* kv_ids,
+                           thread const ScoreTileRegs<MaskT, BQ, BK>& r,
+                           thread const ScoreCtx<MaskT, kBoolMask>& c, int tix) {
+  typedef vec4_t<MaskT> V;
+  constexpr int kVecs = BQ * BK / 4;
+  static_assert(LDM % 4 == 0, "mask tile rows must be vector-aligned");
+  if (c.use_mask) {
+#pragma clang loop unroll(full)
+    for (int i = 0; i < (kVecs + kThreads - 1) / kThreads; ++i) {
+      const int v = i * kThreads + tix;
+      if (kVecs % kThreads == 0 || v < kVecs) {
+        *((threadgroup V*)(ms + (v / (BK / 4)) * LDM + (v % (BK / 4)) * 4)) = r.mask[i];
+      }
+    }
+  }
+  if (c.segments && tix < BK) kv_ids[tix] = r.kv_id;
 }
 
 // Segment ids: the smallest and largest of ids[first .. first + n) (1 <= n

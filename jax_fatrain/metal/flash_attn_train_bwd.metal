@@ -7,15 +7,18 @@
 //     H_q, B), threadgroup (32, 4, 1), BQ and BK = dq_block_q / dq_block_k
 //     (flash_attn_abi.h). The threadgroup stages its Q and dO rows once and
 //     sweeps the visible keys BK at a time through a K and a V tile in
-//     threadgroup memory (coalesced vector loads). Per key step:
-//       load K_j | dP = dO V_j^T  (barrier)  load V_j+1 | S = Q K_j^T, dS,
-//       dQ += dS K_j  (barrier)
+//     threadgroup memory (coalesced vector loads, issued into registers
+//     before the math on the other tile and stored after it). Per key step:
+//       fetch K_j | dP = dO V_j^T | put K_j  (barrier)
+//       fetch V_j+1 | S = Q K_j^T, dS, dQ += dS K_j | put V_j+1  (barrier)
 //     (plus one barrier before the partial sums when WN > 1). Simdgroup
 //     (wm, wn) owns rows wm * 8 .. +7 and head-dim columns wn * D / WN .. as
 //     in the forward, keeping dQ in float32 registers:
 //       S = Q K^T, P = exp2(S * scale * log2e + mask * log2e - L * log2e),
 //       dP = dO V^T, dS = P * (dP - Delta), dQ += dS K; dQ *= scale.
-//     dS is rounded to the input dtype for dS K (exact for f32).
+//     dS is rounded to the input dtype for dS K (exact for f32). The key
+//     step's mask and key segment ids are fetched with K_j and staged in
+//     threadgroup memory, as in the forward.
 //  3. flash_attn_train_bwd_dkdv_{dt}_d{D}: KV tiles outer. Grid (ceil(kL /
 //     bwd_block_kv), H_kv, B), threadgroup (32, bwd_dkdv_simdgroups, 1); each
 //     threadgroup loops over the query heads of its GQA group and the visible
@@ -42,7 +45,7 @@
 #include "flash_attn_tiles.h"
 
 template <typename T>
-[[kernel]] void flash_attn_train_bwd_compute_d(
+[[kernel, max_total_threads_per_threadgroup(kThreadgroupThreads)]] void flash_attn_train_bwd_compute_d(
     const device T* O [[buffer(FATRAIN_BUF_O)]],
     constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
     const device T* dO [[buffer(FATRAIN_BUF_DO)]],
@@ -52,7 +55,9 @@ template <typename T>
     uint simd_lid [[thread_index_in_simdgroup]]) {
   // Each simdgroup reduces 8 rows; lane i dots the 4-element vectors i,
   // i + 32, ... of a row (coalesced 8- or 16-byte loads), then simd_sum.
-  // Lane r keeps row r's sum, so the 8 results leave in one 32-byte store.
+  // All 8 rows' loads are issued before the first reduction, so their
+  // latencies overlap. Lane r keeps row r's sum, so the 8 results leave in
+  // one 32-byte store.
   typedef vec4_t<T> V4;
   const int b = int(tid.z);
   const int h = int(tid.y);
@@ -61,26 +66,33 @@ template <typename T>
   const long base = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
   const int row0 = int(tid.x) * (8 * kSimdgroups) + int(simd_gid) * 8;
   const int rows = min(8, ql - row0);  // uniform across the simdgroup
-  float mine = 0.0f;
-  for (int r = 0; r < rows; ++r) {
-    const long off = base + long(row0 + r) * params->o_strides[2];
-    float acc = 0.0f;
-    for (int c = int(simd_lid); c < d4; c += 32) {
-      const V4 o = *((const device V4*)(O + (off + 4 * c)));
-      const V4 g = *((const device V4*)(dO + (off + 4 * c)));
-      acc += float(o[0]) * float(g[0]);
-      acc += float(o[1]) * float(g[1]);
-      acc += float(o[2]) * float(g[2]);
-      acc += float(o[3]) * float(g[3]);
+  float part[8];  // this lane's share of each row's dot product
+#pragma clang loop unroll(full)
+  for (int r = 0; r < 8; ++r) {
+    part[r] = 0.0f;
+    if (r < rows) {
+      const long off = base + long(row0 + r) * params->o_strides[2];
+      for (int c = int(simd_lid); c < d4; c += 32) {
+        const V4 o = *((const device V4*)(O + (off + 4 * c)));
+        const V4 g = *((const device V4*)(dO + (off + 4 * c)));
+        part[r] += float(o[0]) * float(g[0]);
+        part[r] += float(o[1]) * float(g[1]);
+        part[r] += float(o[2]) * float(g[2]);
+        part[r] += float(o[3]) * float(g[3]);
+      }
     }
-    acc = simd_sum(acc);
-    if (int(simd_lid) == r) mine = acc;
+  }
+  float mine = 0.0f;
+#pragma clang loop unroll(full)
+  for (int r = 0; r < 8; ++r) {
+    const float sum = simd_sum(part[r]);  // every lane joins, rows or not
+    if (int(simd_lid) == r) mine = sum;
   }
   if (int(simd_lid) < rows) Delta[(long(b) * params->h + h) * ql + row0 + int(simd_lid)] = mine;
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
-[[kernel]] void flash_attn_train_bwd_dq(
+[[kernel, max_total_threads_per_threadgroup(kThreadgroupThreads)]] void flash_attn_train_bwd_dq(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
     const device T* K [[buffer(FATRAIN_BUF_K)]],
     const device T* V [[buffer(FATRAIN_BUF_V)]],
@@ -107,22 +119,25 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int TK = BK / 8;
   constexpr int LD = D + kTilePad;
   constexpr int kSx = WN > 1 ? 2 * kSimdgroups * 8 * BK : 1;  // partial S and dP
+  constexpr int LDM = mask_tile_ld(BK, int(sizeof(MaskT)));
+  constexpr int kScoreBytes = BQ * LDM * int(sizeof(MaskT)) + BK * 4;  // mask, key ids
   // Q stays in registers (TD fragments) where its tile does not fit beside
-  // dO, K and V (f32, D = 256); it is staged through the K tile then.
+  // dO, K, V and the rest (f32, D = 256); it is staged through the K tile then.
   constexpr bool kQInRegs =
-      (2 * BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 > kMaxThreadgroupBytes;
-  constexpr int kQs = kQInRegs ? 1 : BQ * LD;
-  constexpr int kTgBytes = (kQs + (BQ + 2 * BK) * LD) * int(sizeof(T)) + kSx * 4;
-  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
+      (2 * BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 + kScoreBytes > kMaxThreadgroupBytes;
+  constexpr int kQs = kQInRegs ? 0 : BQ * LD;  // elements of the Q tile
+  constexpr int kTgBytes = (kQs + (BQ + 2 * BK) * LD) * int(sizeof(T)) + kSx * 4 + kScoreBytes;
+  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 30 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(!kQInRegs || BK >= BQ, "Q is staged through the K tile");
   static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
 
-  threadgroup T Qs[kQs];      // Q rows, then the output dQ rows
-  threadgroup T dOs[BQ * LD];
+  threadgroup T dOs[BQ * LD + kQs];  // dO rows, then (when staged) Q rows
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
+  threadgroup MaskT Ms[BQ * LDM];  // the mask of the key step (has_mask)
+  threadgroup int KvIds[BK];       // the key step's segment ids (has_segments)
 
   const int b = int(tid.z);
   const int h = int(tid.y);
@@ -139,7 +154,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   const int c0 = wn * DW;
   const int my_row = r0 + fr;
   const bool row_in = align_Q || my_row < ql;
-  threadgroup T* q_stage = kQInRegs ? Ks : Qs;
+  // Q rows, then the output dQ rows: after dO's, or (Q in registers) the K tile.
+  threadgroup T* q_stage = kQInRegs ? Ks : dOs + BQ * LD;
 
   const long qbase = long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const long obase = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
@@ -162,13 +178,16 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   int k_stop = tg_keys.y;
   const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
   int2 q_ids = int2(0, 0);  // the query rows' segment id range
+  int my_id = 0;            // this lane's row's segment id
   if (has_segments && k_first < k_stop) {
     q_ids = segment_range(ctx.q_seg, q0, q_valid, simd_lid);
     narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
+    if (my_row < ctx.q_limit) my_id = ctx.q_seg[my_row];
   }
 
-  simdgroup_matrix<T, 8, 8> Qr[kQInRegs ? TD : 1];
+  FragArray<T, kQInRegs ? TD : 0> Qr;  // Q's fragments when Q is not staged
   frag_t dQf[TD];
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) dQf[dd] = zero_frag();
 
   if (k_first < k_stop) {
@@ -176,20 +195,26 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     tile_load<T, BQ, D, LD>(dOs, dO + obase, params->o_strides[2], q0, q_valid, tix);
     tile_load<T, BK, D, LD>(Vs, v_ptr, vs, k_first, align_K ? BK : min(BK, kl - k_first), tix);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (kQInRegs) {
+    if constexpr (kQInRegs) {
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
-        simdgroup_load(Qr[kQInRegs ? dd : 0], Ks + (wm * 8) * LD + c0 + dd * 8, LD);
+        simdgroup_load(Qr.f[dd], Ks + (wm * 8) * LD + c0 + dd * 8, LD);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
+  TileRegs<T, BK, D> next;  // this thread's share of the next K or V tile
+  ScoreTileRegs<MaskT, BQ, BK> next_score;  // ... of the key step's mask and ids
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
-    tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb, k_valid, tix);  // overlaps dP = dO V^T
+    // K_j, the mask and the keys' ids, stored after dP.
+    tile_fetch<T, BK, D>(next, k_ptr, ks, kb, k_valid, tix);
+    score_tile_fetch<MaskT, kBoolMask, BQ, BK>(next_score, ctx, q0, kb, tix);
     const bool meets = !has_segments ||
                        ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
     bool any_live = false;
+#pragma clang loop unroll(full)
     for (int t = 0; t < TK; ++t) {
       live[t] = meets && kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
@@ -198,89 +223,115 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     frag_t S[TK];
     frag_t dP[TK];
     if (any_live) {
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) dP[t] = zero_frag();
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_matrix<T, 8, 8> dOf;
         simdgroup_load(dOf, dOs + (wm * 8) * LD + c0 + dd * 8, LD);
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Vt;  // row = head dim, col = key
-          simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j loaded, V_j read
-
-    if (kb + BK < k_stop) {  // overlaps S, dS and dQ
-      tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
-    }
-    if (any_live) {
-      for (int t = 0; t < TK; ++t) S[t] = zero_frag();
-      for (int dd = 0; dd < TD; ++dd) {
-        simdgroup_matrix<T, 8, 8> Qf;
-        if (kQInRegs) {
-          Qf = Qr[kQInRegs ? dd : 0];
-        } else {
-          simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
-        }
-        for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Kt;  // row = head dim, col = key
-          simdgroup_load(Kt, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(S[t], Qf, Kt, S[t]);
-        }
-      }
-      if (WN > 1) {
-        for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
-          simdgroup_store(dP[t], Sx + (kSimdgroups + int(simd_gid)) * 8 * BK + t * 8, BK);
-        }
-      }
-    }
-    if (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
-    if (any_live) {
-      simdgroup_matrix<T, 8, 8> dS[TK];
-      for (int t = 0; t < TK; ++t) {
-        if (!live[t]) continue;
-        if (WN > 1) {
-          // Full S and dP: the partials summed in simdgroup order.
-          S[t] = zero_frag();
-          dP[t] = zero_frag();
-          for (int w = 0; w < WN; ++w) {
-            frag_t part_s;
-            frag_t part_dp;
-            simdgroup_load(part_s, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
-            simdgroup_load(part_dp, Sx + (kSimdgroups + wm * WN + w) * 8 * BK + t * 8, BK);
-            for (int j = 0; j < 2; ++j) {
-              S[t].thread_elements()[j] += part_s.thread_elements()[j];
-              dP[t].thread_elements()[j] += part_dp.thread_elements()[j];
-            }
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Vt;  // row = head dim, col = key
+            simdgroup_load(Vt, Vs + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(dP[t], dOf, Vt, dP[t]);
           }
         }
-        // dS = P * (dP - Delta); P = 0 for masked scores and rows without keys.
-        for (int j = 0; j < 2; ++j) {
-          const float s = score2(ctx, S[t].thread_elements()[j], my_row, kb + t * 8 + fc + j);
-          const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
-          dS[t].thread_elements()[j] = T(p * (dP[t].thread_elements()[j] - delta));
+      }
+    }
+    tile_put<T, BK, D, LD>(Ks, next, tix);
+    score_tile_put<MaskT, kBoolMask, BQ, BK, LDM>(Ms, KvIds, next_score, ctx, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j, mask and ids stored, V_j read
+
+    const bool more = kb + BK < k_stop;
+    if (more) {  // V_j+1, stored after S, dS and dQ
+      tile_fetch<T, BK, D>(next, v_ptr, vs, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
+    }
+    if (any_live) {
+#pragma clang loop unroll(full)
+      for (int t = 0; t < TK; ++t) S[t] = zero_frag();
+#pragma clang loop unroll(full)
+      for (int dd = 0; dd < TD; ++dd) {
+        simdgroup_matrix<T, 8, 8> Qf;
+        if constexpr (kQInRegs) {
+          Qf = Qr.f[dd];
+        } else {
+          simdgroup_load(Qf, q_stage + (wm * 8) * LD + c0 + dd * 8, LD);
+        }
+#pragma clang loop unroll(full)
+        for (int t = 0; t < TK; ++t) {
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Kt;  // row = head dim, col = key
+            simdgroup_load(Kt, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(S[t], Qf, Kt, S[t]);
+          }
+        }
+      }
+      if constexpr (WN > 1) {
+#pragma clang loop unroll(full)
+        for (int t = 0; t < TK; ++t) {
+          if (live[t]) {
+            simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
+            simdgroup_store(dP[t], Sx + (kSimdgroups + int(simd_gid)) * 8 * BK + t * 8, BK);
+          }
+        }
+      }
+    }
+    if constexpr (WN > 1) threadgroup_barrier(mem_flags::mem_threadgroup);  // partials written
+    if (any_live) {
+      simdgroup_matrix<T, 8, 8> dS[TK];
+      const threadgroup MaskT* my_mask = Ms + (wm * 8 + fr) * LDM + fc;
+#pragma clang loop unroll(full)
+      for (int t = 0; t < TK; ++t) {
+        if (live[t]) {
+          if constexpr (WN > 1) {
+            // Full S and dP: the partials summed in simdgroup order.
+            S[t] = zero_frag();
+            dP[t] = zero_frag();
+#pragma clang loop unroll(full)
+            for (int w = 0; w < WN; ++w) {
+              frag_t part_s;
+              frag_t part_dp;
+              simdgroup_load(part_s, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
+              simdgroup_load(part_dp, Sx + (kSimdgroups + wm * WN + w) * 8 * BK + t * 8, BK);
+#pragma clang loop unroll(full)
+              for (int j = 0; j < 2; ++j) {
+                S[t].thread_elements()[j] += part_s.thread_elements()[j];
+                dP[t].thread_elements()[j] += part_dp.thread_elements()[j];
+              }
+            }
+          }
+          // dS = P * (dP - Delta); P = 0 for masked scores and rows without keys.
+#pragma clang loop unroll(full)
+          for (int j = 0; j < 2; ++j) {
+            const int c = t * 8 + fc + j;  // key kb + c
+            const float s = score2_staged(ctx, S[t].thread_elements()[j], my_row, kb + c,
+                                          my_mask + t * 8 + j, KvIds + c, my_id);
+            const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
+            dS[t].thread_elements()[j] = T(p * (dP[t].thread_elements()[j] - delta));
+          }
         }
       }
       // dQ += dS K.
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Kf;  // row = key, col = head dim
-          simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD);
-          simdgroup_multiply_accumulate(dQf[dd], dS[t], Kf, dQf[dd]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Kf;  // row = key, col = head dim
+            simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD);
+            simdgroup_multiply_accumulate(dQf[dd], dS[t], Kf, dQf[dd]);
+          }
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j and Sx read, V_j+1 loaded
+    if (more) tile_put<T, BK, D, LD>(Vs, next, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j and Sx read, V_j+1 stored
   }
 
   // dQ * scale through the Q staging tile, then coalesced row stores.
   const float scale = params->scale;
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) {
     simdgroup_matrix<T, 8, 8> out;
     out.thread_elements()[0] = T(dQf[dd].thread_elements()[0] * scale);

@@ -4,11 +4,14 @@
 // step) per head dim and dtype from flash_attn_abi.h. The threadgroup stages
 // its BQ query rows once, then sweeps the visible keys BK at a time through
 // two threadgroup tiles, K and V, loaded cooperatively with coalesced vector
-// loads. The loads alternate with the math on the other tile:
+// loads. Each thread issues its share of a tile's device loads into registers
+// before the math on the other tile and stores them to threadgroup memory
+// after it:
 //
-//   load V_j      | S = Q K_j^T      (barrier)  load K_j+1 | O += P V_j  (barrier)
+//   fetch V_j | S = Q K_j^T | put V_j  (barrier)
+//   fetch K_j+1 | O += P V_j | put K_j+1  (barrier)
 //
-// so every load has the other operand's math to overlap with, at two barriers
+// so every load's latency overlaps the other operand's math, at two barriers
 // per key step. Simdgroup (wm, wn) owns query rows wm * 8 .. +7 and head-dim
 // columns wn * D / WN .. (WN = 4 * 8 / BQ simdgroups share a row block at
 // D = 256 and f32 D = 128; their partial scores over their columns are summed
@@ -21,7 +24,9 @@
 // Segment ids (packed sequences): the id range of the threadgroup's query
 // rows is computed once, the sweep is narrowed to the first through the last
 // key block whose ids meet it, and blocks in between that share no id are
-// not computed; ids are compared per score.
+// not computed; ids are compared per score. The key step's mask (BQ x BK,
+// coalesced vector loads) and its keys' segment ids are fetched with V_j and
+// staged in threadgroup memory beside it, so scores read them there.
 // A row that sees no key gets O = 0 and L = -inf exactly (masked scores are
 // -inf and give p = 0 without evaluating exp2).
 //
@@ -34,7 +39,7 @@
 #include "flash_attn_tiles.h"
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
-[[kernel]] void flash_attn_train_fwd(
+[[kernel, max_total_threads_per_threadgroup(kThreadgroupThreads)]] void flash_attn_train_fwd(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
     const device T* K [[buffer(FATRAIN_BUF_K)]],
     const device T* V [[buffer(FATRAIN_BUF_V)]],
@@ -59,8 +64,10 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int TK = BK / 8;
   constexpr int LD = D + kTilePad;
   constexpr int kSx = WN > 1 ? kSimdgroups * 8 * BK : 1;  // partial scores
-  constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4;
-  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 32 KiB");
+  constexpr int LDM = mask_tile_ld(BK, int(sizeof(MaskT)));
+  constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 +
+                           BQ * LDM * int(sizeof(MaskT)) + BK * 4;
+  static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 30 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
 
@@ -68,6 +75,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
+  threadgroup MaskT Ms[BQ * LDM];  // the mask of the key step (has_mask)
+  threadgroup int KvIds[BK];       // the key step's segment ids (has_segments)
 
   const int b = int(tid.z);
   const int h = int(tid.y);
@@ -102,12 +111,15 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   int k_stop = tg_keys.y;
   const int q_valid = align_Q ? BQ : min(BQ, ql - q0);
   int2 q_ids = int2(0, 0);  // the query rows' segment id range
+  int my_id = 0;            // this lane's row's segment id
   if (has_segments && k_first < k_stop) {
     q_ids = segment_range(ctx.q_seg, q0, q_valid, simd_lid);
     narrow_to_segments(ctx.kv_seg, q_ids, BK, kl, &k_first, &k_stop, simd_lid);
+    if (my_row < ctx.q_limit) my_id = ctx.q_seg[my_row];
   }
 
   frag_t Of[TD];
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) Of[dd] = zero_frag();
   float m = -INFINITY;  // running max of this lane's row (base 2)
   float l = 0.0f;       // this lane's part of the running sum of exp2(s - m)
@@ -117,9 +129,13 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     tile_load<T, BK, D, LD>(Ks, k_ptr, ks, k_first, align_K ? BK : min(BK, kl - k_first), tix);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  TileRegs<T, BK, D> next;  // this thread's share of the next K or V tile
+  ScoreTileRegs<MaskT, BQ, BK> next_score;  // ... of the key step's mask and ids
   for (int kb = k_first; kb < k_stop; kb += BK) {
     const int k_valid = align_K ? BK : min(BK, kl - kb);
-    tile_load<T, BK, D, LD>(Vs, v_ptr, vs, kb, k_valid, tix);
+    // V_j, the mask and the keys' ids, stored after S.
+    tile_fetch<T, BK, D>(next, v_ptr, vs, kb, k_valid, tix);
+    score_tile_fetch<MaskT, kBoolMask, BQ, BK>(next_score, ctx, q0, kb, tix);
 
     // S = Q K^T over this simdgroup's columns, for the 8-key fragments its
     // rows can see (uniform across the simdgroup), in a block whose segment
@@ -128,56 +144,72 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
                        ranges_meet(q_ids, segment_range(ctx.kv_seg, kb, k_valid, simd_lid));
     bool live[TK];
     bool any_live = false;
+#pragma clang loop unroll(full)
     for (int t = 0; t < TK; ++t) {
       live[t] = meets && kb + t * 8 < sg_keys.y && kb + t * 8 + 8 > sg_keys.x;
       any_live = any_live || live[t];
     }
     frag_t S[TK];
     if (any_live) {
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) S[t] = zero_frag();
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         simdgroup_matrix<T, 8, 8> Qf;
         simdgroup_load(Qf, Qs + (wm * 8) * LD + c0 + dd * 8, LD);
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Kf;  // row = head dim, col = key
-          simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(S[t], Qf, Kf, S[t]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Kf;  // row = head dim, col = key
+            simdgroup_load(Kf, Ks + (t * 8) * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(S[t], Qf, Kf, S[t]);
+          }
         }
       }
-      if (WN > 1) {
+      if constexpr (WN > 1) {
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
           if (live[t]) simdgroup_store(S[t], Sx + int(simd_gid) * 8 * BK + t * 8, BK);
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // V_j loaded, K_j read, Sx written
+    tile_put<T, BK, D, LD>(Vs, next, tix);
+    score_tile_put<MaskT, kBoolMask, BQ, BK, LDM>(Ms, KvIds, next_score, ctx, tix);
+    // V_j, mask and ids stored, K_j read, Sx written.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    if (kb + BK < k_stop) {
-      tile_load<T, BK, D, LD>(Ks, k_ptr, ks, kb + BK, align_K ? BK : min(BK, kl - kb - BK),
-                              tix);
+    const bool more = kb + BK < k_stop;
+    if (more) {  // K_j+1, stored after O += P V_j
+      tile_fetch<T, BK, D>(next, k_ptr, ks, kb + BK, align_K ? BK : min(BK, kl - kb - BK), tix);
     }
     if (any_live) {
-      if (WN > 1) {
+      if constexpr (WN > 1) {
         // Full scores: the partials of the WN simdgroups of this row block,
         // summed in simdgroup order (identical in all of them).
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          S[t] = zero_frag();
-          for (int w = 0; w < WN; ++w) {
-            frag_t part;
-            simdgroup_load(part, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
-            S[t].thread_elements()[0] += part.thread_elements()[0];
-            S[t].thread_elements()[1] += part.thread_elements()[1];
+          if (live[t]) {
+            S[t] = zero_frag();
+#pragma clang loop unroll(full)
+            for (int w = 0; w < WN; ++w) {
+              frag_t part;
+              simdgroup_load(part, Sx + (wm * WN + w) * 8 * BK + t * 8, BK);
+              S[t].thread_elements()[0] += part.thread_elements()[0];
+              S[t].thread_elements()[1] += part.thread_elements()[1];
+            }
           }
         }
       }
       // Online softmax; masked scores are -inf.
       float tile_max = -INFINITY;
+      const threadgroup MaskT* my_mask = Ms + (wm * 8 + fr) * LDM + fc;
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
+#pragma clang loop unroll(full)
         for (int j = 0; j < 2; ++j) {
-          const float s = live[t] ? score2(ctx, S[t].thread_elements()[j], my_row,
-                                           kb + t * 8 + fc + j)
+          const int c = t * 8 + fc + j;  // key kb + c
+          const float s = live[t] ? score2_staged(ctx, S[t].thread_elements()[j], my_row, kb + c,
+                                                  my_mask + t * 8 + j, KvIds + c, my_id)
                                   : -INFINITY;
           S[t].thread_elements()[j] = s;
           tile_max = max(tile_max, s);
@@ -187,7 +219,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       const float alpha = m == -INFINITY ? 0.0f : fast::exp2(m - m_new);
       simdgroup_matrix<T, 8, 8> P[TK];
       float part_sum = 0.0f;
+#pragma clang loop unroll(full)
       for (int t = 0; t < TK; ++t) {
+#pragma clang loop unroll(full)
         for (int j = 0; j < 2; ++j) {
           const float s = S[t].thread_elements()[j];
           const float p = s == -INFINITY ? 0.0f : fast::exp2(s - m_new);
@@ -198,18 +232,22 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
       l = l * alpha + part_sum;
       m = m_new;
       // O = alpha * O + P V.
+#pragma clang loop unroll(full)
       for (int dd = 0; dd < TD; ++dd) {
         Of[dd].thread_elements()[0] *= alpha;
         Of[dd].thread_elements()[1] *= alpha;
+#pragma clang loop unroll(full)
         for (int t = 0; t < TK; ++t) {
-          if (!live[t]) continue;
-          simdgroup_matrix<T, 8, 8> Vf;  // row = key, col = head dim
-          simdgroup_load(Vf, Vs + (t * 8) * LD + c0 + dd * 8, LD);
-          simdgroup_multiply_accumulate(Of[dd], P[t], Vf, Of[dd]);
+          if (live[t]) {
+            simdgroup_matrix<T, 8, 8> Vf;  // row = key, col = head dim
+            simdgroup_load(Vf, Vs + (t * 8) * LD + c0 + dd * 8, LD);
+            simdgroup_multiply_accumulate(Of[dd], P[t], Vf, Of[dd]);
+          }
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j+1 loaded, V_j and Sx read
+    if (more) tile_put<T, BK, D, LD>(Ks, next, tix);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K_j+1 stored, V_j and Sx read
   }
 
   // O = O / l through the Q tile (no longer read), then coalesced row stores.
@@ -217,6 +255,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   // l NaN, and that NaN reaches O and L (the backward then spreads it).
   l = row_sum4(l);
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma clang loop unroll(full)
   for (int dd = 0; dd < TD; ++dd) {
     simdgroup_matrix<T, 8, 8> Ot;
     Ot.thread_elements()[0] = T(Of[dd].thread_elements()[0] * inv_l);

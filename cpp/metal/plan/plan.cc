@@ -293,7 +293,7 @@ std::string plan_forward(const Problem& p, Plan* plan) {
     d.bindings.push_back(buffer(i, r));
   }
   set_size(d.grid, ceil_div(p.q_len, bq), p.q_heads, p.batch);
-  set_size(d.threadgroup, kSimdgroupWidth, abi::kSimdgroups, 1);
+  set_size(d.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(d));
   return "";
 }
@@ -312,7 +312,7 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   cd.bindings.push_back(buffer(FATRAIN_BUF_DELTA, Role::kDelta));
   // 8 rows per simdgroup.
   set_size(cd.grid, ceil_div(p.q_len, 8 * abi::kSimdgroups), p.q_heads, p.batch);
-  set_size(cd.threadgroup, kSimdgroupWidth, abi::kSimdgroups, 1);
+  set_size(cd.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(cd));
 
   const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
@@ -327,7 +327,7 @@ std::string plan_backward(const Problem& p, Plan* plan) {
     dq.bindings.push_back(buffer(i, r));
   }
   set_size(dq.grid, ceil_div(p.q_len, dq_bq), p.q_heads, p.batch);
-  set_size(dq.threadgroup, kSimdgroupWidth, abi::kSimdgroups, 1);
+  set_size(dq.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(dq));
 
   // dK/dV: its own tiles (per head dim and element size), hence its own

@@ -356,32 +356,38 @@ assert ctypes.sizeof(_GemmParams) == 72
 
 def mlx_gemm(a, b, *, transpose_b: bool = False, device_class: str = "s",
              worker_threads: int = 0, counters: dict | None = None,
-             sample: float | int | None = None):
+             sample: float | int | None = None,
+             tiles: tuple[int, int, int, int, int] | None = None):
   """A @ B (or A @ B^T with ``transpose_b``) by MLX's steel GEMM kernel.
 
-  ``a`` is [M, K] and ``b`` [K, N] (or [N, K] transposed), row-major numpy
-  arrays of one of float32/float16/bfloat16. Tiles as MLX picks them for
-  ``device_class`` (``mlx_gemm_tiles``), grid (tiles_n, tiles_m, 1) and
-  threadgroup (32, WN, WM) as ``steel_matmul_regular_axpby`` sets them (no
-  swizzle, no batch, no C input). ``counters`` and ``sample`` as in
-  ``mlx_attention_forward``.
+  ``a`` is [M, K] or [batch, M, K] and ``b`` [K, N] (or [N, K] transposed),
+  with the same leading batch dimension if any, row-major numpy arrays of one
+  of float32/float16/bfloat16. Tiles as MLX picks them for ``device_class``
+  (``mlx_gemm_tiles``), grid (tiles_n, tiles_m, batch) and threadgroup (32,
+  WN, WM) as ``steel_matmul_regular_axpby`` sets them (no swizzle, one batch
+  dimension, no C input). ``counters`` and ``sample`` as in
+  ``mlx_attention_forward``; ``tiles`` overrides the choice (the tiles MLX
+  picks for a larger problem run on a part of it).
   """
   a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-  if a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype.name not in _DTYPE_NAMES:
-    raise ValueError(f"a, b must be 2-D arrays of one float dtype, got {a.shape} {a.dtype}, "
-                     f"{b.shape} {b.dtype}")
-  M, K = a.shape
-  N = b.shape[0] if transpose_b else b.shape[1]
-  if (b.shape[1] if transpose_b else b.shape[0]) != K:
+  if (a.ndim not in (2, 3) or b.ndim != a.ndim or a.dtype != b.dtype
+      or a.dtype.name not in _DTYPE_NAMES or (a.ndim == 3 and a.shape[0] != b.shape[0])):
+    raise ValueError(f"a, b must be 2-D (or 3-D with one batch) arrays of one float dtype, got "
+                     f"{a.shape} {a.dtype}, {b.shape} {b.dtype}")
+  batch = a.shape[0] if a.ndim == 3 else 1
+  M, K = a.shape[-2:]
+  N = b.shape[-2] if transpose_b else b.shape[-1]
+  if (b.shape[-1] if transpose_b else b.shape[-2]) != K:
     raise ValueError(f"incompatible shapes {a.shape} and {b.shape} (transpose_b={transpose_b})")
-  tiles = mlx_gemm_tiles(device_class, a.dtype, M, N, K, 1, False, transpose_b)
+  if tiles is None:
+    tiles = mlx_gemm_tiles(device_class, a.dtype, M, N, K, batch, False, transpose_b)
   bm, bn, bk, wm, wn = tiles
   kernel = mlx_gemm_kernel_name(a.dtype, tiles, False, transpose_b)
   lib = _library(kernel, _GEMM_INSTANTIATIONS)
-  d = np.full((M, N), np.nan, dtype=a.dtype)
+  d = np.full(a.shape[:-1] + (N,), np.nan, dtype=a.dtype)
   tn, tm = -(-N // bn), -(-M // bm)
   p = _GemmParams(M, N, K, K, K if transpose_b else N, N, tn, tm, M * K, K * N, M * N, 0,
-                  K // bk, 0)
+                  K // bk, 1 if a.ndim == 3 else 0)
   constants = {_GEMM_FC_HAS_BATCH: False, _GEMM_FC_USE_OUT_SOURCE: False,
                _GEMM_FC_DO_AXPBY: False, _GEMM_FC_ALIGN_M: M % bm == 0,
                _GEMM_FC_ALIGN_N: N % bn == 0, _GEMM_FC_ALIGN_K: K % bk == 0}
@@ -389,8 +395,7 @@ def mlx_gemm(a, b, *, transpose_b: bool = False, device_class: str = "s",
   # (Apple's compiler drops the unused reads; the emulator needs data there).
   addmm = struct.pack("<iiqff", N, 1, M * N, 1.0, 0.0)  # GEMMAddMMParams, 24 bytes
   record = lib.dispatch(kernel, buffers={0: a, 1: b, 3: d, 4: bytes(p), 5: addmm},
-                        constants=constants,
-                        grid=(tn, tm, 1), threadgroup=(32, wn, wm),
+                        constants=constants, grid=(tn, tm, batch), threadgroup=(32, wn, wm),
                         worker_threads=worker_threads, count=counters is not None,
                         sample=sample)
   if counters is not None:

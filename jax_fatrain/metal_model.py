@@ -34,13 +34,14 @@ Per dispatch, on GPU ``g``:
 * **barriers**: each threadgroup_barrier stalls its threadgroup for a fixed
   latency (fitted), overlapped across the resident threadgroups of a core.
 
-``time = overhead + max(compute / (eta_compute * occupancy), memory terms /
-eta_memory) + barriers``: compute and memory traffic overlap (the slowest
-sets the pace), barrier stalls do not (every simdgroup of the threadgroup
-waits), and the overhead is a per-dispatch constant (launch and, in the
-published timings, the host's synchronisation). ``eta_compute``,
-``eta_memory``, the barrier latency and the overhead are the four fitted
-parameters (:data:`FITTED_DEFAULT` until a fit replaces them).
+``time = max(compute / (eta_compute * occupancy), memory terms / eta_memory)
++ barriers``: compute and memory traffic overlap (the slowest sets the
+pace), barrier stalls do not (every simdgroup of the threadgroup waits).
+``eta_compute``, ``eta_memory`` and the barrier latency are fitted, with a
+fourth parameter that only the calibration uses: the host's cost per timed
+call in the published measurements (Python, command-buffer commit and wait),
+added to each calibration point's prediction and to nothing else
+(:data:`FITTED_DEFAULT` until a fit replaces them).
 
 Not modelled: register pressure and spills (the Metal compiler decides
 registers; occupancy here counts threadgroup memory and threads only),
@@ -189,7 +190,7 @@ GPUS: dict[str, AppleGPU] = {g.name: g for g in (
 # The GPUs the comparison reports by default.
 DEFAULT_GPUS: tuple[str, ...] = ("M1", "M2 Max", "M3 Max", "M4 Max")
 
-TERMS = ("compute", "threadgroup", "l1", "l2", "slc", "dram", "barriers", "overhead")
+TERMS = ("compute", "threadgroup", "l1", "l2", "slc", "dram", "barriers")
 MEMORY_TERMS = ("threadgroup", "l1", "l2", "slc", "dram")
 
 
@@ -200,7 +201,7 @@ class Fitted:
   eta_compute: float = 0.8        # achieved share of the compute term's rate
   eta_memory: float = 0.8         # achieved share of the memory bandwidths
   barrier_cycles: float = 100.0   # stall per threadgroup_barrier, core cycles
-  overhead_s: float = 20e-6       # per dispatch
+  host_overhead_s: float = 20e-6  # per timed call of the published measurements
 
   def as_dict(self) -> dict[str, float]:
     return dataclasses.asdict(self)
@@ -313,12 +314,11 @@ def dispatch_time(counters: Mapping[str, Any], g: str | AppleGPU, dtype: str = "
       "dram": to_dram / bw,
       "barriers": _get(counters, "barriers") * fitted.barrier_cycles
                   / (active * sharing * hz),
-      "overhead": fitted.overhead_s,
   }
   paced = {"compute": terms["compute"] / (fitted.eta_compute * occupancy)}
   paced.update({t: terms[t] / fitted.eta_memory for t in MEMORY_TERMS})
   bound = max(paced, key=paced.get)
-  seconds = paced[bound] + terms["barriers"] + terms["overhead"]
+  seconds = paced[bound] + terms["barriers"]
   return DispatchEstimate(seconds=seconds, terms=terms, bound=bound, active_cores=active,
                           resident=resident, occupancy=occupancy, working_set_bytes=ws)
 
@@ -347,10 +347,11 @@ def band(seconds: float, error: float) -> tuple[float, float]:
 def describe(gpus: Iterable[str] = DEFAULT_GPUS, fitted: Fitted = FITTED_DEFAULT) -> list[str]:
   """Lines describing the model and the GPUs' parameters, for printed reports."""
   lines = [
-      "MODEL, not a measurement: per dispatch, overhead + max(compute / (eta_c x occupancy), "
+      "MODEL, not a measurement: per dispatch, max(compute / (eta_c x occupancy), "
       "threadgroup, L1, L2, SLC, DRAM terms / eta_m) + barrier stalls; summed over a pass.",
       f"  fitted: eta_compute {fitted.eta_compute:.3f}, eta_memory {fitted.eta_memory:.3f}, "
-      f"barrier {fitted.barrier_cycles:.0f} cycles, overhead {fitted.overhead_s * 1e6:.1f} us",
+      f"barrier {fitted.barrier_cycles:.0f} cycles (host overhead of the published timings "
+      f"{fitted.host_overhead_s * 1e6:.0f} us, calibration only)",
   ]
   for name in gpus:
     g = gpu(name)

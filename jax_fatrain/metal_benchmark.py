@@ -486,7 +486,7 @@ def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -
   series = [("ours", "fwd"), ("mlx", "fwd"), ("ours", "fwd+bwd")]
   width = 0.8 / len(series)
   for j, g in enumerate(gpus):
-    ax = fig.add_subplot(grid[1 + j // ncols, j % ncols])
+    ax = fig.add_subplot(grid[2 + j // ncols, j % ncols])
     for i, (impl, pass_) in enumerate(series):
       vals = [by[(impl, pass_, k)]["modelled_seconds"][g] * 1e6 if (impl, pass_, k) in by
               else np.nan for k in keys]

@@ -1,10 +1,11 @@
 """Earlier versions of our Metal kernels, run by the MSL emulator for comparison.
 
-The kernels before K/V were staged in threadgroup memory (commit 9210a2f,
-before e73c43a: forward, compute-D and dQ read K and V from device memory in
-every simdgroup) and the dK/dV kernel before its coalesced staging (the
-parent of f8f2b8f) are taken from this repository's history with ``git
-show`` into a temporary directory, built as standalone emulator libraries
+The kernels before anything was staged in threadgroup memory (commit 9210a2f,
+before e73c43a and 84f602a: the forward and dQ read K and V, the dK/dV kernel
+Q and dO, from device memory in every simdgroup) and, optionally, the dK/dV
+kernel between its staging and its vectorised coalesced loads (the parent of
+f8f2b8f) are taken from this repository's history with ``git show`` into a
+temporary directory, built as standalone emulator libraries
 (jax_fatrain._msl_standalone) and dispatched the way the dispatch plan of
 their commit did (cpp/metal/plan/plan.cc there): the 160-byte AttnParams at
 buffer 4, Q0 K1 V2 O3 L8 dO12 Delta13 dQ14 dK15 dV16, function constants
@@ -27,11 +28,12 @@ from jax_fatrain import _msl_standalone
 ROOT = Path(__file__).resolve().parent.parent
 
 # Commits and the tiles their dispatch plans used for bfloat16 (flash_attn_abi.h
-# there: fwd_block_q 32, fwd_block_k 16, bwd_block_q 32, kSimdgroups 4; at the
-# dK/dV commit 8 simdgroups of 8 keys x 64 columns, bwd_block_kv = 4096 / D and
-# bwd_dkdv_block_q 16 at D = 64, else 8).
+# there: fwd_block_q 32, fwd_block_k 16, bwd_block_q 32, bwd_block_kv 32,
+# kSimdgroups 4; at the parent of f8f2b8f the dK/dV kernel runs 8 simdgroups
+# of 8 keys x 64 columns, bwd_block_kv = 4096 / D and bwd_dkdv_block_q 16 at
+# D = 64, else 8).
 UNSTAGED = "9210a2f"
-DKDV_UNSTAGED = "f8f2b8f^"
+DKDV_SCALAR_STAGED = "f8f2b8f^"
 
 
 def available(commit: str) -> bool:
@@ -80,8 +82,10 @@ def _params(batch: int, heads: int, length: int, head_dim: int) -> bytes:
 
 
 def run_unstaged(tmp: Path, *, seq_len: int, head_dim: int, heads: int = 1, batch: int = 1,
-                 causal: bool = False, sample=None) -> dict[str, dict]:
-  """{"fwd", "dq", "dkdv": dispatch record} of the earlier kernels (bfloat16)."""
+                 causal: bool = False, sample=None,
+                 dkdv_commit: str = UNSTAGED) -> dict[str, dict]:
+  """{"fwd", "dq", "dkdv": dispatch record} of the earlier kernels (bfloat16);
+  the dK/dV kernel of ``dkdv_commit`` (UNSTAGED or DKDV_SCALAR_STAGED)."""
   rng = np.random.default_rng(0)
   shape = (batch, heads, seq_len, head_dim)
   rand = lambda: rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
@@ -96,7 +100,7 @@ def run_unstaged(tmp: Path, *, seq_len: int, head_dim: int, heads: int = 1, batc
     lib = _msl_standalone.build_library(checkout_kernels(commit, tmp) / source, kernels=[name])
     constants = {200: align_q, 201: align_k, 300: False, 301: causal, 302: False, 303: False,
                  304: False}
-    buffers = dict(buffers, **{4: params})
+    buffers = {**buffers, 4: params}
     return lib.dispatch(name, buffers=buffers, constants=constants,
                         grid=(-(-seq_len // tile), heads, batch), threadgroup=(32, simdgroups, 1),
                         count=True, sample=sample)
@@ -107,8 +111,12 @@ def run_unstaged(tmp: Path, *, seq_len: int, head_dim: int, heads: int = 1, batc
   out["dq"] = dispatch(UNSTAGED, "flash_attn_train_bwd.metal", "bwd_dq",
                        {0: q, 1: k, 2: v, 8: lse, 12: d_o, 13: delta, 14: np.zeros_like(q)}, 32,
                        4, seq_len % 32 == 0, seq_len % 32 == 0)
-  bkv, bq = 4096 // head_dim, (16 if head_dim == 64 else 8)
-  out["dkdv"] = dispatch(DKDV_UNSTAGED, "flash_attn_train_bwd.metal", "bwd_dkdv",
+  if dkdv_commit == UNSTAGED:
+    bkv, bq, simdgroups = 32, 32, 4
+  else:
+    bkv, bq, simdgroups = 4096 // head_dim, (16 if head_dim == 64 else 8), 8
+  out["dkdv"] = dispatch(dkdv_commit, "flash_attn_train_bwd.metal", "bwd_dkdv",
                          {0: q, 1: k, 2: v, 8: lse, 12: d_o, 13: delta, 15: np.zeros_like(k),
-                          16: np.zeros_like(v)}, bkv, 8, seq_len % bq == 0, seq_len % bkv == 0)
+                          16: np.zeros_like(v)}, bkv, simdgroups, seq_len % bq == 0,
+                         seq_len % bkv == 0)
   return out

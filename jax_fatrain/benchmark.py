@@ -44,8 +44,9 @@ with segment ids against ours on the same shape with dense causal attention
 (:func:`packed_main`; defaults T=8192, 8 documents, D=128, 8:2 heads, f32).
 
 ``--metal-model`` runs something else: our Metal kernels and MLX's steel attention
-forward through the MSL emulator with cost counters, and a lower-bound cost model of
-named Apple GPUs over those counters (:mod:`jax_fatrain.metal_benchmark`); with
+forward through the MSL emulator with cost counters, and a cost model of named
+Apple GPUs over those counters, calibrated on published MLX timings
+(:mod:`jax_fatrain.metal_benchmark`); with
 ``--packed``, our Metal kernels on a packed causal sequence (segment ids) against
 our dense causal call on the same shape, counted and modelled the same way.
 """

@@ -336,6 +336,19 @@ def test_missing_parts_are_clear_errors(monkeypatch):
     metal_benchmark.run([P], impls=("ours",))
 
 
+def test_mlx_outside_a_source_checkout_is_one_line_and_status_2(monkeypatch, capsys):
+  """An installed package has no emulator sources or MLX instantiation files:
+  --metal-model says so and exits with status 2 instead of a traceback."""
+  from jax_fatrain import _mlx_reference, benchmark
+  monkeypatch.setattr(metal_benchmark, "_profile", lambda: None)
+  monkeypatch.setattr(_mlx_reference, "source_checkout", lambda: False)
+  with pytest.raises(SystemExit) as exit_info:
+    benchmark.main(["--metal-model", "--seq-lens", "64", "--head-dims", "64"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "source checkout" in err[0] and "--impls ours" in err[0]
+
+
 # ---------------------------------------------------------------------------
 # End to end through the emulator (our kernels; a few seconds)
 # ---------------------------------------------------------------------------

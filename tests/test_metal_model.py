@@ -536,21 +536,22 @@ def test_model_ranks_unstaged_kernels_slower_than_todays(tmp_path):
   problem = metal_benchmark.Problem(seq_len=T, head_dim=D, causal=True, heads=H)
   old = metal_history.run_unstaged(tmp_path, seq_len=T, head_dim=D, heads=H, causal=True,
                                    sample=8)
-  new = {}
+  # Today's passes, whatever dispatches the plan makes: the forward's against
+  # the old forward, the backward's (compute-D included) against old dQ + dK/dV.
+  new = {"forward": [], "backward": []}
   for d in metal_profile.run_problem(seq_len=T, head_dim=D, q_heads=H, kv_heads=H,
                                      causal=True, backward=True, sample=8):
-    role = next((r for r in ("fwd", "dq", "dkdv") if f"_{r}_" in d["kernel"]), None)
-    if role is not None:
-      new.setdefault(role, []).append(d)
+    new[d["target"]].append(d)
+  old = {"forward": [old["fwd"]], "backward": [old["dq"], old["dkdv"]]}
   result = metal_calibration.calibrate()
   fitted, error = result["fitted"], result["error"]["median_abs"]
-  for role in ("fwd", "dq", "dkdv"):
-    assert old[role]["races"] == 0
-    for d in [old[role]] + new[role]:
+  for pass_ in ("forward", "backward"):
+    assert new[pass_] and all(d["races"] == 0 for d in old[pass_])
+    for d in old[pass_] + new[pass_]:
       d["dram_bytes"] = metal_benchmark.compulsory_bytes(d["kernel"], problem)
     for g in metal_model.DEFAULT_GPUS:
-      t_old = metal_model.pass_time([old[role]], g, "bfloat16", fitted)
-      t_new = metal_model.pass_time(new[role], g, "bfloat16", fitted)
+      t_old = metal_model.pass_time(old[pass_], g, "bfloat16", fitted)
+      t_new = metal_model.pass_time(new[pass_], g, "bfloat16", fitted)
       old_low = metal_model.band(t_old, error)[0]
       new_high = metal_model.band(t_new, error)[1]
-      assert old_low > new_high, (role, g, t_old, t_new, error)
+      assert old_low > new_high, (pass_, g, t_old, t_new, error)

@@ -81,6 +81,7 @@ def _scale(record: dict[str, Any], factor: float, axis: int) -> dict[str, Any]:
   grid[axis] = int(round(grid[axis] * factor))
   out["grid"] = tuple(grid)
   out["threadgroups_total"] = grid[0] * grid[1] * grid[2]
+  out["sampled_fraction"] = out["threadgroups_executed"] / out["threadgroups_total"]
   return out
 
 
@@ -94,7 +95,8 @@ def emulate(pt: Mapping[str, Any], sample: int = SAMPLE) -> list[dict[str, Any]]
   counters: dict[str, Any] = {}
   if pt["kernel"] == "mlx_steel_gemm":
     # The tiles MLX picks for the real shape; a copy with at most MAX_BATCH
-    # batches and MAX_M rows runs (a multiple of every tile's BM).
+    # batches and MAX_M rows runs (a multiple of every tile's BM, so its row
+    # tiles are as full as the real ones wherever M is a multiple of BM).
     tiles = mlx.mlx_gemm_tiles(gpu.device_class, np.dtype(dt), pt["M"], pt["N"], pt["K"],
                                pt["batch"])
     batch, m = min(pt["batch"], MAX_BATCH), min(pt["M"], MAX_M)
@@ -119,15 +121,11 @@ def emulate(pt: Mapping[str, Any], sample: int = SAMPLE) -> list[dict[str, Any]]
   return [record]
 
 
-def _dtype(pt: Mapping[str, Any]) -> str:
-  return pt["dtype"]
-
-
 def predict(pt: Mapping[str, Any], dispatches: Sequence[Mapping[str, Any]],
             fitted: metal_model.Fitted) -> float:
   """The modelled time of a published measurement: the kernel's modelled time
   plus the host's cost of one timed call."""
-  return (metal_model.pass_time(dispatches, pt["chip"], _dtype(pt), fitted)
+  return (metal_model.pass_time(dispatches, pt["chip"], pt["dtype"], fitted)
           + fitted.host_overhead_s)
 
 
@@ -155,7 +153,7 @@ def fit(points: Sequence[Mapping[str, Any]],
                                                           np.array(_UPPER) / scale))
     if best is None or r.cost < best.cost:
       best = r
-  return metal_model.Fitted(**dict(zip(_PARAMS, best.x * scale)))
+  return metal_model.Fitted(**{k: float(v) for k, v in zip(_PARAMS, best.x * scale)})
 
 
 def leave_one_out(points: Sequence[Mapping[str, Any]],

@@ -44,8 +44,9 @@ with segment ids against ours on the same shape with dense causal attention
 (:func:`packed_main`; defaults T=8192, 8 documents, D=128, 8:2 heads, f32).
 
 ``--metal-model`` runs something else: our Metal kernels and MLX's steel attention
-forward through the MSL emulator with cost counters, and a lower-bound cost model of
-named Apple GPUs over those counters (:mod:`jax_fatrain.metal_benchmark`); with
+forward through the MSL emulator with cost counters, and a cost model of named
+Apple GPUs over those counters, calibrated on published MLX timings
+(:mod:`jax_fatrain.metal_benchmark`); with
 ``--packed``, our Metal kernels on a packed causal sequence (segment ids) against
 our dense causal call on the same shape, counted and modelled the same way.
 """
@@ -692,6 +693,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   mm.add_argument("--sample", default="8",
                   help="threadgroups run per dispatch: a count (default 8), a fraction "
                   "such as 0.25, or 'all'; counters are scaled to the whole grid")
+  mm.add_argument("--calibration", choices=("stored", "fresh"), default="stored",
+                  help="counters of the calibration points: stored with the data (default) "
+                  "or emulated now (needs MLX's kernels, about a minute)")
   mm.add_argument("--gpus", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                   default=None, help="comma-separated GPU names of jax_fatrain.metal_model "
                   "(default M1,M2 Max,M3 Max,M4 Max)")
@@ -740,7 +744,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
       return {"records": metal_benchmark.main(args)}
     except metal_benchmark.Unavailable as e:
-      sys.exit(f"--metal-model: {e}")
+      print(f"--metal-model: {e}", file=sys.stderr)
+      sys.exit(2)
 
   status = available_impls()
   impls = [i for i in IMPLS if i in args.impls and status.get(i) is None]

@@ -1,14 +1,19 @@
 """Our Metal kernels against MLX's steel attention, counted by the MSL emulator.
 
 ``python -m jax_fatrain.benchmark --metal-model [--json FILE] [--plot FILE]``
-runs, in one process and on the same problems, our forward and
-forward+backward (``implementation="metal_emulated"``) and MLX's steel
-attention forward, all through the MSL emulator with cost counters recording
-(:mod:`jax_fatrain.metal_profile`). Nothing is timed: the emulator counts, per
-dispatch, simdgroup matrix multiply-accumulates, device bytes and the cache
-lines they touch, threadgroup-memory bytes, barriers and races, and
-:mod:`jax_fatrain.metal_model` turns the counts into a modelled lower-bound
-time on named Apple GPUs. Those times are a MODEL, not measurements.
+first calibrates :mod:`jax_fatrain.metal_model` on published MLX timings
+(:mod:`jax_fatrain.metal_calibration`: MLX's steel GEMM and attention on
+named Macs, their counters from the emulator; ``--calibration fresh``
+re-emulates them, the default uses the counters stored with the data) and
+prints measured, modelled and leave-one-out error per point. Then it runs, in
+one process and on the same problems, our forward and forward+backward
+(``implementation="metal_emulated"``, whatever dispatches the plan makes) and
+MLX's steel attention forward (the kernel MLX 0.32.4 dispatches at each head
+dim), all through the MSL emulator with cost counters recording
+(:mod:`jax_fatrain.metal_profile`). Nothing is timed on this machine: the
+calibrated model turns the counts into times on named Apple GPUs, with the
+calibration's median leave-one-out error as the band. Those times are a
+MODEL, not measurements.
 
 The emulator is slow (every GPU thread is a CPU fiber), so by default each
 dispatch runs a stratified sample of its threadgroups (``--sample``: a count
@@ -27,8 +32,13 @@ and synchronisation interval, i.e. once a compiler has merged each lane's
 contiguous accesses into vector accesses; ``coalescing_per_instruction``
 counts them per access as the source issues it), ``threadgroup_bytes`` (read +
 written), ``mma``, ``barriers``, ``races``, ``sampled_fraction`` and
-``modelled_seconds`` ({GPU: seconds}), plus the per-dispatch counters and
-model terms under ``dispatches``.
+``modelled_seconds`` ({GPU: seconds}) and ``modelled_band`` ({GPU: [low,
+high] seconds}), plus the per-dispatch counters and model terms under
+``dispatches``. Calibration points are records with ``implementation`` =
+"calibration": ``chip``, ``kernel``, ``dtype``, ``head_dim``, ``seq_len``
+(attention; GEMMs have ``M``, ``N``, ``K``, ``batch``), ``measured_seconds``,
+``modelled_seconds``, ``loo_error`` (signed relative error of the
+leave-one-out prediction) and ``source``.
 """
 
 from __future__ import annotations
@@ -46,8 +56,9 @@ import numpy as np
 
 from jax_fatrain import metal_model
 
-MODEL_NOTE = ("modelled_seconds: lower bounds from jax_fatrain.metal_model (a model over "
-              "emulator counters), not measurements")
+MODEL_NOTE = ("modelled_seconds: jax_fatrain.metal_model calibrated on published MLX timings "
+              "(a model over emulator counters), not measurements; modelled_band: +- the "
+              "calibration's median leave-one-out error")
 
 class Unavailable(RuntimeError):
   """A part the comparison needs is missing from this build or installation."""
@@ -56,7 +67,8 @@ class Unavailable(RuntimeError):
 # Counter keys summed over a pass's dispatches.
 _SUMMED = ("simdgroup_mma", "device_bytes_read", "device_bytes_written", "device_lines64",
            "device_lines128", "device_lines128_merged", "tg_bytes_read", "tg_bytes_written",
-           "barriers", "races", "threadgroups_executed", "threadgroups_total")
+           "barriers", "races", "threadgroups_executed", "threadgroups_total",
+           "transcendentals", "bfloat_conversions", "simd_shuffles", "simd_reductions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +127,17 @@ def compulsory_bytes(kernel: str, p: Problem) -> int | None:
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """The fitted model parameters and its stated relative error."""
+
+  fitted: metal_model.Fitted = metal_model.FITTED_DEFAULT
+  error: float = 0.0
+
+
 def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[str, Any]],
-              gpus: Sequence[str], seconds: float | None = None) -> dict[str, Any]:
+              gpus: Sequence[str], seconds: float | None = None,
+              calibration: Calibration = Calibration()) -> dict[str, Any]:
   """One record from a pass's per-dispatch counters (see the module docstring)."""
   if not dispatches:
     raise ValueError(f"{impl} {pass_} {p.label()}: no dispatch was recorded")
@@ -127,7 +148,7 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
       cb = compulsory_bytes(str(d.get("kernel", "")), p)
       if cb is not None:
         d["dram_bytes"] = cb
-    est = {g: metal_model.dispatch_time(d, g) for g in gpus}
+    est = {g: metal_model.dispatch_time(d, g, p.dtype, calibration.fitted) for g in gpus}
     d["modelled_seconds"] = {g: e.seconds for g, e in est.items()}
     d["modelled_bound"] = {g: e.bound for g, e in est.items()}
     d["modelled_terms"] = {g: e.terms for g, e in est.items()}
@@ -168,9 +189,12 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
       "sampled_fraction": (tot["threadgroups_executed"] / tot["threadgroups_total"]
                            if tot["threadgroups_total"] else None),
       "modelled_seconds": {g: sum(d["modelled_seconds"][g] for d in ds) for g in gpus},
+      "modelled_band": {g: list(metal_model.band(sum(d["modelled_seconds"][g] for d in ds),
+                                                 calibration.error)) for g in gpus},
       # Per GPU, the term that sets the most modelled time over the pass's dispatches.
-      "modelled_bound": {g: max(metal_model.TERMS, key=lambda t, g=g: sum(
-          d["modelled_seconds"][g] for d in ds if d["modelled_bound"][g] == t))
+      "modelled_bound": {g: max(("compute",) + metal_model.MEMORY_TERMS,
+                                key=lambda t, g=g: sum(d["modelled_seconds"][g] for d in ds
+                                                       if d["modelled_bound"][g] == t))
                          for g in gpus},
       "model_note": MODEL_NOTE,
       "emulator_seconds": seconds,
@@ -254,8 +278,13 @@ def run_mlx(mod, p: Problem, sample) -> tuple[list[dict], float]:
     kwargs["sample"] = sample
   counters: dict[str, Any] = {}
   t0 = time.perf_counter()
-  mod.mlx_attention_forward(q, k, v, scale=1.0 / math.sqrt(p.head_dim), causal=p.causal,
-                            counters=counters, **kwargs)
+  try:
+    mod.mlx_attention_forward(q, k, v, scale=1.0 / math.sqrt(p.head_dim), causal=p.causal,
+                              counters=counters, **kwargs)
+  except RuntimeError as e:  # BuildError: no source checkout or no C++ compiler
+    if type(e).__name__ != "BuildError":
+      raise
+    raise Unavailable(f"MLX's kernel could not be built for the emulator: {e}") from e
   seconds = time.perf_counter() - t0
   if not counters:
     raise Unavailable("MLX's runner returned no counters")
@@ -349,6 +378,31 @@ def build_packed_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str
   return header, rows
 
 
+def calibration_records(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+  """JSON records (implementation "calibration") of a metal_calibration.calibrate result."""
+  out = []
+  for pt in result["points"]:
+    r = {"implementation": "calibration", "chip": pt["chip"], "kernel": pt["kernel"],
+         "dtype": pt["dtype"], "head_dim": pt.get("head_dim"), "seq_len": pt.get("seq_len"),
+         "measured_seconds": pt["measured_seconds"], "modelled_seconds": pt["modelled_seconds"],
+         "loo_error": pt["loo_error"], "source": pt["source"]}
+    for k in ("batch", "heads", "causal", "M", "N", "K"):
+      if pt.get(k) is not None:
+        r[k] = pt[k]
+    out.append(r)
+  return out
+
+
+def build_calibration_table(records: Sequence[Mapping[str, Any]]):
+  """(header, rows): measured, modelled and leave-one-out error per calibration point."""
+  from jax_fatrain import metal_calibration  # pylint: disable=import-outside-toplevel
+  header = ["chip", "kernel", "problem", "dtype", "measured ms", "modelled ms", "LOO error"]
+  rows = [[r["chip"], r["kernel"].replace("mlx_steel_", ""), metal_calibration.label(r),
+           r["dtype"], f"{r['measured_seconds'] * 1e3:.3f}", f"{r['modelled_seconds'] * 1e3:.3f}",
+           f"{r['loo_error']:+.1%}"] for r in records]
+  return header, rows
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
             for i, h in enumerate(header)]
@@ -373,20 +427,43 @@ def _matplotlib():
 
 
 def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -> None:
-  """Ratios ours/MLX of the modelled forward time, and modelled times per GPU."""
+  """The calibration (modelled against measured), ratios ours/MLX of the
+  modelled forward time, and modelled times per GPU with their bands."""
   plt = _matplotlib()
 
+  calib = [r for r in records if r["implementation"] == "calibration"]
+  records = [r for r in records if r["implementation"] != "calibration"]
   by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
   keys = sorted({_key(r) for r in records})
   labels = [f"T={k[0]}\nD={k[1]}\n{'causal' if k[2] else 'full'}"
             + (f"\n{k[4]} docs" if k[4] else "") for k in keys]
   x = np.arange(len(keys))
   ncols = 2
-  nrows = 1 + (len(gpus) + ncols - 1) // ncols
-  fig = plt.figure(figsize=(max(8.0, 1.1 * len(keys) * ncols), 3.2 * nrows))
+  nrows = 2 + (len(gpus) + ncols - 1) // ncols
+  fig = plt.figure(figsize=(max(8.0, 1.1 * max(1, len(keys)) * ncols), 3.2 * nrows))
   grid = fig.add_gridspec(nrows, ncols)
 
   ax = fig.add_subplot(grid[0, :])
+  if calib:
+    for chip in sorted({r["chip"] for r in calib}):
+      pts = [r for r in calib if r["chip"] == chip]
+      ax.scatter([r["measured_seconds"] * 1e3 for r in pts],
+                 [r["measured_seconds"] * (1 + r["loo_error"]) * 1e3 for r in pts],
+                 label=chip, s=14)
+    lo = min(r["measured_seconds"] for r in calib) * 1e3 / 1.5
+    hi = max(r["measured_seconds"] for r in calib) * 1e3 * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(fontsize=6, ncol=4)
+  else:
+    ax.text(0.5, 0.5, "no calibration records", transform=ax.transAxes, ha="center")
+  ax.set_xlabel("measured ms (published)")
+  ax.set_ylabel("leave-one-out modelled ms")
+  ax.set_title("Calibration: published MLX timings against the model fitted without each point",
+               fontsize=9)
+
+  ax = fig.add_subplot(grid[1, :])
   width = 0.8 / max(1, len(gpus))
   plotted = False
   for i, g in enumerate(gpus):
@@ -409,15 +486,20 @@ def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -
   series = [("ours", "fwd"), ("mlx", "fwd"), ("ours", "fwd+bwd")]
   width = 0.8 / len(series)
   for j, g in enumerate(gpus):
-    ax = fig.add_subplot(grid[1 + j // ncols, j % ncols])
+    ax = fig.add_subplot(grid[2 + j // ncols, j % ncols])
     for i, (impl, pass_) in enumerate(series):
       vals = [by[(impl, pass_, k)]["modelled_seconds"][g] * 1e6 if (impl, pass_, k) in by
               else np.nan for k in keys]
-      ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=f"{impl} {pass_}")
+      band = np.array([[v - by[(impl, pass_, k)]["modelled_band"][g][0] * 1e6,
+                        by[(impl, pass_, k)]["modelled_band"][g][1] * 1e6 - v]
+                       if (impl, pass_, k) in by and "modelled_band" in by[(impl, pass_, k)]
+                       else [0.0, 0.0] for k, v in zip(keys, vals)]).T
+      ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, yerr=band, capsize=2,
+             label=f"{impl} {pass_}")
     ax.set_yscale("log")
     ax.set_xticks(x, labels, fontsize=6)
     ax.set_ylabel("modelled us")
-    ax.set_title(f"{g}: modelled lower-bound time", fontsize=9)
+    ax.set_title(f"{g}: modelled time (band: calibration error)", fontsize=9)
     ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -452,6 +534,11 @@ def check_available(impls: Sequence[str]):
   mlx, why = mlx_runner()
   if mlx is None:
     raise Unavailable(why + "; pass --impls ours to run our kernels alone")
+  checkout = getattr(mlx, "source_checkout", None)
+  if callable(checkout) and not checkout():
+    raise Unavailable("MLX's kernels run in the emulator only from a source checkout of "
+                      "jax_fatrain (tests/metal_emulator and cpp/metal/emulator are not "
+                      "installed with the package); pass --impls ours to run our kernels alone")
   fetch = getattr(mlx, "fetch_mlx_kernels", None)
   if callable(fetch):
     try:
@@ -465,8 +552,8 @@ def check_available(impls: Sequence[str]):
 def run(problems: Sequence[Problem], *, impls: Sequence[str] = ("ours", "mlx"),
         passes: Sequence[str] = ("fwd", "fwd+bwd"), sample=8,
         gpus: Sequence[str] = metal_model.DEFAULT_GPUS,
-        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
-        ) -> list[dict[str, Any]]:
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+        calibration: Calibration = Calibration()) -> list[dict[str, Any]]:
   """Runs every (implementation, pass, problem); returns the records."""
   mlx = check_available(impls)
   records = []
@@ -476,14 +563,15 @@ def run(problems: Sequence[Problem], *, impls: Sequence[str] = ("ours", "mlx"),
     if "ours" in impls:
       fwd, bwd, t = run_ours(p, sample, passes)
       if "fwd" in passes:
-        records.append(summarize("ours", "fwd", p, fwd, gpus, t if len(passes) == 1 else None))
+        records.append(summarize("ours", "fwd", p, fwd, gpus, t if len(passes) == 1 else None,
+                                 calibration))
       if "fwd+bwd" in passes:
-        records.append(summarize("ours", "fwd+bwd", p, fwd + bwd, gpus, t))
+        records.append(summarize("ours", "fwd+bwd", p, fwd + bwd, gpus, t, calibration))
       done.append(f"ours {t:.1f}s")
     if mlx is not None and "fwd" in passes:
       if mlx_supports(mlx, p):
         launches, t = run_mlx(mlx, p, sample)
-        records.append(summarize("mlx", "fwd", p, launches, gpus, t))
+        records.append(summarize("mlx", "fwd", p, launches, gpus, t, calibration))
         done.append(f"mlx {t:.1f}s")
       else:
         done.append("mlx: no kernel")
@@ -511,16 +599,31 @@ def main(args) -> list[dict[str, Any]]:
   impls = ["ours"] if packed else [i for i in args.impls if i in ("ours", "mlx")]
   passes = ["fwd"] if args.fwd_only else ["fwd", "fwd+bwd"]
   sample = parse_sample(args.sample)
-  check_available(impls)  # fail now, not after a long run
+  fresh = getattr(args, "calibration", "stored") == "fresh"
+  check_available(list(impls) + (["mlx"] if fresh else []))  # fail now, not after a long run
   if args.plot:
     _matplotlib()
+  t0 = time.perf_counter()
+  from jax_fatrain import metal_calibration  # pylint: disable=import-outside-toplevel
+  result = metal_calibration.calibrate(
+      fresh=fresh, log=lambda s: print(s, file=sys.stderr, flush=True))
+  calib = calibration_records(result)
+  error = result["error"]
+  calibration = Calibration(result["fitted"], error["median_abs"])
+  print(f"Calibration of the model: {error['points']} published MLX timings "
+        f"({'counters emulated now' if fresh else 'counters stored with the data'}); "
+        f"leave-one-out error median {error['median_abs']:.1%}, worst {error['worst_abs']:.1%}")
+  header, rows = build_calibration_table(calib)
+  print(format_table(header, rows))
+  print()
   print(f"Metal kernels through the MSL emulator, B={args.batch}, {args.heads} query and kv "
         f"head(s), T=S, sample={args.sample} threadgroups per dispatch "
         "(a count, a fraction or all; counters scaled to the whole grid)")
-  print("\n".join(metal_model.describe(gpus)))
+  print("\n".join(metal_model.describe(gpus, calibration.fitted)))
+  print(f"  band: +-{calibration.error:.1%} (median leave-one-out error)")
   sys.stdout.flush()
-  t0 = time.perf_counter()
-  records = run(problems, impls=impls, passes=passes, sample=sample, gpus=gpus)
+  records = run(problems, impls=impls, passes=passes, sample=sample, gpus=gpus,
+                calibration=calibration)
   wall = time.perf_counter() - t0
   header, rows = build_table(records, gpus)
   print()
@@ -529,8 +632,8 @@ def main(args) -> list[dict[str, Any]]:
         "touched x 128); TG MB: threadgroup-memory bytes read + written; MMA M: millions of "
         "8x8x8 simdgroup multiply-accumulates; barriers: threadgroup barriers executed, summed "
         "over threadgroups; bound: the model's term that sets most of the time (compute, "
-        "threadgroup, device, dram); <GPU> us: modelled lower bound (a model, not a "
-        "measurement)")
+        "threadgroup, l1, l2, slc, dram); <GPU> us: modelled time (a model, not a "
+        f"measurement; band +-{calibration.error:.0%})")
   if packed:
     header, rows = build_packed_ratios(records, gpus)
     print()
@@ -542,6 +645,7 @@ def main(args) -> list[dict[str, Any]]:
     print()
     print(format_table(header, rows))
   print(f"total time {wall:.0f} s")
+  records = calib + records
   if args.json:
     save_json(records, args.json)
     print(f"saved {len(records)} records to {args.json}")

@@ -1,104 +1,143 @@
-"""A lower-bound cost model of Metal dispatches on named Apple GPUs.
+"""A cost model of Metal dispatches on named Apple GPUs, calibrated on published timings.
 
-This is a MODEL, not a measurement. It turns the cost counters that the MSL
-emulator records for one dispatch (``jax_fatrain.metal_profile``: simdgroup
-matrix multiply-accumulates, device-memory cache lines, threadgroup-memory
-bytes, threadgroups) into a predicted lower bound on that dispatch's time on an
-Apple GPU, from the GPU's public core count, clock and memory bandwidth and a
-few per-core rates measured by others (each number below says where it comes
-from, or that it is an assumption). A kernel cannot run faster than any of:
+This is a MODEL, not a measurement. It turns the cost counters the MSL emulator
+records for one dispatch (:mod:`jax_fatrain.metal_profile`) into a predicted
+time on an Apple GPU. Its structure and per-core rates come from public
+sources (each number below says where from, or that it is an assumption);
+four global factors are fitted to published MLX timings on real Macs
+(:mod:`jax_fatrain.metal_calibration`, ``jax_fatrain/data/metal_calibration.json``),
+and the fit's leave-one-out error is the model's stated error.
 
-* ``compute``: its 8x8x8 simdgroup matrix multiply-accumulates at the
-  measured ``simdgroup_matrix`` rate of the cores that can be busy;
-* ``threadgroup``: its threadgroup-memory bytes (read + written) at the
-  threadgroup-memory bandwidth of those cores;
-* ``device``: the 128-byte cache lines its simdgroup-wide device loads and
-  stores touch, moved through the cores' L1 data caches at their bandwidth
-  (an uncoalesced access pays for every line it touches);
-* ``dram``: the bytes it must move to or from DRAM at least once (given by the
-  caller as ``dram_bytes``: the dispatch's compulsory traffic), at the chip's
-  memory bandwidth;
+Per dispatch, on GPU ``g``:
 
-so the model's time is the largest of these terms. "Cores that can be busy" is
-``min(cores, threadgroups)``: a threadgroup runs on one core, so a grid of 32
-threadgroups cannot use more than 32 cores. What the model leaves out makes a
-real GPU slower, never faster: instruction issue and latency, occupancy and
-register spills, ALU work outside the matrix unit (exp2, max, scaling),
-barrier stalls, cache misses beyond the compulsory ones, dispatch overhead and
-clocks below the maximum. No public measurement gives a per-barrier or
-per-dispatch cost precise enough to add without turning the bound into a
-guess, so neither is added; barrier counts are reported next to the model.
-A forward or forward+backward pass is the sum of its dispatches (Metal runs
-the dispatches of one compute encoder in order here: each reads the previous
-one's output).
+* **Occupancy.** A core holds ``R`` threadgroups at once: as many as its
+  threadgroup memory and thread slots allow (``resident_per_core``). The
+  busiest core runs ``k = ceil(threadgroups / cores)`` of them, so the
+  dispatch proceeds like ``threadgroups / k`` fully busy cores (a grid of 64
+  threadgroups on 40 cores takes two rounds, as long as 32 cores doing one).
+  ``S = min(R, k)`` threadgroups' simdgroups share a core; fewer than
+  ``SIMDGROUPS_TO_SATURATE`` of them leave the ALUs idle part of the time
+  (latency not hidden): the compute term is divided by ``min(1, S / 16)``.
+* **compute** (issue slots of the FP32 ALUs, which also run simdgroup_matrix):
+  matrix multiply-accumulates at the measured simdgroup_matrix rate, plus
+  transcendental calls (4 slots each: 32 per core-cycle against 128 lanes),
+  software bfloat conversions (M1/M2 only), and simd shuffles and reductions
+  (a reduction = 5 shuffle steps) at the shuffle bandwidth; these share the
+  instruction issue, so they add.
+* **memory**, one term per level, each at its bandwidth: threadgroup memory;
+  the L1 and the GPU's L2 (every 128-byte line a simdgroup requests passes
+  both); the system-level cache (what misses the L2); DRAM (what misses the
+  SLC, at least the dispatch's compulsory bytes). Hit rates come from the
+  working set of one wave of resident threadgroups
+  (``metal_profile.wave_lines``): a line requested again within a wave hits
+  a cache of size C with probability ``min(1, C / working set)``.
+* **barriers**: each threadgroup_barrier stalls its threadgroup for a fixed
+  latency (fitted), overlapped across the resident threadgroups of a core.
 
-Only a Mac measures times. Use the model to compare kernels' structure (two
-kernels on the same problem, or a kernel against its own lower bound), not to
-predict a wall clock.
+``time = max(compute / (eta_compute * occupancy), memory terms / eta_memory)
++ barriers``: compute and memory traffic overlap (the slowest sets the
+pace), barrier stalls do not (every simdgroup of the threadgroup waits).
+``eta_compute``, ``eta_memory`` and the barrier latency are fitted, with a
+fourth parameter that only the calibration uses: the host's cost per timed
+call in the published measurements (Python, command-buffer commit and wait),
+added to each calibration point's prediction and to nothing else
+(:data:`FITTED_DEFAULT` until a fit replaces them).
+
+Not modelled: register pressure and spills (the Metal compiler decides
+registers; occupancy here counts threadgroup memory and threads only),
+instruction-cache misses, integer and FP32 arithmetic outside the counted
+operations (index math, max, scaling), bank conflicts in threadgroup memory,
+DRAM page effects, clocks below the maximum and thermal limits, and the
+neural accelerators of M5 GPUs (MLX uses other kernels there).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 # FMAs in one 8x8x8 simdgroup matrix multiply-accumulate (a FMA is 2 FLOPs).
 MMA_FMAS = 8 * 8 * 8
 
 # ---------------------------------------------------------------------------
-# Per-core rates shared by the Apple GPU families below.
+# Per-core rates and limits.
 #
-# [MB] Philip Turner, "metal-benchmarks", README, revision of 2024-09-22,
-#      https://github.com/philipturner/metal-benchmarks -- microbenchmarks of
-#      the M1/M2 (Apple 7/8) GPU cores.
+# [MB] Philip Turner, "metal-benchmarks", README at commit dc2adc6
+#      (2024-09-22), https://github.com/philipturner/metal-benchmarks --
+#      microbenchmarks of the Apple 7 and 8 (M1, M2) GPU cores.
+# Apple 9 (M3, M4): ASSUMED equal to Apple 8 where nothing was published.
 # ---------------------------------------------------------------------------
 
-# simdgroup_matrix throughput inside a matrix multiplication kernel, FMAs per
-# core per cycle, "A15+, M1+" column of [MB]'s "Matrix FFMA16 / FFMA32" table
-# (102.5 and 101.7; the ALU peak is 128 FMAs per core-cycle, [MB] "F32 OPs
-# (FMA) 256" per core-cycle). Apple 9 (M3, M4): ASSUMED equal; no per-core
-# matrix rate has been published for them. Consistency check: 101.7 FMAs x 2 x
-# 10 cores x 1.578 GHz = 3.2 TFLOPS for the M4, above the 2.9 TFLOPS FP32 GEMM
-# that Hübner et al. measured on it ("Apple vs. Oranges", arXiv:2502.05317).
+# simdgroup_matrix FMAs per core-cycle inside a matrix multiplication, [MB]
+# "Matrix FFMA16 / FFMA32" table, "A15+, M1+" column.
 MATRIX_FMA_PER_CORE_CYCLE_F16 = 102.5
 MATRIX_FMA_PER_CORE_CYCLE_F32 = 101.7
-
-# Threadgroup-memory bandwidth per core-cycle: ASSUMED 64 bytes. [MB] listed
-# "Shared BW/Cycle 64 B" for Apple 7/8 in its earlier revisions and marks it
-# "TBD" in the current one, noting that Apple "reduces
-# the amount of threadgroup memory bandwidth" (the same table gives 128 B/cycle
-# for AMD and Nvidia cores).
+# FP32 lanes per core-cycle ([MB] "F32 OPs (FMA) 256" per core-cycle = 128
+# FMA lanes) and transcendental throughput ([MB] "F32 Exp2 32", the same for
+# LOG2; RSQRT is 16 and RECIP 21, counted at the exp2 rate here).
+ALU_LANES_PER_CORE_CYCLE = 128
+TRANSCENDENTAL_LANES_PER_CORE_CYCLE = 32
+# float <-> bfloat in software on Apple 7/8 (no bfloat hardware; Metal
+# FlashAttention enables native bfloat only on Apple 9): ASSUMED 2 integer
+# ALU operations per conversion on average (bfloat -> float is one shift,
+# float -> bfloat with round-to-nearest-even about four). Apple 9 converts in
+# hardware: 0. half <-> float is free in the ALUs' operands ([MB]: "Most
+# pipelines can accept 16-bit operands or write 16-bit results, with zero
+# additional cost") and not counted.
+BFLOAT_CONVERSION_OPS_SOFTWARE = 2.0
+# SIMD shuffle bandwidth, [MB] "SIMD Shuffle BW/Cycle 256 B" per core; a
+# shuffle moves 32 lanes x 4 bytes; a reduction over 32 lanes is 5 steps.
+SHUFFLE_BYTES_PER_CORE_CYCLE = 256.0
+REDUCTION_SHUFFLE_STEPS = 5
+# Threadgroup-memory bandwidth: ASSUMED 64 bytes per core-cycle ([MB] listed
+# 64 B in earlier revisions and "TBD" now).
 TG_BYTES_PER_CORE_CYCLE = 64.0
-
-# L1 data-cache bandwidth per core-cycle ("On-Core Data BW/Cycle 64 B", Apple
-# 7/8, [MB] "On-Chip Memory" table) and the global cache line size ("Global
-# Cache Line 128 B", same table). Apple 9: ASSUMED unchanged. ASSUMED: every
-# line an instruction touches costs a whole line of that bandwidth (no
-# partial-line transfers), so an instruction that uses half of each line it
-# touches costs twice its bytes.
+# L1 ("On-Core Data BW/Cycle 64 B") and L2 ("On-GPU Data BW/Cycle ~32 B")
+# bandwidth per core-cycle and the line size ("Global Cache Line 128 B"), [MB]
+# "On-Chip Memory" table.
 L1_BYTES_PER_CORE_CYCLE = 64.0
+L2_BYTES_PER_CORE_CYCLE = 32.0
 CACHE_LINE_BYTES = 128
+# SLC bandwidth relative to DRAM: [MB] gives ~15.4-19.8 B (SLC) against
+# ~7.7-9.9 B (RAM) per core-cycle for the largest Apple 7/8 GPUs: 2x.
+SLC_TO_DRAM_BANDWIDTH = 2.0
+# Per-core occupancy limits. Threadgroup memory: [MB] "Shared Memory ~60 KB"
+# per core (Apple 7/8). Threads: [MB] "Max Threads 384-3072" per core,
+# depending on registers per thread, which the Metal compiler decides and the
+# emulator cannot see: ASSUMED 1024. Latency hiding: [MB] "ALU utilization
+# maxes out at 24 simds/core" for dependent scalar instructions (ILP = 1);
+# matrix code has more independent instructions per simdgroup. FITTED: 16,
+# the largest of 8, 12, 16, 20, 24 whose calibration meets the error targets
+# (24 leaves the published attention timings up to 67% slower in the model).
+TG_MEMORY_PER_CORE = 60 * 1024
+THREADS_PER_CORE = 1024
+SIMDGROUPS_TO_SATURATE = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class AppleGPU:
-  """One Apple GPU configuration (the largest GPU of the named chip)."""
+  """One Apple GPU configuration."""
 
   name: str
   family: str            # MTLGPUFamily
   cores: int
   clock_ghz: float       # maximum GPU clock
   dram_gb_s: float       # unified-memory bandwidth, GB/s (10^9 bytes/s)
+  l2_kib: float          # GPU L2 cache
+  slc_mib: float         # system-level cache
+  device_class: str      # last letter of MLX's architecture name: g base, s/c Pro/Max, d Ultra
   matrix_fma_per_core_cycle_f16: float = MATRIX_FMA_PER_CORE_CYCLE_F16
   matrix_fma_per_core_cycle_f32: float = MATRIX_FMA_PER_CORE_CYCLE_F32
-  tg_bytes_per_core_cycle: float = TG_BYTES_PER_CORE_CYCLE
-  l1_bytes_per_core_cycle: float = L1_BYTES_PER_CORE_CYCLE
-  cache_line_bytes: int = CACHE_LINE_BYTES
+
+  @property
+  def bfloat_native(self) -> bool:
+    return self.family not in ("Apple7", "Apple8")
 
   @property
   def fp32_alu_tflops(self) -> float:
     """FP32 ALU peak (128 FMA lanes per core), for reference only."""
-    return self.cores * 128 * 2 * self.clock_ghz / 1e3
+    return self.cores * ALU_LANES_PER_CORE_CYCLE * 2 * self.clock_ghz / 1e3
 
   def matrix_fma_per_core_cycle(self, dtype: str) -> float:
     return (self.matrix_fma_per_core_cycle_f16 if _is_f16(dtype)
@@ -110,42 +149,66 @@ class AppleGPU:
 
 
 # Sources for each row:
-# * core counts and memory bandwidths: Apple's announcements of each chip
-#   (apple.com/newsroom): M1 2020-11-10 (8-core GPU, "2.6 teraflops"); M1 Pro
-#   and M1 Max 2021-10-18 ("up to 32-core GPU", "400GB/s"); M2 2022-06-06
-#   ("10-core GPU", "100GB/s"); M2 Pro and M2 Max 2023-01-17 ("up to 38-core
-#   GPU", twice M2 Pro's 200GB/s); M3 family 2023-10-30 (M3 10-core GPU,
-#   100GB/s; M3 Max "up to 40-core GPU", 400GB/s with 40 cores); M4 Pro and
-#   M4 Max 2024-10-30 (M4 10-core GPU, "120GB/s"; M4 Pro "up to 20-core GPU",
-#   "273GB/s"; M4 Max "up to 40-core GPU", "546GB/s").
-#   M1's bandwidth is not in Apple's announcement: LPDDR4X-4266 on a 128-bit
-#   bus = 4266e6 x 16 bytes = 68.25 GB/s (AnandTech, "The 2020 Mac Mini
-#   Unleashed: Putting Apple Silicon M1 To The Test", 2020-11-17).
-# * clocks: Apple publishes none. M1/M1 Max/M2/M2 Max: [MB] overview table
-#   (1.278 / 1.296 / 1.398 / 1.398 GHz; 8 x 128 x 2 x 1.278 GHz = 2.6 TFLOPS,
-#   Apple's M1 figure). M3, M3 Max: 1.398 GHz, third-party GPU database
-#   (hmc-tech.com, "Apple 10-Core M3", "40-Core M3 Max"): an ESTIMATE. M4
-#   family: 1.578 GHz, the maximum GPU frequency that powermetrics reported on
-#   an M4 Pro under load (The Eclectic Light Company, "M4 Pro full on: when
-#   CPU and GPU draw over 50 W", 2025-01-22); M4 and M4 Max ASSUMED to reach
-#   the same clock (the same GPU core; some databases list 1.678 GHz for the
-#   M4 Max, which would make its compute term 6% shorter).
+# * core counts and memory bandwidths: Apple's announcements (apple.com/newsroom):
+#   M1 2020-11-10 (8-core GPU); M1 Pro/Max 2021-10-18 (up to 32 cores,
+#   200/400 GB/s); M1 Ultra 2022-03-08 (up to 64 cores, 800 GB/s); M2 2022-06-06
+#   (10 cores, 100 GB/s); M2 Pro/Max 2023-01-17 (up to 19/38 cores, 200/400
+#   GB/s); M2 Ultra 2023-06-05 (up to 76 cores, 800 GB/s); M3 family
+#   2023-10-30 (M3 10 cores 100 GB/s, M3 Max 40 cores 400 GB/s); M3 Ultra
+#   2025-03-05 (up to 80 cores, 819 GB/s); M4 family 2024-10-30 (M4 10 cores
+#   120 GB/s, M4 Pro 20 cores 273 GB/s, M4 Max 40 cores 546 GB/s). M1's
+#   68.25 GB/s: LPDDR4X-4266 x 128 bit (AnandTech, 2020-11-17). The 48-core
+#   M1 Ultra and 16-core M1 Pro/M2 Pro rows are the smaller configurations of
+#   the published timings.
+# * clocks: [MB] "GPU | Gen | GHz" table for M1 (1.278), M1 Pro/Max/Ultra
+#   (1.296), M2 family (1.398); M3 family 1.398 (hmc-tech.com GPU database:
+#   an ESTIMATE); M4 family 1.578 (powermetrics maximum on an M4 Pro, The
+#   Eclectic Light Company, 2025-01-22; M4/M4 Max ASSUMED equal).
+# * L2 and SLC sizes: [MB] table "L2 $" / "L3 $" for M1, M1 Pro/Max/Ultra, M2,
+#   M2 Pro/Max; Ultras ASSUMED twice the Max; M3 and M4 families ASSUMED equal to
+#   the M2 chip of the same tier (not published).
+# * device class: MLX's host picks GEMM tiles by the architecture name's last
+#   letter (an M1 Max reports applegpu_g13s; base chips g, Ultras d).
 GPUS: dict[str, AppleGPU] = {g.name: g for g in (
-    AppleGPU("M1", "Apple7", cores=8, clock_ghz=1.278, dram_gb_s=68.25),
-    AppleGPU("M1 Max", "Apple7", cores=32, clock_ghz=1.296, dram_gb_s=400.0),
-    AppleGPU("M2", "Apple8", cores=10, clock_ghz=1.398, dram_gb_s=100.0),
-    AppleGPU("M2 Max", "Apple8", cores=38, clock_ghz=1.398, dram_gb_s=400.0),
-    AppleGPU("M3", "Apple9", cores=10, clock_ghz=1.398, dram_gb_s=100.0),
-    AppleGPU("M3 Max", "Apple9", cores=40, clock_ghz=1.398, dram_gb_s=400.0),
-    AppleGPU("M4", "Apple9", cores=10, clock_ghz=1.578, dram_gb_s=120.0),
-    AppleGPU("M4 Pro", "Apple9", cores=20, clock_ghz=1.578, dram_gb_s=273.0),
-    AppleGPU("M4 Max", "Apple9", cores=40, clock_ghz=1.578, dram_gb_s=546.0),
+    AppleGPU("M1", "Apple7", 8, 1.278, 68.25, 768, 8, "g"),
+    AppleGPU("M1 Pro", "Apple7", 16, 1.296, 200.0, 256, 24, "s"),
+    AppleGPU("M1 Max", "Apple7", 32, 1.296, 400.0, 512, 48, "s"),
+    AppleGPU("M1 Ultra", "Apple7", 48, 1.296, 800.0, 1024, 96, "d"),
+    AppleGPU("M2", "Apple8", 10, 1.398, 100.0, 1536, 8, "g"),
+    AppleGPU("M2 Pro", "Apple8", 16, 1.398, 200.0, 512, 24, "s"),
+    AppleGPU("M2 Max", "Apple8", 38, 1.398, 400.0, 1024, 48, "s"),
+    AppleGPU("M2 Ultra", "Apple8", 76, 1.398, 800.0, 2048, 96, "d"),
+    AppleGPU("M3", "Apple9", 10, 1.398, 100.0, 1536, 8, "g"),
+    AppleGPU("M3 Max", "Apple9", 40, 1.398, 400.0, 1024, 48, "s"),
+    AppleGPU("M3 Ultra", "Apple9", 80, 1.398, 819.0, 2048, 96, "d"),
+    AppleGPU("M3 Ultra 60", "Apple9", 60, 1.398, 819.0, 2048, 96, "d"),
+    AppleGPU("M4", "Apple9", 10, 1.578, 120.0, 1536, 8, "g"),
+    AppleGPU("M4 Pro", "Apple9", 20, 1.578, 273.0, 512, 24, "s"),
+    AppleGPU("M4 Max", "Apple9", 40, 1.578, 546.0, 1024, 48, "s"),
 )}
 
 # The GPUs the comparison reports by default.
 DEFAULT_GPUS: tuple[str, ...] = ("M1", "M2 Max", "M3 Max", "M4 Max")
 
-TERMS = ("compute", "threadgroup", "device", "dram")
+TERMS = ("compute", "threadgroup", "l1", "l2", "slc", "dram", "barriers")
+MEMORY_TERMS = ("threadgroup", "l1", "l2", "slc", "dram")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+  """The model's fitted global parameters (see the module docstring)."""
+
+  eta_compute: float = 0.8        # achieved share of the compute term's rate
+  eta_memory: float = 0.8         # achieved share of the memory bandwidths
+  barrier_cycles: float = 100.0   # stall per threadgroup_barrier, core cycles
+  host_overhead_s: float = 20e-6  # per timed call of the published measurements
+
+  def as_dict(self) -> dict[str, float]:
+    return dataclasses.asdict(self)
+
+
+# Placeholder values used until a calibration fit replaces them (ASSUMED).
+FITTED_DEFAULT = Fitted()
 
 
 def _is_f16(dtype: str) -> bool:
@@ -163,12 +226,15 @@ def gpu(name: str | AppleGPU) -> AppleGPU:
 
 @dataclasses.dataclass(frozen=True)
 class DispatchEstimate:
-  """The model's lower bound for one dispatch on one GPU, with its terms (seconds)."""
+  """The model's time for one dispatch on one GPU, with its terms (seconds)."""
 
   seconds: float
   terms: dict[str, float]
-  bound: str          # the term that sets ``seconds``
-  active_cores: int
+  bound: str               # the overlapped term that sets the pace
+  active_cores: float      # threadgroups / ceil(threadgroups / cores)
+  resident: int            # threadgroups a core holds at once
+  occupancy: float         # the compute term's latency-hiding factor, (0, 1]
+  working_set_bytes: float
 
 
 def _get(counters: Mapping[str, Any], key: str) -> float:
@@ -176,67 +242,120 @@ def _get(counters: Mapping[str, Any], key: str) -> float:
   return float(v or 0)
 
 
-def dispatch_time(counters: Mapping[str, Any], g: str | AppleGPU,
-                  dtype: str = "float32") -> DispatchEstimate:
-  """The modelled lower-bound time of one dispatch on GPU ``g``.
+def resident_per_core(counters: Mapping[str, Any]) -> int:
+  """Threadgroups one core holds at once: threadgroup memory and thread slots."""
+  tg_bytes = _get(counters, "peak_tg_bytes") or _get(counters, "threadgroup_memory_length")
+  threads = _get(counters, "threads_per_threadgroup") or 32.0
+  by_memory = math.floor(TG_MEMORY_PER_CORE / tg_bytes) if tg_bytes else 64
+  by_threads = math.floor(THREADS_PER_CORE / threads)
+  return max(1, min(by_memory, by_threads))
 
-  ``counters`` is one dispatch's record from ``metal_profile.record`` (counters
-  already scaled to the whole grid where the dispatch was sampled): the keys
-  used are ``simdgroup_mma``, ``tg_bytes_read``, ``tg_bytes_written``,
-  ``device_lines128_merged`` (the lines a simdgroup touches per synchronisation
-  interval, i.e. after a compiler merges each lane's contiguous accesses into
-  vector accesses; ``device_lines128`` where it is absent), ``threadgroups_total`` (``threadgroups_executed`` when
-  the total is absent) and the optional ``dram_bytes`` (compulsory DRAM
-  traffic; the ``dram`` term is 0 without it). ``dtype`` is the element type
-  of the simdgroup matrices (``"float16"`` selects the FP16 matrix rate; any
-  other type the FP32 one: the attention kernels here and MLX's multiply in
-  float fragments whatever the input dtype). A model, not a measurement.
+
+def _wave_lines(counters: Mapping[str, Any], wave: float) -> float:
+  from jax_fatrain import metal_profile  # pylint: disable=import-outside-toplevel
+  if not counters.get("grid"):
+    return 0.0
+  return metal_profile.wave_lines(dict(counters), int(wave))
+
+
+def dispatch_time(counters: Mapping[str, Any], g: str | AppleGPU, dtype: str = "float32",
+                  fitted: Fitted = FITTED_DEFAULT) -> DispatchEstimate:
+  """The modelled time of one dispatch on GPU ``g``.
+
+  ``counters`` is one dispatch's record from ``metal_profile.record`` (or a
+  standalone dispatch; counters scaled to the whole grid where sampled),
+  optionally with ``dram_bytes`` (the compulsory DRAM traffic: the bytes of
+  its operands). ``dtype`` selects the FP16 matrix rate for ``"float16"``.
   """
   g = gpu(g)
-  threadgroups = _get(counters, "threadgroups_total") or _get(counters, "threadgroups_executed")
-  active = int(min(g.cores, threadgroups)) if threadgroups >= 1 else g.cores
-  core_hz = active * g.clock_ghz * 1e9  # core-cycles per second over the busy cores
+  n = _get(counters, "threadgroups_total") or _get(counters, "threadgroups_executed") or 1.0
+  simds = max(1.0, _get(counters, "threads_per_threadgroup") / 32.0)
+  per_core = math.ceil(n / g.cores)
+  active = n / per_core
+  resident = resident_per_core(counters)
+  sharing = min(resident, per_core)
+  occupancy = min(1.0, sharing * simds / SIMDGROUPS_TO_SATURATE)
+  hz = g.clock_ghz * 1e9
+  cyc = active * hz  # core-cycles per second over the effectively busy cores
+
+  mma = _get(counters, "simdgroup_mma") * MMA_FMAS / g.matrix_fma_per_core_cycle(dtype)
+  alu = (_get(counters, "transcendentals")
+         * ALU_LANES_PER_CORE_CYCLE / TRANSCENDENTAL_LANES_PER_CORE_CYCLE
+         + (0.0 if g.bfloat_native else
+            _get(counters, "bfloat_conversions") * BFLOAT_CONVERSION_OPS_SOFTWARE)
+         ) / ALU_LANES_PER_CORE_CYCLE
+  shuffle = ((_get(counters, "simd_shuffles")
+              + REDUCTION_SHUFFLE_STEPS * _get(counters, "simd_reductions"))
+             * 32 * 4 / SHUFFLE_BYTES_PER_CORE_CYCLE)
+  compute = (mma + alu + shuffle) / cyc
+
+  lines = _get(counters, "device_lines128_merged") or _get(counters, "device_lines128")
+  requested = lines * CACHE_LINE_BYTES
+  wave = min(n, g.cores * resident)
+  ws = _wave_lines(counters, wave) * CACHE_LINE_BYTES
+  if ws <= 0:
+    ws = requested / max(1.0, n / wave)
+  distinct = min(requested, ws * n / wave)  # first touches within each wave
+  again = requested - distinct
+  l2_hit = min(1.0, g.l2_kib * 1024 / ws) if ws else 1.0
+  slc_hit = min(1.0, g.slc_mib * 2**20 / ws) if ws else 1.0
+  to_slc = requested - again * l2_hit
+  compulsory = _get(counters, "dram_bytes")
+  to_dram = max(compulsory, compulsory + (to_slc - compulsory) * (1.0 - slc_hit))
+  bw = g.dram_gb_s * 1e9
+
   terms = {
-      "compute": _get(counters, "simdgroup_mma") * MMA_FMAS
-                 / (g.matrix_fma_per_core_cycle(dtype) * core_hz),
+      "compute": compute,
       "threadgroup": (_get(counters, "tg_bytes_read") + _get(counters, "tg_bytes_written"))
-                     / (g.tg_bytes_per_core_cycle * core_hz),
-      "device": (_get(counters, "device_lines128_merged") or _get(counters, "device_lines128"))
-                * g.cache_line_bytes
-                / (g.l1_bytes_per_core_cycle * core_hz),
-      "dram": _get(counters, "dram_bytes") / (g.dram_gb_s * 1e9),
+                     / (TG_BYTES_PER_CORE_CYCLE * cyc),
+      "l1": requested / (L1_BYTES_PER_CORE_CYCLE * cyc),
+      "l2": requested / (L2_BYTES_PER_CORE_CYCLE * cyc),
+      "slc": to_slc / (SLC_TO_DRAM_BANDWIDTH * bw),
+      "dram": to_dram / bw,
+      "barriers": _get(counters, "barriers") * fitted.barrier_cycles
+                  / (active * sharing * hz),
   }
-  bound = max(TERMS, key=lambda t: terms[t])
-  return DispatchEstimate(seconds=terms[bound], terms=terms, bound=bound, active_cores=active)
+  paced = {"compute": terms["compute"] / (fitted.eta_compute * occupancy)}
+  paced.update({t: terms[t] / fitted.eta_memory for t in MEMORY_TERMS})
+  bound = max(paced, key=paced.get)
+  seconds = paced[bound] + terms["barriers"]
+  return DispatchEstimate(seconds=seconds, terms=terms, bound=bound, active_cores=active,
+                          resident=resident, occupancy=occupancy, working_set_bytes=ws)
 
 
 def pass_time(dispatches: Iterable[Mapping[str, Any]], g: str | AppleGPU,
-              dtype: str = "float32") -> float:
-  """The modelled lower bound of a pass: the sum over its dispatches, seconds."""
-  return sum(dispatch_time(d, g, dtype).seconds for d in dispatches)
+              dtype: str = "float32", fitted: Fitted = FITTED_DEFAULT) -> float:
+  """The modelled time of a pass: the sum over its dispatches, seconds (Metal
+  runs the dispatches of one compute encoder in order; each reads the previous
+  one's output)."""
+  return sum(dispatch_time(d, g, dtype, fitted).seconds for d in dispatches)
 
 
 def modelled_seconds(dispatches: Sequence[Mapping[str, Any]],
-                     gpus: Iterable[str] = DEFAULT_GPUS,
-                     dtype: str = "float32") -> dict[str, float]:
-  """``{gpu name: modelled lower-bound seconds}`` of a pass (a model)."""
-  return {name: pass_time(dispatches, name, dtype) for name in gpus}
+                     gpus: Iterable[str] = DEFAULT_GPUS, dtype: str = "float32",
+                     fitted: Fitted = FITTED_DEFAULT) -> dict[str, float]:
+  """``{gpu name: modelled seconds}`` of a pass (a model)."""
+  return {name: pass_time(dispatches, name, dtype, fitted) for name in gpus}
 
 
-def describe(gpus: Iterable[str] = DEFAULT_GPUS) -> list[str]:
+def band(seconds: float, error: float) -> tuple[float, float]:
+  """(low, high) seconds: the modelled time widened by the calibration's
+  relative error (the median absolute leave-one-out error)."""
+  return seconds * (1.0 - error), seconds * (1.0 + error)
+
+
+def describe(gpus: Iterable[str] = DEFAULT_GPUS, fitted: Fitted = FITTED_DEFAULT) -> list[str]:
   """Lines describing the model and the GPUs' parameters, for printed reports."""
   lines = [
-      "MODEL, not a measurement: lower bound per dispatch = max(compute, threadgroup, device, "
-      "dram), summed over a pass's dispatches; on min(cores, threadgroups) busy cores:",
-      f"  compute = MMAs x {MMA_FMAS} FMA / simdgroup_matrix rate "
-      f"({MATRIX_FMA_PER_CORE_CYCLE_F32} FMA/core-cycle float, measured on M1/M2, assumed on "
-      "M3/M4)",
-      f"  threadgroup = TG bytes / {TG_BYTES_PER_CORE_CYCLE:.0f} B/core-cycle (assumed); "
-      f"device = merged lines128 x {CACHE_LINE_BYTES} B / {L1_BYTES_PER_CORE_CYCLE:.0f} B/core-cycle "
-      "(L1); dram = compulsory bytes / memory bandwidth",
+      "MODEL, not a measurement: per dispatch, max(compute / (eta_c x occupancy), "
+      "threadgroup, L1, L2, SLC, DRAM terms / eta_m) + barrier stalls; summed over a pass.",
+      f"  fitted: eta_compute {fitted.eta_compute:.3f}, eta_memory {fitted.eta_memory:.3f}, "
+      f"barrier {fitted.barrier_cycles:.0f} cycles (host overhead of the published timings "
+      f"{fitted.host_overhead_s * 1e6:.0f} us, calibration only)",
   ]
   for name in gpus:
     g = gpu(name)
     lines.append(f"  {g.name}: {g.cores} cores, {g.clock_ghz:.3f} GHz, "
-                 f"{g.matrix_tflops():.1f} TFLOPS matrix (float), {g.dram_gb_s:g} GB/s")
+                 f"{g.matrix_tflops():.1f} TFLOPS matrix (float), {g.dram_gb_s:g} GB/s, "
+                 f"L2 {g.l2_kib:g} KiB, SLC {g.slc_mib:g} MiB")
   return lines

@@ -41,7 +41,21 @@ Counters (integers, summed over a dispatch's threadgroups):
 * ``peak_tg_bytes``: threadgroup memory of one threadgroup (a maximum);
 * ``threadgroups_executed``, ``threadgroups_total``, ``threads_per_threadgroup``;
 * ``races``: threadgroup-memory accesses that raced with another thread's
-  (outside recording a race fails the call instead).
+  (outside recording a race fails the call instead);
+* ``transcendentals``: per-lane calls of exp, exp2, log, log2, log10, pow,
+  sqrt, rsqrt, sin, cos, tanh (vector forms per element);
+* ``bfloat_conversions``: per-lane float <-> bfloat conversions (software on
+  M1/M2; half converts for free in the ALUs' operands and is not counted,
+  nor are simdgroup_matrix operands);
+* ``simd_shuffles`` / ``simd_reductions``: simd_shuffle*/simd_broadcast and
+  simd_sum/max/min/.../simd_prefix_* operations, once per simdgroup;
+* ``tg_lines``: distinct 128-byte device lines each threadgroup touches,
+  summed; ``tg_lines_new_x`` / ``tg_lines_new_y`` / ``tg_lines_new_xy``: the
+  part of them its neighbour in grid x (in y, or z for a one-row grid, resp.
+  in neither) does not touch, from per-buffer overlaps measured on a probe
+  threadgroup and its two neighbours (three extra threadgroups per dispatch,
+  run on saved copies of the buffers). :func:`wave_lines` turns them into the
+  lines a wave of threadgroups running at once touches.
 
 With ``sample``, each dispatch runs only some of its threadgroups, spread
 evenly over grid x (query or key tiles, so causal work is represented) and over
@@ -62,7 +76,9 @@ COUNTERS = (
     "device_store_instrs", "device_lines64", "device_lines128", "device_lines128_merged",
     "tg_bytes_read",
     "tg_bytes_written", "barriers", "simd_barriers", "peak_tg_bytes", "threadgroups_executed",
-    "threadgroups_total", "threads_per_threadgroup", "races")
+    "threadgroups_total", "threads_per_threadgroup", "races", "transcendentals",
+    "bfloat_conversions", "simd_shuffles", "simd_reductions", "tg_lines", "tg_lines_new_x",
+    "tg_lines_new_y", "tg_lines_new_xy")
 
 
 def _extension():
@@ -114,6 +130,34 @@ def record(sample: float | int | None = None) -> Iterator[list[dict]]:
     yield launches
   finally:
     launches.extend(ext.profile_stop())
+
+
+def wave_lines(launch: dict, wave: int) -> float:
+  """Distinct 128-byte lines that ``wave`` consecutive threadgroups touch (an estimate).
+
+  Threadgroups start in linear grid order (x fastest), so a wave spans
+  ``nx = min(wave, grid x)`` threadgroups along x and ``ny = ceil(wave / grid
+  x)`` rows (y, then z). Per threadgroup (averages over the grid): ``tg_lines``
+  lines, of which each further x adds ``tg_lines_new_x``, each further row
+  ``tg_lines_new_y`` and each further (x, row) pair beyond the first
+  ``tg_lines_new_xy`` minus what the row already added::
+
+    lines = t + (nx - 1) nx_new + (ny - 1) ny_new + (nx - 1)(ny - 1) nxy_new
+
+  Exact where every buffer is either shared or not along each direction
+  (attention: Q, O private; K, V shared along x), an interpolation otherwise.
+  """
+  total = launch.get("threadgroups_total") or 0
+  if not total or not launch.get("tg_lines"):
+    return 0.0
+  gx = int(launch["grid"][0])
+  rows = total // max(1, gx)
+  wave = max(1, min(int(wave), total))
+  nx = min(wave, gx)
+  ny = min(rows, -(-wave // gx))
+  t, new_x, new_y, new_xy = (launch[k] / total for k in (
+      "tg_lines", "tg_lines_new_x", "tg_lines_new_y", "tg_lines_new_xy"))
+  return t + (nx - 1) * new_x + (ny - 1) * new_y + (nx - 1) * (ny - 1) * new_xy
 
 
 def coalescing(launch: dict, merged: bool = False) -> float:

@@ -16,9 +16,16 @@
   vector loads, so a masked problem's device reads stay coalesced, and the
   tile fits their 30 KiB of threadgroup memory;
 * sampling scales to the full run within tolerance;
-* recording is off unless requested, and its arguments are checked.
+* recording is off unless requested, and its arguments are checked;
+* the transcendental, bfloat-conversion, shuffle, reduction and working-set
+  counters on small kernels with known values (counter_test_kernels.metal,
+  built at run time by jax_fatrain._msl_standalone).
 """
 
+import functools
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 try:
@@ -216,3 +223,59 @@ def test_record_arguments():
       with metal_profile.record():
         pass
   assert not metal_profile.recording()
+
+
+# ---------------------------------------------------------------------------
+# Counters with known values (tests/metal_emulator/counter_test_kernels.metal)
+# ---------------------------------------------------------------------------
+
+_COUNTER_KERNELS = Path(__file__).resolve().parent / "metal_emulator" / "counter_test_kernels.metal"
+
+
+@functools.lru_cache(maxsize=None)
+def _counter_library():
+  from jax_fatrain import _msl_standalone  # pylint: disable=import-outside-toplevel
+  return _msl_standalone.build_library(_COUNTER_KERNELS)
+
+
+def test_alu_counters_of_a_small_kernel():
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  x = rng.random(128, dtype=np.float32)
+  out, outb = np.zeros(128, np.float32), np.zeros(128, ml_dtypes.bfloat16)
+  r = _counter_library().dispatch(
+      "emu_count_alu", buffers={0: x, 1: x.astype(ml_dtypes.bfloat16), 2: out, 3: outb},
+      constants={}, grid=(2, 1, 1), threadgroup=(64, 1, 1), count=True)
+  lanes, simdgroups = 128, 4
+  assert r["transcendentals"] == 7 * lanes
+  assert r["bfloat_conversions"] == 4 * lanes
+  assert r["simd_shuffles"] == 3 * simdgroups
+  assert r["simd_reductions"] == 3 * simdgroups
+  assert r["simdgroup_mma"] == simdgroups
+  assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("sample", [None, 3])
+def test_working_set_counters_of_a_small_kernel(sample):
+  gx, gy = 4, 3
+  rng = np.random.default_rng(1)
+  shared = rng.random(gy * 256, dtype=np.float32)
+  own = rng.random(gx * gy * 64, dtype=np.float32)
+  out = np.zeros_like(own)
+  r = _counter_library().dispatch(
+      "emu_count_lines", buffers={0: shared, 1: own, 2: out}, constants={}, grid=(gx, gy, 1),
+      threadgroup=(64, 1, 1), count=True, sample=sample)
+  tgs = gx * gy
+  # Per threadgroup: 8 lines of its row of `shared`, 2 of `own`, 2 of `out`.
+  assert r["tg_lines"] == 12 * tgs
+  assert r["tg_lines_new_x"] == 4 * tgs   # own and out differ along x, shared does not
+  assert r["tg_lines_new_y"] == 12 * tgs  # everything differs along y
+  assert r["tg_lines_new_xy"] == 4 * tgs
+  # A wave of one row: 8 shared + 4 x (2 + 2); the whole grid: 3 x 8 + 12 x 4.
+  assert metal_profile.wave_lines(r, gx) == 8 + gx * 4
+  assert metal_profile.wave_lines(r, tgs) == gy * 8 + tgs * 4
+  assert metal_profile.wave_lines(r, 1) == 12
+  if sample is None:
+    # The neighbour probes ran on saved buffers: out was added to once.
+    expected = own + np.repeat(shared.reshape(gy, 1, 64, 4).sum(-1), gx, axis=1).reshape(-1)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)

@@ -210,3 +210,42 @@ def test_mlx_kernel_names_follow_mlx():
           "steel_attention_bfloat16_bq32_bk16_bd256_bv256_wm4_wn2_maskbool_")
   assert (mlx_ref.mlx_kernel_name(np.float32, 64) ==
           "steel_attention_float32_bq32_bk32_bd64_bv64_wm4_wn1_maskfloat32")
+
+
+@pytest.mark.parametrize("dtype,transpose_b,device_class", [
+    ("float16", False, "g"), ("bfloat16", True, "s"), ("float32", False, "d")])
+def test_mlx_steel_gemm_matches_numpy(mlx_kernels, dtype, transpose_b, device_class):
+  """MLX's steel GEMM with the tiles its host picks per device class; M, N, K
+  not multiples of any tile (the unaligned paths run)."""
+  rng = np.random.default_rng(3)
+  m, n, k = 70, 50, 40
+  a = rng.standard_normal((m, k), np.float32).astype(DTYPES[dtype])
+  b = rng.standard_normal((n, k) if transpose_b else (k, n), np.float32).astype(DTYPES[dtype])
+  counters = {}
+  d = mlx_ref.mlx_gemm(a, b, transpose_b=transpose_b, device_class=device_class,
+                       counters=counters)
+  ref = a.astype(np.float64) @ (b.T if transpose_b else b).astype(np.float64)
+  err = np.linalg.norm(d.astype(np.float64) - ref) / np.linalg.norm(ref)
+  assert err < TOLERANCE[dtype], err
+  bm, bn, bk, wm, wn = mlx_ref.mlx_gemm_tiles(device_class, a.dtype, m, n, k, 1, False,
+                                              transpose_b)
+  assert counters["kernel"] == mlx_ref.mlx_gemm_kernel_name(a.dtype, (bm, bn, bk, wm, wn), False,
+                                                           transpose_b)
+  assert counters["grid"] == (-(-n // bn), -(-m // bm), 1)
+  # Every threadgroup runs ceil(K / BK) steps of (BM/8)(BN/8)(BK/8) MMAs.
+  assert counters["simdgroup_mma"] == (counters["threadgroups_total"] * -(-k // bk)
+                                       * (bm // 8) * (bn // 8) * (bk // 8))
+  assert counters["races"] == 0
+
+
+def test_mlx_gemm_tiles_follow_mlx_host():
+  f16 = np.dtype(np.float16)
+  assert mlx_ref.mlx_gemm_tiles("g", f16, 4096, 4096, 4096) == (64, 64, 16, 1, 2)
+  assert mlx_ref.mlx_gemm_tiles("g", f16, 4096, 4096, 4096, 1, False, True) == (64, 32, 32, 2, 2)
+  assert mlx_ref.mlx_gemm_tiles("s", np.float32, 4096, 4096, 4096) == (64, 64, 16, 2, 2)
+  assert mlx_ref.mlx_gemm_tiles("d", f16, 1024, 1024, 8192) == (32, 64, 16, 1, 2)
+  assert mlx_ref.mlx_gemm_tiles("d", np.float32, 256, 256, 256) == (64, 32, 32, 2, 2)
+  assert mlx_ref.mlx_kernel_name(f16, 256, ultra=True).startswith(
+      "steel_attention_float16_bq32_bk32_bd256_bv256_wm4_wn2")
+  assert mlx_ref.mlx_kernel_name(f16, 256).startswith(
+      "steel_attention_float16_bq32_bk16_bd256_bv256_wm4_wn2")

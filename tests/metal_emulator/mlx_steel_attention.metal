@@ -9,8 +9,10 @@
 // (its host picks the kernel by name):
 //   steel_attention_<dtype>_bq<BQ>_bk<BK>_bd<D>_bv<D>_wm<WM>_wn<WN>_mask<mask dtype>
 // with BQ = 32 query rows and WM = 4 simdgroups along them; BK = 32 keys per
-// tile below D = 128, else 16; WN = 2 simdgroups splitting the head dimension
-// at D = 256, else 1. The mask type is the input dtype (additive mask, also
+// tile below D = 128, else 16 (32 at D = 256 on M*-Ultra GPUs, half and
+// bfloat16); WN = 2 simdgroups splitting the head dimension at D = 256, else 1.
+// These are exactly the steel_attention_* non-NAX names in the wheel's
+// mlx.metallib for D = 64, 128, 256. The mask type is the input dtype (additive mask, also
 // used when there is no mask) or bool.
 #include "mlx/backend/metal/kernels/utils.h"
 #include "mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h"
@@ -29,7 +31,8 @@ static_assert(sizeof(mlx::steel::AttnMaskParams) == 24, "AttnMaskParams layout c
 #define FATRAIN_MLX_ATTN_HEAD_DIMS(tname, type, mname, mtype) \
   FATRAIN_MLX_ATTN(tname, type, 32, 64, 1, mname, mtype)      \
   FATRAIN_MLX_ATTN(tname, type, 16, 128, 1, mname, mtype)     \
-  FATRAIN_MLX_ATTN(tname, type, 16, 256, 2, mname, mtype)
+  FATRAIN_MLX_ATTN(tname, type, 16, 256, 2, mname, mtype)     \
+  FATRAIN_MLX_ATTN(tname, type, 32, 256, 2, mname, mtype)
 
 #define FATRAIN_MLX_ATTN_DTYPE(tname, type)                   \
   FATRAIN_MLX_ATTN_HEAD_DIMS(tname, type, tname, type)        \

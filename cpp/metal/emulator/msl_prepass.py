@@ -436,6 +436,8 @@ def transform(src: str, path: str, address_spaces: bool = False):
   def ptr_sub(m):
     is_const = bool(m.group(1) or m.group(3)) or m.group(2) == "constant"
     t = m.group(4)
+    if t == "auto":  # `constant auto* p = q;` deduces q's checked pointer type
+      return "auto "
     return f"::msl::rt::dptr<{'const ' if is_const else ''}{t}> "
   code = ptr_re.sub(ptr_sub, code)
   code = re.sub(r"(\bconst\s+)?\bconstant\s+(const\s+)?([A-Za-z_][\w:]*)\s*&",

@@ -199,6 +199,7 @@ struct Group {
   DispatchStats stats;  // this worker's threadgroups, unscaled
   std::vector<std::pair<std::pair<const void*, uint64_t>, uint64_t>> instr_lines;  // scratch
   std::vector<uint64_t> interval_lines;  // scratch: (line128 << 1) | store
+  std::vector<uint64_t> tg_line_log;     // this threadgroup's 128-byte lines (tg_lines)
   std::unordered_map<const void*, uint32_t> site_counts;                          // scratch
   // Simdgroup exchange: [simdgroup][parity][lane][kExchangeBytes].
   std::vector<char> exchange;
@@ -376,6 +377,7 @@ void flush_device_accesses(Group& g) {
         }
         for (uint64_t l = a.offset >> 7; l <= (a.offset + a.bytes - 1) >> 7; ++l) {
           merged.push_back((l << 1) | uint64_t(a.store));
+          g.tg_line_log.push_back(l);
         }
       }
       f.device_log.clear();
@@ -410,6 +412,7 @@ void run_group(Group& g) {
   const DispatchSpec& s = *d.spec;
   const uint32_t n = d.threads;
   g.error.clear();
+  g.tg_line_log.clear();
   // Threadgroup memory: poisoned (all-ones bytes are NaN in every float type).
   std::fill(g.arena.begin(), g.arena.end(), static_cast<char>(0xFF));
   new_epoch(g);
@@ -529,6 +532,10 @@ void run_group(Group& g) {
         if (first.sync_kind == SyncKind::kSimdBarrier) {
           if (first.sync_orders_tg) ++g.simd_epoch[sg];
           if (g.counting) ++g.stats.simd_barriers;
+        } else if (g.counting && first.sync_kind == SyncKind::kSimdShuffle) {
+          ++g.stats.simd_shuffles;
+        } else if (g.counting && first.sync_kind == SyncKind::kSimdReduce) {
+          ++g.stats.simd_reductions;
         }
         for (uint32_t i = lo; i < hi; ++i) g.fibers[i].state = FiberState::kRunnable;
         progressed = true;
@@ -661,8 +668,34 @@ void merge_stats(DispatchStats& into, const DispatchStats& from) {
   MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_ADD_COUNTER)
 #undef MSL_EMU_ADD_COUNTER
   into.peak_tg_bytes = peak;
+  for (int b = 0; b < kMaxBufferIndex; ++b) into.tg_lines_by_buffer[b] += from.tg_lines_by_buffer[b];
   for (const auto& r : from.race_reports) {
     if (into.race_reports.size() < kMaxRaceReports) into.race_reports.push_back(r);
+  }
+}
+
+void init_group(Group& g, const Dispatch& d, std::vector<Fiber>& cache);
+
+// The distinct lines (buffer index in the high bits) the threadgroup that just
+// ran touched, sorted; clears the log.
+std::vector<uint64_t> take_threadgroup_lines(Group& g) {
+  std::vector<uint64_t> lines;
+  lines.swap(g.tg_line_log);
+  std::sort(lines.begin(), lines.end());
+  lines.erase(std::unique(lines.begin(), lines.end()), lines.end());
+  return lines;
+}
+
+// Line l of take_threadgroup_lines belongs to buffer l >> kLineBufferShift
+// (DeviceAccess::offset keeps the buffer index from bit 48, lines are 128 bytes).
+constexpr int kLineBufferShift = 48 - 7;
+
+void count_threadgroup_lines(Group& g) {
+  const std::vector<uint64_t> lines = take_threadgroup_lines(g);
+  g.stats.tg_lines += lines.size();
+  for (uint64_t l : lines) {
+    const uint64_t b = l >> kLineBufferShift;
+    if (b < uint64_t(kMaxBufferIndex)) ++g.stats.tg_lines_by_buffer[b];
   }
 }
 
@@ -671,9 +704,43 @@ void worker_body(void* context, int64_t) {
   const Dispatch& d = rs.dispatch;
   const DispatchSpec& s = *d.spec;
   Group g;
-  g.dispatch = &d;
   // Reuse this OS thread's fiber stacks across dispatches.
   std::vector<Fiber>& cache = t_fiber_cache.fibers;
+  init_group(g, d, cache);
+  const uint64_t gx = s.grid.x, gy = s.grid.y;
+  for (;;) {
+    if (rs.failed.load()) break;
+    const uint64_t next = rs.next.fetch_add(1);
+    if (next >= rs.total) break;
+    const uint64_t i = rs.order.empty() ? next : rs.order[next];
+    g.tg_pos = Vec3u{uint32_t(i % gx), uint32_t((i / gx) % gy), uint32_t(i / (gx * gy))};
+    run_group(g);
+    if (!g.error.empty()) {
+      std::lock_guard<std::mutex> lock(rs.mutex);
+      if (rs.error.empty()) rs.error = g.error;
+      rs.failed = true;
+      break;
+    }
+    if (g.counting) {
+      ++g.stats.threadgroups_executed;
+      for (uint32_t t = 0; t < d.threads; ++t) {
+        g.stats.peak_tg_bytes = std::max<uint64_t>(g.stats.peak_tg_bytes, g.fibers[t].tg_cursor);
+      }
+      count_threadgroup_lines(g);
+    }
+  }
+  g.fibers.swap(cache);
+  if (g.counting) {
+    std::lock_guard<std::mutex> lock(rs.mutex);
+    merge_stats(rs.stats, g.stats);
+  }
+}
+
+// Sets up a Group to run threadgroups of dispatch d, with the fibers of `cache`
+// (swapped back by the caller).
+void init_group(Group& g, const Dispatch& d, std::vector<Fiber>& cache) {
+  const DispatchSpec& s = *d.spec;
+  g.dispatch = &d;
   if (cache.size() < d.threads) cache.resize(d.threads);
   g.fibers.swap(cache);
   g.arena.assign(kArenaBytes, 0);
@@ -698,32 +765,76 @@ void worker_body(void* context, int64_t) {
   g.bytes_copy.assign(bytes_total, 0);
   std::vector<ConstantValue> constants = s.constants;
   d.entry->set_constants(constants.data(), static_cast<int>(constants.size()));
-  const uint64_t gx = s.grid.x, gy = s.grid.y;
-  for (;;) {
-    if (rs.failed.load()) break;
-    const uint64_t next = rs.next.fetch_add(1);
-    if (next >= rs.total) break;
-    const uint64_t i = rs.order.empty() ? next : rs.order[next];
-    g.tg_pos = Vec3u{uint32_t(i % gx), uint32_t((i / gx) % gy), uint32_t(i / (gx * gy))};
-    run_group(g);
-    if (!g.error.empty()) {
-      std::lock_guard<std::mutex> lock(rs.mutex);
-      if (rs.error.empty()) rs.error = g.error;
-      rs.failed = true;
-      break;
-    }
-    if (g.counting) {
-      ++g.stats.threadgroups_executed;
-      for (uint32_t t = 0; t < d.threads; ++t) {
-        g.stats.peak_tg_bytes = std::max<uint64_t>(g.stats.peak_tg_bytes, g.fibers[t].tg_cursor);
-      }
-    }
-  }
+}
+
+// The lines one threadgroup at `pos` touches (take_threadgroup_lines), run
+// apart from the dispatch's sample with its counters discarded; empty if it
+// fails.
+std::vector<uint64_t> probe_lines(const Dispatch& d, Vec3u pos) {
+  Group g;
+  std::vector<Fiber>& cache = t_fiber_cache.fibers;
+  init_group(g, d, cache);
+  g.tg_pos = pos;
+  run_group(g);
+  std::vector<uint64_t> lines = take_threadgroup_lines(g);
   g.fibers.swap(cache);
-  if (g.counting) {
-    std::lock_guard<std::mutex> lock(rs.mutex);
-    merge_stats(rs.stats, g.stats);
+  if (!g.error.empty()) lines.clear();
+  return lines;
+}
+
+// Per buffer index, the fraction of `b`'s lines that `a` does not touch.
+std::vector<double> new_fraction(const std::vector<uint64_t>& a, const std::vector<uint64_t>& b) {
+  std::vector<uint64_t> total(kMaxBufferIndex, 0), fresh(kMaxBufferIndex, 0);
+  size_t i = 0;
+  for (uint64_t l : b) {
+    while (i < a.size() && a[i] < l) ++i;
+    const uint64_t buf = std::min<uint64_t>(l >> kLineBufferShift, kMaxBufferIndex - 1);
+    ++total[buf];
+    if (i == a.size() || a[i] != l) ++fresh[buf];
   }
+  std::vector<double> f(kMaxBufferIndex, 0.0);
+  for (int k = 0; k < kMaxBufferIndex; ++k) f[k] = total[k] ? double(fresh[k]) / double(total[k]) : 0.0;
+  return f;
+}
+
+// The working-set counters tg_lines_new_x/_y/_xy: how much of its neighbours'
+// device lines a threadgroup shares, measured on a probe threadgroup in the
+// middle of grid x and row 0, its x neighbour and its y neighbour (z when the
+// grid has one row), per buffer, and applied to each buffer's tg_lines. The
+// probes run after the dispatch on copies of nothing: device buffers are
+// saved before and restored after them, so the dispatch's results stand.
+void probe_neighbours(const Dispatch& d, DispatchStats& stats) {
+  const DispatchSpec& s = *d.spec;
+  std::vector<std::vector<char>> saved;
+  for (const auto& b : s.buffers) {
+    saved.emplace_back();
+    if (!b.is_bytes && b.data != nullptr) {
+      saved.back().assign(static_cast<char*>(b.data), static_cast<char*>(b.data) + b.size);
+    }
+  }
+  const uint32_t rx = s.grid.x >= 2 ? std::min(s.grid.x / 2, s.grid.x - 2) : 0;
+  const Vec3u ref{rx, 0, 0};
+  const std::vector<uint64_t> a = probe_lines(d, ref);
+  std::vector<double> fx(kMaxBufferIndex, 0.0), fy(kMaxBufferIndex, 0.0);
+  if (s.grid.x >= 2) fx = new_fraction(a, probe_lines(d, Vec3u{rx + 1, 0, 0}));
+  if (s.grid.y >= 2) {
+    fy = new_fraction(a, probe_lines(d, Vec3u{rx, 1, 0}));
+  } else if (s.grid.z >= 2) {
+    fy = new_fraction(a, probe_lines(d, Vec3u{rx, 0, 1}));
+  }
+  for (size_t i = 0; i < s.buffers.size(); ++i) {
+    if (!saved[i].empty()) std::memcpy(s.buffers[i].data, saved[i].data(), saved[i].size());
+  }
+  double nx = 0, ny = 0, nxy = 0;
+  for (int b = 0; b < kMaxBufferIndex; ++b) {
+    const double lines = double(stats.tg_lines_by_buffer[b]);
+    nx += lines * fx[b];
+    ny += lines * fy[b];
+    nxy += lines * fx[b] * fy[b];
+  }
+  stats.tg_lines_new_x = uint64_t(std::llround(nx));
+  stats.tg_lines_new_y = uint64_t(std::llround(ny));
+  stats.tg_lines_new_xy = uint64_t(std::llround(nxy));
 }
 
 void thread_run(void* self, int64_t count, void (*body)(void*, int64_t), void* context) {
@@ -770,6 +881,7 @@ std::string run_dispatch(const DispatchSpec& spec, const ParallelFor& parallel,
   }
   if (stats != nullptr) {
     *stats = std::move(rs.stats);
+    if (rs.error.empty()) probe_neighbours(rs.dispatch, *stats);
     const uint64_t executed = stats->threadgroups_executed;
     stats->threadgroups_total = grid_total;
     stats->threads_per_threadgroup = rs.dispatch.threads;
@@ -860,8 +972,14 @@ const BufferInfo* buffer_info(int index, const char* param_name, bool optional_a
     }
     return v;
   }();
-  if (optional_absent) return &kAbsent[static_cast<size_t>(index) % 31];
   Group& g = *f.group;
+  // An optional parameter whose function constant is false stays readable if
+  // the host bound setBytes data there anyway: Apple's compiler removes reads
+  // whose results are unused (MLX's GEMM reads its unused epilogue
+  // parameters that way), the emulator executes them.
+  const bool bound_bytes = index >= 0 && index < static_cast<int>(g.infos.size()) &&
+                           g.infos[index].index == index && g.infos[index].is_bytes;
+  if (optional_absent && !bound_bytes) return &kAbsent[static_cast<size_t>(index) % 31];
   if (index < 0 || index >= static_cast<int>(g.infos.size()) ||
       g.infos[index].index != index) {
     fail(std::string("buffer(") + std::to_string(index) + ") for parameter '" + param_name +
@@ -1059,6 +1177,16 @@ void instr_group_begin() {
 void instr_group_end() {
   Fiber& f = cur();
   if (--f.instr_group_depth == 0) f.instr_group = 0;
+}
+
+void count_transcendental() {
+  Fiber* f = t_current;
+  if (f != nullptr && f->group->counting) ++f->group->stats.transcendentals;
+}
+
+void count_bfloat_conversion() {
+  Fiber* f = t_current;
+  if (f != nullptr && f->group->counting) ++f->group->stats.bfloat_conversions;
 }
 
 void count_mma() {

@@ -100,10 +100,10 @@ inline float floor(float x) { return std::floor(x); }
 inline float ceil(float x) { return std::ceil(x); }
 inline float round(float x) { return std::round(x); }
 inline float trunc(float x) { return std::trunc(x); }
-inline float pow(float x, float y) { return std::pow(x, y); }
-inline float log10(float x) { return std::log10(x); }
-inline float sin(float x) { return std::sin(x); }
-inline float cos(float x) { return std::cos(x); }
+inline float pow(float x, float y) { ::msl::rt::note_transcendental(); return std::pow(x, y); }
+inline float log10(float x) { ::msl::rt::note_transcendental(); return std::log10(x); }
+inline float sin(float x) { ::msl::rt::note_transcendental(); return std::sin(x); }
+inline float cos(float x) { ::msl::rt::note_transcendental(); return std::cos(x); }
 inline float precise_divide(float x, float y) { return x / y; }
 inline float divide(float x, float y) { return x / y; }
 
@@ -215,6 +215,14 @@ template <class T> inline T simd_shuffle_and_fill_down(T data, T filling, ushort
 #define MSL_EMU_INTRINSIC1(name, expr) \
   template <class T>                   \
   inline T __metal_##name(T x, int = 0) { const float a = float(x); return T(expr); }
+// The transcendental ones also count a call (transcendentals).
+#define MSL_EMU_INTRINSIC1_T(name, expr)                \
+  template <class T>                                    \
+  inline T __metal_##name(T x, int = 0) {               \
+    ::msl::rt::note_transcendental();                   \
+    const float a = float(x);                           \
+    return T(expr);                                     \
+  }
 #define MSL_EMU_INTRINSIC2(name, expr) \
   template <class T>                   \
   inline T __metal_##name(T x, T y, int = 0) { const float a = float(x), b = float(y); return T(expr); }
@@ -225,34 +233,34 @@ template <class T> inline T simd_shuffle_and_fill_down(T data, T filling, ushort
     return T(expr);                                     \
   }
 MSL_EMU_INTRINSIC1(fabs, std::fabs(a))
-MSL_EMU_INTRINSIC1(acos, std::acos(a))
-MSL_EMU_INTRINSIC1(acosh, std::acosh(a))
-MSL_EMU_INTRINSIC1(asin, std::asin(a))
-MSL_EMU_INTRINSIC1(asinh, std::asinh(a))
-MSL_EMU_INTRINSIC1(atan, std::atan(a))
-MSL_EMU_INTRINSIC1(atanh, std::atanh(a))
+MSL_EMU_INTRINSIC1_T(acos, std::acos(a))
+MSL_EMU_INTRINSIC1_T(acosh, std::acosh(a))
+MSL_EMU_INTRINSIC1_T(asin, std::asin(a))
+MSL_EMU_INTRINSIC1_T(asinh, std::asinh(a))
+MSL_EMU_INTRINSIC1_T(atan, std::atan(a))
+MSL_EMU_INTRINSIC1_T(atanh, std::atanh(a))
 MSL_EMU_INTRINSIC1(ceil, std::ceil(a))
-MSL_EMU_INTRINSIC1(cos, std::cos(a))
-MSL_EMU_INTRINSIC1(cosh, std::cosh(a))
-MSL_EMU_INTRINSIC1(cospi, std::cos(M_PI_F * a))
-MSL_EMU_INTRINSIC1(exp, std::exp(a))
-MSL_EMU_INTRINSIC1(exp10, std::pow(10.0f, a))
-MSL_EMU_INTRINSIC1(exp2, std::exp2(a))
+MSL_EMU_INTRINSIC1_T(cos, std::cos(a))
+MSL_EMU_INTRINSIC1_T(cosh, std::cosh(a))
+MSL_EMU_INTRINSIC1_T(cospi, std::cos(M_PI_F * a))
+MSL_EMU_INTRINSIC1_T(exp, std::exp(a))
+MSL_EMU_INTRINSIC1_T(exp10, std::pow(10.0f, a))
+MSL_EMU_INTRINSIC1_T(exp2, std::exp2(a))
 MSL_EMU_INTRINSIC1(floor, std::floor(a))
 MSL_EMU_INTRINSIC1(fract, std::fmin(a - std::floor(a), 0x1.fffffep-1f))
-MSL_EMU_INTRINSIC1(log, std::log(a))
-MSL_EMU_INTRINSIC1(log10, std::log10(a))
-MSL_EMU_INTRINSIC1(log2, std::log2(a))
+MSL_EMU_INTRINSIC1_T(log, std::log(a))
+MSL_EMU_INTRINSIC1_T(log10, std::log10(a))
+MSL_EMU_INTRINSIC1_T(log2, std::log2(a))
 MSL_EMU_INTRINSIC1(rint, std::rint(a))
 MSL_EMU_INTRINSIC1(round, std::round(a))
-MSL_EMU_INTRINSIC1(rsqrt, 1.0f / std::sqrt(a))
-MSL_EMU_INTRINSIC1(sin, std::sin(a))
-MSL_EMU_INTRINSIC1(sinh, std::sinh(a))
-MSL_EMU_INTRINSIC1(sinpi, std::sin(M_PI_F * a))
-MSL_EMU_INTRINSIC1(sqrt, std::sqrt(a))
-MSL_EMU_INTRINSIC1(tan, std::tan(a))
-MSL_EMU_INTRINSIC1(tanh, std::tanh(a))
-MSL_EMU_INTRINSIC1(tanpi, std::tan(M_PI_F * a))
+MSL_EMU_INTRINSIC1_T(rsqrt, 1.0f / std::sqrt(a))
+MSL_EMU_INTRINSIC1_T(sin, std::sin(a))
+MSL_EMU_INTRINSIC1_T(sinh, std::sinh(a))
+MSL_EMU_INTRINSIC1_T(sinpi, std::sin(M_PI_F * a))
+MSL_EMU_INTRINSIC1_T(sqrt, std::sqrt(a))
+MSL_EMU_INTRINSIC1_T(tan, std::tan(a))
+MSL_EMU_INTRINSIC1_T(tanh, std::tanh(a))
+MSL_EMU_INTRINSIC1_T(tanpi, std::tan(M_PI_F * a))
 MSL_EMU_INTRINSIC1(trunc, std::trunc(a))
 MSL_EMU_INTRINSIC2(atan2, std::atan2(a, b))
 MSL_EMU_INTRINSIC2(divide, a / b)
@@ -260,13 +268,22 @@ MSL_EMU_INTRINSIC2(fmax, std::fmax(a, b))
 MSL_EMU_INTRINSIC2(fmin, std::fmin(a, b))
 MSL_EMU_INTRINSIC2(fmod, std::fmod(a, b))
 MSL_EMU_INTRINSIC2(nextafter, std::nextafter(a, b))
-MSL_EMU_INTRINSIC2(pow, std::pow(a, b))
-MSL_EMU_INTRINSIC2(powr, std::pow(a, b))
+template <class T>
+inline T __metal_pow(T x, T y, int = 0) {
+  ::msl::rt::note_transcendental();
+  return T(std::pow(float(x), float(y)));
+}
+template <class T>
+inline T __metal_powr(T x, T y, int = 0) {
+  ::msl::rt::note_transcendental();
+  return T(std::pow(float(x), float(y)));
+}
 MSL_EMU_INTRINSIC3(fma, std::fma(a, b, c))
 MSL_EMU_INTRINSIC3(fmax3, std::fmax(std::fmax(a, b), c))
 MSL_EMU_INTRINSIC3(fmin3, std::fmin(std::fmin(a, b), c))
 MSL_EMU_INTRINSIC3(fmedian3, std::fmax(std::fmin(a, b), std::fmin(std::fmax(a, b), c)))
 #undef MSL_EMU_INTRINSIC1
+#undef MSL_EMU_INTRINSIC1_T
 #undef MSL_EMU_INTRINSIC2
 #undef MSL_EMU_INTRINSIC3
 template <class T>

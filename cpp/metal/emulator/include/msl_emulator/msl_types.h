@@ -17,6 +17,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "msl_emulator/runtime.h"
+
 // ---------------------------------------------------------------------------
 // Scalar types.
 // ---------------------------------------------------------------------------
@@ -37,11 +39,24 @@ struct bfloat {
     u += 0x7FFFu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
   }
-  constexpr bfloat(float f) : bits(from_float(f)) {}
-  constexpr bfloat(double f) : bits(from_float(static_cast<float>(f))) {}
-  constexpr bfloat(int f) : bits(from_float(static_cast<float>(f))) {}
-  constexpr bfloat(half f) : bits(from_float(static_cast<float>(f))) {}
-  constexpr operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
+  // Every conversion at run time is counted (bfloat_conversions): M1 and M2
+  // GPUs convert bfloat in software.
+  constexpr bfloat(float f) : bits(from_float(f)) { counted(); }
+  constexpr bfloat(double f) : bits(from_float(static_cast<float>(f))) { counted(); }
+  constexpr bfloat(int f) : bits(from_float(static_cast<float>(f))) { counted(); }
+  constexpr bfloat(half f) : bits(from_float(static_cast<float>(f))) { counted(); }
+  constexpr operator float() const {
+    counted();
+    return to_float_uncounted();
+  }
+  // The value as float without counting a conversion (simdgroup_matrix
+  // operands, which the matrix unit reads).
+  constexpr float to_float_uncounted() const {
+    return __builtin_bit_cast(float, uint32_t(bits) << 16);
+  }
+  static constexpr void counted() {
+    if (!__builtin_is_constant_evaluated()) msl::rt::note_bfloat_conversion();
+  }
   static constexpr bfloat from_bits(uint16_t b) {
     bfloat r{};
     r.bits = b;

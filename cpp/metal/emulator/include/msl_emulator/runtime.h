@@ -238,18 +238,40 @@ struct DispatchSpec {
 //   threadgroups_total
 //   threads_per_threadgroup
 //   races                  racing threadgroup-memory accesses observed (not scaled)
+//   transcendentals        per-lane calls of exp, exp2, log, log2, log10, pow, sqrt,
+//                          rsqrt, sin, cos, tanh (metal::, fast::, precise::, the
+//                          vector forms per element and the __metal_* intrinsics)
+//   bfloat_conversions     per-lane float <-> bfloat conversions (a bfloat made from
+//                          a number, or read as float); half converts in hardware
+//                          operands and is not counted; simdgroup_matrix operands
+//                          are not counted (the matrix unit reads them)
+//   simd_shuffles          simd_shuffle*, simd_broadcast, once per simdgroup
+//   simd_reductions        simd_sum/max/min/product/and/or/xor/all/any and the
+//                          simd_prefix_* scans, once per simdgroup
+//   tg_lines               distinct 128-byte device lines each threadgroup touches,
+//                          summed over threadgroups
+//   tg_lines_new_x         of those, the lines the threadgroup's neighbour in grid x
+//   tg_lines_new_y         (in y, or z when the grid has one row) does not touch, and
+//   tg_lines_new_xy        the lines neither neighbour touches: per buffer, the
+//                          threadgroup's lines times the fraction of a probe
+//                          threadgroup's lines its neighbour lacks (see
+//                          probe_neighbours in runtime.cc)
 #define MSL_EMU_DISPATCH_COUNTERS(X)                                            \
   X(simdgroup_mma) X(device_bytes_read) X(device_bytes_written)                 \
   X(device_load_instrs) X(device_store_instrs) X(device_lines64)                \
   X(device_lines128) X(device_lines128_merged) X(tg_bytes_read) X(tg_bytes_written) X(barriers)           \
   X(simd_barriers) X(peak_tg_bytes) X(threadgroups_executed)                    \
-  X(threadgroups_total) X(threads_per_threadgroup) X(races)
+  X(threadgroups_total) X(threads_per_threadgroup) X(races)                     \
+  X(transcendentals) X(bfloat_conversions) X(simd_shuffles) X(simd_reductions)  \
+  X(tg_lines) X(tg_lines_new_x) X(tg_lines_new_y) X(tg_lines_new_xy)
+constexpr int kMaxBufferIndex = 31;  // buffer indices 0..30
 
 struct DispatchStats {
 #define MSL_EMU_COUNTER_FIELD(name) uint64_t name = 0;
   MSL_EMU_DISPATCH_COUNTERS(MSL_EMU_COUNTER_FIELD)
 #undef MSL_EMU_COUNTER_FIELD
   double sampled_fraction = 1.0;          // threadgroups_executed / threadgroups_total
+  uint64_t tg_lines_by_buffer[kMaxBufferIndex] = {};  // tg_lines per buffer index (unscaled)
   std::vector<std::string> race_reports;  // the first few races, as error messages
 };
 constexpr size_t kMaxRaceReports = 4;
@@ -296,6 +318,15 @@ struct InstrGroup {
   }
 };
 void count_mma();  // one simdgroup_multiply_accumulate (counted for lane 0)
+void count_transcendental();     // one lane's exp/log/rsqrt/... call
+void count_bfloat_conversion();  // one lane's float <-> bfloat conversion
+// The inline forms the shim calls (one load and a branch when not counting).
+MSL_EMU_INLINE void note_transcendental() {
+  if (__builtin_expect(counting_active(), 0)) count_transcendental();
+}
+MSL_EMU_INLINE void note_bfloat_conversion() {
+  if (__builtin_expect(counting_active(), 0)) count_bfloat_conversion();
+}
 
 // Simdgroup exchange: a lane writes into its slot, calls simd_sync, then may
 // read every lane's slot of the same operation.

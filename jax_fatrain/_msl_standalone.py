@@ -219,18 +219,22 @@ _lock = threading.Lock()
 
 
 def build_library(metal_file: str | os.PathLike, *, include_dirs: Sequence[str | os.PathLike] = (),
-                  kernels: Sequence[str] | None = None) -> EmulatorLibrary:
+                  kernels: Sequence[str] | None = None,
+                  skip_rules: Sequence[str] = ()) -> EmulatorLibrary:
   """Builds (or loads from the cache) the emulator library of ``metal_file``.
 
   ``include_dirs`` are search roots for the file's ``#include "..."``;
   ``kernels`` restricts the library to these host names (only their templates
-  are instantiated, which keeps the compile short).
+  are instantiated, which keeps the compile short); ``skip_rules`` names
+  source rules of the pre-pass (cpp/metal/emulator/README.md, "Rules") not to
+  enforce, for kernels kept only to be measured.
   """
   emu = emulator_dir()
   cxx = _compiler()
   stat = os.stat(metal_file)
   request = (str(Path(metal_file).resolve()), stat.st_mtime_ns, stat.st_size,
-             tuple(str(d) for d in include_dirs), None if kernels is None else tuple(kernels))
+             tuple(str(d) for d in include_dirs), None if kernels is None else tuple(kernels),
+             tuple(skip_rules))
   with _lock:
     if request in _requested:
       return _requested[request]
@@ -242,6 +246,8 @@ def build_library(metal_file: str | os.PathLike, *, include_dirs: Sequence[str |
       cmd += ["-I", str(d)]
     if kernels is not None:
       cmd += ["--kernels", ",".join(kernels)]
+    for rule in skip_rules:
+      cmd += ["--skip-rule", rule]
     clang = clang_for_rules()
     if clang:
       cmd += ["--clang", clang]

@@ -772,7 +772,7 @@ inline void dkdv_run(
             const int qf = f / (D / 8);
             const int col = (f % (D / 8)) * 8;
             frag_t a;
-            simdgroup_load(a, acc + qf * 8 * D + col, D);
+            simdgroup_load(a, (const device float*)(acc + qf * 8 * D + col), D);
 #pragma clang loop unroll(full)
             for (int t = 0; t < KS; ++t) {
               if (!blk_active[t]) continue;

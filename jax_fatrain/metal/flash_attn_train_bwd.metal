@@ -508,8 +508,16 @@ inline int2 dkdv_visible_rows(thread const ScoreCtx<MaskT, kBoolMask>& c, int k0
   return int2(first, int(stop));
 }
 
+// The function constants, passed from the kernels' bodies (where every use of
+// a function constant must be visible: the emulator and the stand-in
+// specialise a kernel for the constants its body names).
+struct DkdvConstants {
+  bool align_q, align_k, mask, causal, window, q_lengths, kv_lengths, segments;
+};
+
 // The body of both dK/dV kernels. `tg_t` / `tg_f`: the threadgroup arrays of
-// DkdvShape<T, D, kFusedDq>; `dq`: the accumulator split (fused) or DkdvNoDq.
+// DkdvShape<T, D, kFusedDq>; `dq`: the accumulator split (fused) or DkdvNoDq;
+// `fcs`: the function constants.
 template <typename T, int D, typename MaskT, bool kBoolMask, bool kFusedDq, typename DqOut>
 inline void dkdv_run(
     const device T* Q, const device T* K, const device T* V, constant AttnParams* params,
@@ -517,8 +525,8 @@ inline void dkdv_run(
     constant WindowParams* window, const device int* q_lengths, const device int* kv_lengths,
     const device int* q_segment_ids, const device int* kv_segment_ids, const device T* dO,
     const device float* Delta, device T* dK, device T* dV, thread const DqOut& dq,
-    threadgroup T* tg_t, threadgroup float* tg_f, int split, int nsplit, uint3 tid,
-    uint simd_gid, uint simd_lid) {
+    threadgroup T* tg_t, threadgroup float* tg_f, thread const DkdvConstants& fcs, int split,
+    int nsplit, uint3 tid, uint simd_gid, uint simd_lid) {
   typedef DkdvShape<T, D, kFusedDq> Sh;
   constexpr int NSG = Sh::NSG, NT = Sh::NT, W = Sh::W, BKV = Sh::BKV, BQ = Sh::BQ;
   constexpr int DS = Sh::DS, WF = Sh::WF, QF = Sh::QF, KS = Sh::KS;
@@ -569,8 +577,8 @@ inline void dkdv_run(
   // window are per batch.
   const ScoreCtx<MaskT, kBoolMask> ctx0 = make_score_ctx<MaskT, kBoolMask>(
       params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-      b, h_kv * gqa, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths,
-      has_segments);
+      b, h_kv * gqa, fcs.mask, fcs.causal, fcs.window, fcs.q_lengths, fcs.kv_lengths,
+      fcs.segments);
 
   if constexpr (kFusedDq) {
     // Split s of the accumulators starts at zero: rows that no key of the
@@ -592,8 +600,8 @@ inline void dkdv_run(
 
     // K and V of the tile, staged with coalesced vector loads; float32 keeps
     // its slices in registers (A operands, row = key).
-    dkdv_stage_rows<T, BKV, D, LD, NT>(k_stage, K + kbase, kss, kt0, kl, !align_K, tid_tg);
-    dkdv_stage_rows<T, BKV, D, LD, NT>(v_stage, V + vbase, vss, kt0, kl, !align_K, tid_tg);
+    dkdv_stage_rows<T, BKV, D, LD, NT>(k_stage, K + kbase, kss, kt0, kl, !fcs.align_k, tid_tg);
+    dkdv_stage_rows<T, BKV, D, LD, NT>(v_stage, V + vbase, vss, kt0, kl, !fcs.align_k, tid_tg);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     DkdvRegs<T, WF, !kKInTg> Kr;
     DkdvRegs<T, WF, !kVInTg> Vr;
@@ -623,7 +631,7 @@ inline void dkdv_run(
     int q_first = (max(tg_rows.x, 0) / BQ) * BQ;
     int q_stop = tg_rows.y;
     int2 k_ids = int2(0, 0);  // the keys' segment id range
-    if (has_segments && q_first < q_stop) {
+    if (fcs.segments && q_first < q_stop) {
       k_ids = segment_range(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
       narrow_to_segments(ctx0.q_seg, k_ids, BQ, params->ql, &q_first, &q_stop, simd_lid);
     }
@@ -633,7 +641,7 @@ inline void dkdv_run(
     DkdvTileRun<T, NV> run;
     if (n_items > 0) {
       dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first,
-                                        tid_tg, !align_Q);
+                                        tid_tg, !fcs.align_q);
       dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -655,11 +663,11 @@ inline void dkdv_run(
         const int gn = (it + 1) / n_tiles;
         dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
                                           q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg,
-                                          !align_Q);
+                                          !fcs.align_q);
       }
 
       const bool meets =
-          !has_segments || ranges_meet(k_ids, segment_range(ctx0.q_seg, q0,
+          !fcs.segments || ranges_meet(k_ids, segment_range(ctx0.q_seg, q0,
                                                             min(BQ, params->ql - q0), simd_lid));
       bool blk_active[KS];
       bool any_active = false;
@@ -738,8 +746,8 @@ inline void dkdv_run(
       if (active) {
         const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
             params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids, b, h, has_mask, do_causal, has_window, has_q_lengths,
-            has_kv_lengths, has_segments);
+            kv_segment_ids, b, h, fcs.mask, fcs.causal, fcs.window, fcs.q_lengths,
+            fcs.kv_lengths, fcs.segments);
 #pragma clang loop unroll(full)
         for (int qf = 0; qf < QF; ++qf) {
 #pragma clang loop unroll(full)
@@ -848,7 +856,7 @@ inline void dkdv_run(
         const int row = v / (D / 4);
         const int col = (v % (D / 4)) * 4;
         const int key = kt0 + row;
-        if (align_K || key < kl) {
+        if (fcs.align_k || key < kl) {
           const threadgroup T* dk_in = k_stage + row * LD + col;
           const threadgroup T* dv_in = v_stage + row * LD + col;
           *((device V4*)(dK + (kbase + long(key) * kss + col))) =
@@ -890,10 +898,12 @@ flash_attn_train_bwd_dkdv(
   threadgroup T tg_t[Sh::kTElems];
   threadgroup float tg_f[Sh::kFloats];
   const DkdvNoDq none;
+  const DkdvConstants fcs = {align_Q,    align_K,       has_mask,       do_causal,
+                             has_window, has_q_lengths, has_kv_lengths, has_segments};
   // One key tile per threadgroup: "split" x of grid-x splits.
   dkdv_run<T, D, MaskT, kBoolMask, false>(
       Q, K, V, params, mask_params, mask, L, window, q_lengths, kv_lengths, q_segment_ids,
-      kv_segment_ids, dO, Delta, dK, dV, none, tg_t, tg_f, int(tid.x), int(tgs.x), tid,
+      kv_segment_ids, dO, Delta, dK, dV, none, tg_t, tg_f, fcs, int(tid.x), int(tgs.x), tid,
       simd_gid, simd_lid);
 }
 
@@ -931,10 +941,12 @@ flash_attn_train_bwd_dkdv_dq(
   dq.acc = dq_accum + ((long(split) * params->b + int(tid.z)) * params->h +
                        long(tid.y) * params->gqa_factor) * rows * D;
   dq.rows = rows;
+  const DkdvConstants fcs = {align_Q,    align_K,       has_mask,       do_causal,
+                             has_window, has_q_lengths, has_kv_lengths, has_segments};
   dkdv_run<T, D, MaskT, kBoolMask, true>(
       Q, K, V, params, mask_params, mask, L, window, q_lengths, kv_lengths, q_segment_ids,
-      kv_segment_ids, dO, Delta, dK, dV, dq, tg_t, tg_f, split, accum->nsplit, tid, simd_gid,
-      simd_lid);
+      kv_segment_ids, dO, Delta, dK, dV, dq, tg_t, tg_f, fcs, split, accum->nsplit, tid,
+      simd_gid, simd_lid);
 }
 
 // dQ = scale * (sum of the accumulator splits in split order), in Q's dtype.

@@ -24,6 +24,13 @@
 //       S^T = K Q^T, P^T, dP^T = V dO^T, dS^T = P^T * (dP^T - Delta),
 //       dV += P^T dO, dK += dS^T Q; dK *= scale.
 //
+// Or, where the plan's scratch budget allows (the fused backward, 5 tile
+// products per block instead of 7), after step 1:
+//  2. flash_attn_train_bwd_dkdv_dq_{dt}_d{D}: step 3's kernel over the key
+//     tiles of nsplit splits, grid (nsplit, H_kv, B), which also adds dS K
+//     into float32 dQ accumulator split s (see the section above dkdv_run);
+//  3. flash_attn_train_bwd_dq_reduce_{dt}: dQ = scale * the sum of the splits.
+//
 // Every output element is written by exactly one thread in a fixed order, so
 // results are bitwise reproducible. Rows with L = -inf (they saw no key) get
 // P = 0 and therefore zero gradients.

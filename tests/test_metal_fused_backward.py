@@ -103,6 +103,8 @@ def test_budget_bounds_the_splits_and_selects_the_two_kernel_form():
   shape = (1, 2, 1, 100, 200, 64)
   split_bytes = 1 * 2 * 128 * 64 * 4  # B x H_q x rows (100 -> 128) x D floats
   assert backward_launches(*shape, budget=3 * split_bytes)[1][1] == (3, 1, 1)
+  # 5 splits would walk 2, 2, 1, 1, 1 tiles: 4 walk 2, 2, 2, 1 in the same time.
+  assert backward_launches(*shape, budget=5 * split_bytes)[1][1] == (4, 1, 1)
   assert backward_launches(*shape, budget=split_bytes)[1][1] == (1, 1, 1)
   launches = backward_launches(*shape, budget=split_bytes - 1)
   assert [n for n, _ in launches] == [

@@ -310,15 +310,12 @@ int backward_splits(const Problem& p, const BackwardOptions& options) {
   const uint64_t split_bytes = required_bytes(p, Role::kDQAccum);
   const uint64_t by_budget = split_bytes > 0 ? options.scratch_budget / split_bytes : 0;
   if (by_budget < 1) return 0;
-  int64_t n;
-  if (options.force_nsplit > 0) {
-    n = std::min<int64_t>(options.force_nsplit, tiles);
-  } else {
-    n = std::min<int64_t>(ceil_div(kBackwardTargetThreadgroups, p.batch * p.kv_heads), tiles);
-    n = ceil_div(tiles, ceil_div(tiles, n));  // every split walks ceil or floor(tiles / n) tiles
-  }
-  n = std::min<int64_t>(n, int64_t(std::min<uint64_t>(by_budget, 65535)));
-  return int(std::max<int64_t>(n, 1));
+  const int64_t cap = std::min<int64_t>(tiles, int64_t(std::min<uint64_t>(by_budget, 65535)));
+  if (options.force_nsplit > 0) return int(std::min<int64_t>(options.force_nsplit, cap));
+  const int64_t n =
+      std::min<int64_t>(ceil_div(kBackwardTargetThreadgroups, p.batch * p.kv_heads), cap);
+  // The fewest splits with the same longest walk: ceil(tiles / n) key tiles.
+  return int(ceil_div(tiles, ceil_div(tiles, n)));
 }
 
 std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& options) {

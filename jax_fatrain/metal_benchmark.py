@@ -103,21 +103,31 @@ class Problem:
     return f"T={self.seq_len} D={self.head_dim} {'causal' if self.causal else 'full'}{docs}"
 
 
-def compulsory_bytes(kernel: str, p: Problem) -> int | None:
+def compulsory_bytes(kernel: str, p: Problem, grid: Sequence[int] | None = None) -> int | None:
   """Bytes a dispatch must move to or from DRAM at least once (its operands).
 
   From the kernel's role, which its name says: our forward reads Q, K, V and
   writes O and the float32 logsumexp L; compute-D reads O and dO and writes
   float32 Delta; dQ reads Q, K, V, dO, L, Delta and writes dQ; dK/dV reads the
-  same and writes dK and dV; MLX's attention forward reads Q, K, V and writes
-  O. None for a kernel of unknown role (the model then has no DRAM term).
+  same and writes dK and dV; the fused dK/dV/dQ kernel reads the same, writes
+  dK, dV and its nsplit (= grid x) float32 dQ accumulators; the dQ reduce reads
+  the accumulators (nsplit from the plan's rule, not in its grid: ``grid`` of
+  the fused dispatch is needed, else one split is assumed) and writes dQ;
+  MLX's attention forward reads Q, K, V and writes O. None for a kernel of
+  unknown role (the model then has no DRAM term).
   """
   tensor = p.batch * p.heads * p.seq_len * p.head_dim * p.itemsize
   rows = p.batch * p.heads * p.seq_len * 4  # one float32 per query row
+  accum = p.batch * p.heads * p.seq_len * p.head_dim * 4  # one float32 dQ split
+  nsplit = int(grid[0]) if grid is not None else 1
   if kernel.startswith("flash_attn_train_fwd"):
     return 4 * tensor + rows
   if kernel.startswith("flash_attn_train_bwd_compute_d"):
     return 2 * tensor + rows
+  if kernel.startswith("flash_attn_train_bwd_dkdv_dq"):
+    return 6 * tensor + 2 * rows + nsplit * accum
+  if kernel.startswith("flash_attn_train_bwd_dq_reduce"):
+    return tensor + nsplit * accum
   if kernel.startswith("flash_attn_train_bwd_dq"):
     return 5 * tensor + 2 * rows
   if kernel.startswith("flash_attn_train_bwd_dkdv"):
@@ -142,10 +152,14 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
   if not dispatches:
     raise ValueError(f"{impl} {pass_} {p.label()}: no dispatch was recorded")
   ds = []
+  # The reduce reads as many accumulator splits as the fused kernel has threadgroups along x.
+  fused_grid = next((d.get("grid") for d in dispatches
+                     if str(d.get("kernel", "")).startswith("flash_attn_train_bwd_dkdv_dq")), None)
   for d in dispatches:
     d = dict(d)
     if d.get("dram_bytes") is None:
-      cb = compulsory_bytes(str(d.get("kernel", "")), p)
+      kernel = str(d.get("kernel", ""))
+      cb = compulsory_bytes(kernel, p, d.get("grid") if "_dkdv_dq_" in kernel else fused_grid)
       if cb is not None:
         d["dram_bytes"] = cb
     est = {g: metal_model.dispatch_time(d, g, p.dtype, calibration.fitted) for g in gpus}

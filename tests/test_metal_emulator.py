@@ -5,8 +5,10 @@
   (out-of-bounds write, missing barrier, uninitialised threadgroup memory,
   divergent simd operation, absent optional buffer) that must be reported;
 * every kernel variant the dispatch plan can name is compiled in, and every
-  one of them (dtype x head_dim x mask kind; forward, compute-D, dQ, dK/dV)
-  matches jax.nn in values and gradients on small shapes;
+  one of them (dtype x head_dim x mask kind; forward, compute-D, fused dK/dV/dQ
+  and dQ reduce as the plan picks them; the dQ and dK/dV kernels of the
+  two-kernel backward in tests/test_metal_fused_backward.py) matches jax.nn in
+  values and gradients on small shapes;
 * the shared suite of tests/test_attention.py with implementation
   "metal_emulated";
 * the backward is deterministic (bitwise equal across runs).
@@ -46,7 +48,9 @@ def test_emulator_selftest():
 def test_every_planned_kernel_is_compiled():
   planned = set(_metal_emulated.planned_kernel_names())
   compiled = set(_metal_emulated.kernel_names())
-  assert len(planned) == 3 * (1 + 3 * 3 * 2)
+  # Per dtype: compute-D and the dQ reduce, and per head dim and mask kind
+  # the forward, dQ, dK/dV and fused dK/dV/dQ kernels.
+  assert len(planned) == 3 * (2 + 3 * 4 * 2)
   assert planned <= compiled, sorted(planned - compiled)
   # The kernel names of mlx_native's flash_attn_train.rs are among them.
   for name in ("flash_attn_train_fwd_bf16_d64", "flash_attn_train_fwd_bf16_d64_boolmask",

@@ -7,11 +7,13 @@
   counters of the self-test kernels, incl. a staged GEMM that runs race-free
   (emulator_selftest.cc);
 * counters of our kernels through the metal_emulated FFI path: MMA counts that
-  every FlashAttention-2 kernel pair must have on aligned problems, exact
+  every FlashAttention-2 kernel must have on aligned problems (2 products per
+  block forward, 5 in the fused backward, 3 + 4 in the two-kernel one), exact
   output bytes, plausible input bytes, no races;
 * segment ids: a causal pack of documents aligned to every tile costs
-  exactly the MMAs of its documents run alone, in the forward, dQ and dK/dV
-  kernels (the tiles between documents are skipped);
+  exactly the MMAs of its documents run alone, in the forward, the fused
+  dK/dV/dQ kernel and the two-kernel backward's dQ and dK/dV kernels (the
+  tiles between documents are skipped);
 * masks: the forward and dQ kernels stage each key step's mask tile with
   vector loads, so a masked problem's device reads stay coalesced, and the
   tile fits their 30 KiB of threadgroup memory;
@@ -68,7 +70,8 @@ def _by_kernel(launches):
   out = {}
   for launch in launches:
     assert set(launch) == RECORD_KEYS, sorted(set(launch) ^ RECORD_KEYS)
-    kind = next(k for k in ("fwd", "compute_d", "dq", "dkdv") if f"_{k}_" in launch["kernel"])
+    kind = next(k for k in ("fwd", "compute_d", "dkdv_dq", "dq_reduce", "dq", "dkdv")
+                if f"_{k}_" in launch["kernel"])
     assert kind not in out, launch["kernel"]
     out[kind] = launch
   return out
@@ -98,28 +101,34 @@ def test_counters_of_an_aligned_problem(dtype, head_dim):
   n, d = 64, head_dim
   launches = metal_profile.run_problem(seq_len=n, head_dim=d, dtype=dtype, backward=True)
   k = _by_kernel(launches)
-  assert set(k) == {"fwd", "compute_d", "dq", "dkdv"}
+  assert set(k) == {"fwd", "compute_d", "dkdv_dq", "dq_reduce"}
   for launch in launches:
     _check_launch(launch)
     assert launch["sampled_fraction"] == 1.0
     assert launch["threadgroups_executed"] == launch["threadgroups_total"]
-  assert k["fwd"]["target"] == "forward" and k["dq"]["target"] == "backward"
+  assert k["fwd"]["target"] == "forward" and k["dkdv_dq"]["target"] == "backward"
   # Lengths multiples of every tile, no mask: S = Q K^T and O = P V are
   # (n/8)(n/8)(d/8) 8x8x8 MMAs each; the backward recomputes S and forms
-  # dP = dO V^T and dQ = dS K (dQ kernel), and S, dP, dV = P^T dO and
-  # dK = dS^T Q (dK/dV kernel).
+  # dP = dO V^T, dV = P^T dO, dK = dS^T Q and dQ = dS K, all in the fused
+  # kernel (one split per key tile here: n / 32 or n / 16 tiles).
   blocks = (n // 8) * (n // 8) * (d // 8)
   assert k["fwd"]["simdgroup_mma"] == 2 * blocks
   assert k["compute_d"]["simdgroup_mma"] == 0
-  assert k["dq"]["simdgroup_mma"] == 3 * blocks
-  assert k["dkdv"]["simdgroup_mma"] == 4 * blocks
-  # Each output element is written once: O and L; D; dQ; dK and dV.
+  assert k["dkdv_dq"]["simdgroup_mma"] == 5 * blocks
+  assert k["dq_reduce"]["simdgroup_mma"] == 0
+  # Each output element is written once: O and L; D; dK and dV; dQ. The
+  # fused kernel also zeroes its accumulator split and adds every key tile's
+  # dS K into it (a read and a write of the n x d floats per key tile).
   esize = 2 if dtype == "bfloat16" else 4
   x_bytes = n * d * esize
+  acc_bytes = n * d * 4
+  nsplit = k["dkdv_dq"]["grid"][0]
+  assert nsplit == n // (32 if (dtype, head_dim) == ("bfloat16", 64) else 16)
   assert k["fwd"]["device_bytes_written"] == x_bytes + 4 * n
   assert k["compute_d"]["device_bytes_written"] == 4 * n
-  assert k["dq"]["device_bytes_written"] == x_bytes
-  assert k["dkdv"]["device_bytes_written"] == 2 * x_bytes
+  assert k["dkdv_dq"]["device_bytes_written"] == 2 * x_bytes + 2 * nsplit * acc_bytes
+  assert k["dq_reduce"]["device_bytes_written"] == x_bytes
+  assert k["dq_reduce"]["device_bytes_read"] == nsplit * acc_bytes
   # Q, K and V are each read at least once, K and V at most once per 8 query rows.
   fwd_read = k["fwd"]["device_bytes_read"]
   assert 3 * x_bytes <= fwd_read <= x_bytes + 2 * x_bytes * (n // 8)
@@ -136,29 +145,36 @@ def test_causal_forward_skips_invisible_blocks():
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 64), ("float32", 128)])
-def test_packed_documents_skip_the_tiles_between_them(dtype, head_dim):
+def test_packed_documents_skip_the_tiles_between_them(dtype, head_dim, monkeypatch):
   """4 documents of 64 tokens (a multiple of every kernel's tiles), causal:
   each kernel's MMAs are 4 times those of one 64-token causal problem, a
-  fraction of those of dense causal attention over all 256 tokens."""
+  fraction of those of dense causal attention over all 256 tokens (the
+  two-kernel backward's dQ and dK/dV kernels through the plan's budget hook)."""
   common = dict(head_dim=head_dim, dtype=dtype, q_heads=2, kv_heads=1, causal=True,
                 backward=True)
-  packed = _by_kernel(metal_profile.run_problem(seq_len=256, documents=4, **common))
-  alone = _by_kernel(metal_profile.run_problem(seq_len=64, **common))
-  dense = _by_kernel(metal_profile.run_problem(seq_len=256, **common))
-  for kind in ("fwd", "dq", "dkdv"):
-    _check_launch(packed[kind])
-    assert packed[kind]["simdgroup_mma"] == 4 * alone[kind]["simdgroup_mma"], kind
-    assert packed[kind]["simdgroup_mma"] < 0.5 * dense[kind]["simdgroup_mma"], kind
+  for kinds, budget in ((("fwd", "dkdv_dq"), None), (("dq", "dkdv"), "0")):
+    if budget is not None:
+      monkeypatch.setenv("JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET", budget)
+    packed = _by_kernel(metal_profile.run_problem(seq_len=256, documents=4, **common))
+    alone = _by_kernel(metal_profile.run_problem(seq_len=64, **common))
+    dense = _by_kernel(metal_profile.run_problem(seq_len=256, **common))
+    for kind in kinds:
+      _check_launch(packed[kind])
+      assert packed[kind]["simdgroup_mma"] == 4 * alone[kind]["simdgroup_mma"], kind
+      assert packed[kind]["simdgroup_mma"] < 0.5 * dense[kind]["simdgroup_mma"], kind
 
 
 @pytest.mark.parametrize("kind", ["additive", "bool"])
-def test_masks_are_staged_with_coalesced_loads(kind):
+def test_masks_are_staged_with_coalesced_loads(kind, monkeypatch):
   """A full [1, 1, T, S] mask, bf16, D = 64 (32 x 32 tiles): the forward and
   dQ kernels read each key step's mask rows as 4-element vectors along the
   keys into threadgroup memory (a 64-byte bf16 or 32-byte bool row segment
   per 8 or 4 lanes), which keeps the kernel's coalescing above 0.7; read
   per score element from the fragments' lanes (8 rows of 16 or 8 bytes per
-  load) it would be about 0.25. Same MMAs as without the mask, no races."""
+  load) it would be about 0.25. Same MMAs as without the mask, no races.
+  The backward runs in its two-kernel form (the plan's budget hook), whose
+  dQ kernel is the one that stages masks."""
+  monkeypatch.setenv("JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET", "0")
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -176,7 +192,9 @@ def test_masks_are_staged_with_coalesced_loads(kind):
     jax.block_until_ready(jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, mask, **args))
   plain = _by_kernel(metal_profile.run_problem(seq_len=n, head_dim=d, q_heads=2, kv_heads=2,
                                                backward=True))
-  for kind_, launch in _by_kernel(launches).items():
+  recorded = _by_kernel(launches)
+  assert {"fwd", "dq"} <= set(recorded), sorted(recorded)
+  for kind_, launch in recorded.items():
     _check_launch(launch)
     assert launch["simdgroup_mma"] == plain[kind_]["simdgroup_mma"], kind_
     if kind_ in ("fwd", "dq"):
@@ -189,10 +207,12 @@ def test_sampling_scales_to_the_full_run():
   full = _by_kernel(metal_profile.run_problem(**problem))
   for sample in (0.25, 4):
     part = _by_kernel(metal_profile.run_problem(sample=sample, **problem))
-    for kind in ("fwd", "dq", "dkdv"):
+    for kind in ("fwd", "dkdv_dq", "dq_reduce"):
       f, p = full[kind], part[kind]
-      total = f["threadgroups_total"]  # 8 query tiles x 2 heads; dK/dV: 8 key tiles
-      assert p["threadgroups_total"] == total == (8 if kind == "dkdv" else 16)
+      # 8 query tiles x 2 heads; dK/dV/dQ: 8 key tiles, one per split; the
+      # reduce: 8 blocks of 32 rows x 2 heads.
+      total = f["threadgroups_total"]
+      assert p["threadgroups_total"] == total == (8 if kind == "dkdv_dq" else 16)
       executed = round(sample * total) if isinstance(sample, float) else min(sample, total)
       assert p["threadgroups_executed"] == executed
       assert p["sampled_fraction"] == executed / total

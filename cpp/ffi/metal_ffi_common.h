@@ -110,6 +110,22 @@ inline ffi::Error PrepareForward(const char* who, const Attributes& attrs, ffi::
   return ffi::Error::Success();
 }
 
+// Test hooks of the backward plan, read at every call (unset: the plan's own
+// choice): JAX_FATRAIN_METAL_BWD_NSPLIT=n asks the fused backward for n dQ
+// accumulator splits, JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET=bytes replaces its
+// scratch budget (0: always the two-kernel backward). See plan.h.
+inline mp::BackwardOptions BackwardTestOptions() {
+  mp::BackwardOptions o;
+  if (const char* v = std::getenv("JAX_FATRAIN_METAL_BWD_NSPLIT"); v != nullptr && v[0] != 0) {
+    o.force_nsplit = std::atoi(v);
+  }
+  if (const char* v = std::getenv("JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET");
+      v != nullptr && v[0] != 0) {
+    o.scratch_budget = std::strtoull(v, nullptr, 10);
+  }
+  return o;
+}
+
 // Backward: problem, plan and memory per role (dQ, dK and dV are outputs).
 inline ffi::Error PrepareBackward(const char* who, const Attributes& attrs, ffi::AnyBuffer& q,
                                   ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::AnyBuffer& bias,
@@ -125,7 +141,9 @@ inline ffi::Error PrepareBackward(const char* who, const Attributes& attrs, ffi:
       e.failure()) {
     return e;
   }
-  if (std::string e = mp::plan_backward(*p, plan); !e.empty()) return InvalidArgument(who, e);
+  if (std::string e = mp::plan_backward(*p, plan, BackwardTestOptions()); !e.empty()) {
+    return InvalidArgument(who, e);
+  }
   if (o.element_type() != q.element_type() || d_o.element_type() != q.element_type() ||
       o.size_bytes() != q.size_bytes() || d_o.size_bytes() != q.size_bytes()) {
     return InvalidArgument(who, "out and d_out must have the shape and dtype of query");

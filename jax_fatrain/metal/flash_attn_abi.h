@@ -60,6 +60,9 @@ typedef int64_t fatrain_abi_i64;
 #define FATRAIN_BUF_Q_SEGMENT_IDS 17   // int32 [B, qL], contiguous
 #define FATRAIN_BUF_KV_SEGMENT_IDS 18  // int32 [B, kL], contiguous: query i sees key j
                                        // only if their segment ids are equal
+#define FATRAIN_BUF_DQ_ACCUM 19         // float32 [nsplit, B, H_q, rows, D]: dQ / scale per
+                                        // key-block split (fused backward; DqAccumParams)
+#define FATRAIN_BUF_DQ_ACCUM_PARAMS 20  // DqAccumParams (setBytes)
 
 // ---------------------------------------------------------------------------
 // The compiled variants: kernel names are
@@ -67,6 +70,8 @@ typedef int64_t fatrain_abi_i64;
 //   flash_attn_train_bwd_compute_d_{dtype}
 //   flash_attn_train_bwd_dq_{dtype}_d{D}[_boolmask]
 //   flash_attn_train_bwd_dkdv_{dtype}_d{D}[_boolmask]
+//   flash_attn_train_bwd_dkdv_dq_{dtype}_d{D}[_boolmask]
+//   flash_attn_train_bwd_dq_reduce_{dtype}
 // X(name, msl_type) and X(a, b, D): the kernels instantiate from these lists,
 // the plan enumerates names from them.
 // ---------------------------------------------------------------------------
@@ -133,6 +138,30 @@ FATRAIN_ABI_FN int bwd_block_kv(int head_dim, int elem_bytes) {
 FATRAIN_ABI_FN int bwd_dkdv_block_q(int head_dim, int /*elem_bytes*/) {
   return head_dim == 64 ? 16 : 8;
 }
+// Threads per threadgroup of the dK/dV kernels (both forms): the kernels'
+// max_total_threads_per_threadgroup and the plan's threadgroup (32, N / 32, 1).
+FATRAIN_ABI_FN int bwd_dkdv_threads(int head_dim, int elem_bytes) {
+  return 32 * bwd_dkdv_simdgroups(head_dim, elem_bytes);
+}
+// Threadgroup memory the dK/dV kernels may use (two threadgroups per core on
+// GPUs with about 60 KB per core); a variant takes a second query-tile
+// buffer only where it fits.
+FATRAIN_ABI_CONST int kBwdMaxThreadgroupBytes = 30 * 1024;
+
+// Fused backward (flash_attn_train_bwd_dkdv_dq + flash_attn_train_bwd_dq_reduce):
+// the dK/dV kernel also accumulates dS K into float32 dQ accumulators, one per
+// split of the key blocks; split s belongs to threadgroup (s, h_kv, b) alone.
+// Accumulator rows per (split, batch, query head): qL rounded up to
+// kDqAccumRowAlign (a multiple of every dK/dV query tile), so that a query
+// tile never leaves its head's rows.
+FATRAIN_ABI_CONST int kDqAccumRowAlign = 32;
+FATRAIN_ABI_FN int dq_accum_rows(int q_len) {
+  return (q_len + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
+}
+// The reduce kernel: threadgroups of kBwdReduceThreads threads, each summing
+// kBwdReduceRows query rows of one head over the splits.
+FATRAIN_ABI_CONST int kBwdReduceThreads = 128;
+FATRAIN_ABI_CONST int kBwdReduceRows = 32;
 
 // The 160-byte params struct (MLX steel-attention layout plus softcapping).
 struct AttnParams {
@@ -164,5 +193,13 @@ struct WindowParams {
   int window_right;  // ... and j <= i + window_right (-1: unbounded)
 };
 static_assert(sizeof(WindowParams) == 8, "WindowParams must be 8 bytes");
+
+// The fused backward's dQ accumulators (buffer FATRAIN_BUF_DQ_ACCUM): nsplit
+// splits of B x H_q x rows x D floats, rows = dq_accum_rows(qL).
+struct DqAccumParams {
+  int nsplit;  // = the fused kernel's grid x
+  int rows;
+};
+static_assert(sizeof(DqAccumParams) == 8, "DqAccumParams must be 8 bytes");
 
 FATRAIN_ABI_END

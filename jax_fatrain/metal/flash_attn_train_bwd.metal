@@ -27,6 +27,13 @@
 //       S^T = K Q^T, P^T, dP^T = V dO^T, dS^T = P^T * (dP^T - Delta),
 //       dV += P^T dO, dK += dS^T Q; dK *= scale.
 //
+// Or, where the plan's scratch budget allows (the fused backward, 5 tile
+// products per block instead of 7), after step 1:
+//  2. flash_attn_train_bwd_dkdv_dq_{dt}_d{D}: step 3's kernel over the key
+//     tiles of nsplit splits, grid (nsplit, H_kv, B), which also adds dS K
+//     into float32 dQ accumulator split s (see the section above dkdv_run);
+//  3. flash_attn_train_bwd_dq_reduce_{dt}: dQ = scale * the sum of the splits.
+//
 // Every output element is written by exactly one thread in a fixed order, so
 // results are bitwise reproducible. Rows with L = -inf (they saw no key) get
 // P = 0 and therefore zero gradients.
@@ -343,17 +350,28 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 }
 
 // ---------------------------------------------------------------------------
-// dK/dV: KV tiles outer, staged query tiles, head dim split across simdgroups.
+// dK/dV, and the fused dK/dV/dQ kernel: KV tiles outer, staged query tiles,
+// head dim split across simdgroups.
 //
-// A threadgroup of NSG = bwd_dkdv_simdgroups simdgroups owns BKV =
-// bwd_block_kv keys of one kv head (grid (ceil(kL / BKV), H_kv, B)). It
-// sweeps the query heads of its GQA group and, per head, the query tiles of
-// BQ = bwd_dkdv_block_q rows that can see one of its keys. Simdgroup sg owns
-// dK and dV of the 8 keys of key block ks = sg / DS and of the W =
-// bwd_dkdv_cols head-dim columns c0 = (sg % DS) * W, DS = D / W, in float32
-// registers; every output element has one owner and is written once.
+// flash_attn_train_bwd_dkdv: grid (ceil(kL / BKV), H_kv, B); threadgroup x
+// owns key tile x. flash_attn_train_bwd_dkdv_dq: grid (nsplit, H_kv, B);
+// threadgroup s walks the key tiles of split s, one after another, in the
+// fixed "snake" order j = p * nsplit + (p even ? s : nsplit - 1 - s), p = 0,
+// 1, ... (each split gets the p-th tile from alternate ends, which evens out
+// causal work), and additionally accumulates dQ / scale = dS K into its own
+// float32 accumulator split s (FATRAIN_BUF_DQ_ACCUM), which it zeroes first.
+// No other threadgroup touches split s and the visiting order is fixed, so
+// the sums are bitwise reproducible; flash_attn_train_bwd_dq_reduce adds the
+// splits in split order.
 //
-// Per query tile (Q, dO rows staged in threadgroup memory; L, Delta too):
+// Per key tile, a threadgroup of NSG = bwd_dkdv_simdgroups simdgroups holds
+// BKV = bwd_block_kv keys of one kv head and sweeps the query heads of its
+// GQA group and, per head, the query tiles of BQ = bwd_dkdv_block_q rows
+// that can see one of its keys. Simdgroup sg owns dK and dV of the 8 keys of
+// key block ks = sg / DS and of the W = bwd_dkdv_cols head-dim columns c0 =
+// (sg % DS) * W, DS = D / W, in float32 registers; every output element has
+// one owner and is written once. Per query tile (Q, dO rows staged in
+// threadgroup memory; L, Delta too):
 //   1. partial scores over the owner's columns:  S^T  += K[:, c0:c0+W] Q^T,
 //                                                 dP^T += V[:, c0:c0+W] dO^T;
 //   2. DS > 1: the DS simdgroups of a key block exchange their partials
@@ -361,41 +379,33 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 //      all DS copies of S^T and dP^T are bitwise equal;
 //   3. P^T = exp2(S^T * scale * log2e + mask * log2e - L * log2e),
 //      dS^T = P^T * (dP^T - Delta) (masked scores and rows with L = -inf give
-//      P = 0, so fast::exp2 only sees finite arguments <= ~0);
-//   4. dV[:, c0:c0+W] += P^T dO[:, c0:c0+W],  dK[:, c0:c0+W] += dS^T Q[:, c0:c0+W].
-// dK *= scale at the end. No matrix product is computed twice.
+//      P = 0, so fast::exp2 only sees finite arguments <= ~0), both rounded to
+//      the input dtype for the products (as FlashAttention does);
+//   4. fused: the first simdgroup of each key block stores dS (query-major)
+//      in threadgroup memory; after a barrier simdgroup sg adds
+//      dS[rows, :] K[:, cols] into DqFrags 8x8 fragments of the accumulator
+//      (read, multiply-accumulate, write back: always the same simdgroup);
+//   5. dV[:, c0:c0+W] += P^T dO[:, c0:c0+W],  dK[:, c0:c0+W] += dS^T Q[:, c0:c0+W].
+// dK *= scale when the key tile is done. No matrix product is computed
+// twice: 4 products per (query, key) pair, 5 fused.
 //
-// K and V: 16-bit inputs stage the threadgroup's BKV keys in threadgroup
-// memory once (W = 64, so 32 accumulator floats per lane); float32 inputs
-// pass them through the tile buffers into registers, each simdgroup keeping
-// its 8 x W slice (W = 32: 16 accumulator + 16 K/V floats per lane), because
-// staged f32 K and V would leave no threadgroup memory for the query tiles
-// at D = 256.
+// K and V: 16-bit inputs stage the tile's BKV keys in threadgroup memory
+// (W = 64, so 32 accumulator floats per lane); float32 inputs pass V (and K
+// when not fused) through the tile buffers into registers, each simdgroup
+// keeping its 8 x W slice (W = 32), because staged f32 K and V would leave no
+// threadgroup memory for the query tiles at D = 256. The fused kernel needs
+// all of K for dS K, so f32 stages K there too.
 //
 // Staging: threads move 4-element vectors, consecutive lanes on consecutive
 // vectors along the head dim (whole cache lines per simdgroup load). A query
 // tile's loads are issued before the previous tile's math and stored to
-// threadgroup memory after it; with two buffers (where 32 KiB allow) the
-// stores go to the other buffer and one barrier per tile suffices (two with
-// the partial-score exchange). Rows are padded by 16 bytes so that 8x8
-// fragment reads, plain or transposed, fall in distinct banks. dK and dV
-// leave through threadgroup memory as vector stores.
+// threadgroup memory after it; with two buffers (where kBwdMaxThreadgroupBytes
+// allow) the stores go to the other buffer and one barrier per tile suffices
+// (plus one for the partial-score exchange and one for the staged dS). Rows
+// are padded by 16 bytes so that 8x8 fragment loads, plain or transposed,
+// fall in distinct banks. dK and dV leave through threadgroup memory as
+// vector stores. All operands are simdgroup_load-ed in the input dtype.
 // ---------------------------------------------------------------------------
-
-// 8x8 float fragment from a row-major threadgroup tile: element (r, c) =
-// src[r * ld + c] (plain) or src[c * ld + r] (transposed), converted to float.
-template <typename T>
-inline void dkdv_load_frag(thread frag_t& f, const threadgroup T* src, int ld, short fr,
-                           short fc) {
-  f.thread_elements()[0] = float(src[fr * ld + fc]);
-  f.thread_elements()[1] = float(src[fr * ld + fc + 1]);
-}
-template <typename T>
-inline void dkdv_load_frag_t(thread frag_t& f, const threadgroup T* src, int ld, short fr,
-                             short fc) {
-  f.thread_elements()[0] = float(src[fc * ld + fr]);
-  f.thread_elements()[1] = float(src[(fc + 1) * ld + fr]);
-}
 
 // 4-element vectors of the input type: device loads and stores move 8 (16-bit)
 // or 16 (f32) bytes per lane, consecutive lanes consecutive vectors along the
@@ -405,6 +415,61 @@ template <typename T> struct DkdvVec4;
 template <> struct DkdvVec4<bfloat> { typedef bfloat4 type; };
 template <> struct DkdvVec4<half> { typedef half4 type; };
 template <> struct DkdvVec4<float> { typedef float4 type; };
+
+// The tiles of the dK/dV kernels (kFusedDq: flash_attn_train_bwd_dkdv_dq).
+// Threadgroup memory is one array of T (K, V, the dS tile, the query-tile
+// buffers) and one of floats (L and Delta per buffer, the partial-score
+// exchange).
+template <typename T, int D, bool kFusedDq>
+struct DkdvShape {
+  enum : int {
+    ES = int(sizeof(T)),
+    NSG = bwd_dkdv_simdgroups(D, ES),
+    NT = bwd_dkdv_threads(D, ES),
+    W = bwd_dkdv_cols(D, ES),
+    BKV = bwd_block_kv(D, ES),
+    BQ = bwd_dkdv_block_q(D, ES),
+    DS = D / W,     // simdgroups sharing a key block
+    KS = NSG / DS,  // key blocks of 8
+    WF = W / 8,     // head-dim fragments per simdgroup
+    QF = BQ / 8,    // query fragments per tile
+    kKInTg = ES == 2 || kFusedDq,  // K staged for the whole tile (else in registers)
+    kVInTg = ES == 2,
+    LD = D + 16 / ES,    // padded row of a staged Q / dO / K / V tile
+    LDS = BKV + 16 / ES, // padded row of the staged dS tile
+    NV = BQ * D / (4 * NT),  // staged 4-element vectors per thread per tensor
+    kKElems = kKInTg ? BKV * LD : 0,
+    kVElems = kVInTg ? BKV * LD : 0,
+    kDsElems = kFusedDq ? BQ * LDS : 0,
+    kTileElems = 2 * BQ * LD,
+    kTileFloats = 2 * BQ,
+    kExFloats = DS > 1 ? NSG * 2 * QF * 64 : 0,
+    kFixedBytes = (kKElems + kVElems + kDsElems) * ES + kExFloats * 4,
+    kBufBytes = kTileElems * ES + kTileFloats * 4,
+    NBUF = kFixedBytes + 2 * kBufBytes <= kBwdMaxThreadgroupBytes ? 2 : 1,
+    kTgBytes = kFixedBytes + NBUF * kBufBytes,
+    kTElems = kKElems + kVElems + kDsElems + NBUF * kTileElems,
+    kFloats = NBUF * kTileFloats + kExFloats,
+    kDqFrags = QF * (D / 8) / NSG,  // fused: dQ fragments per simdgroup and tile
+  };
+};
+
+// Fragments held in registers only by some instances: an empty struct for
+// the others, used only under `if constexpr`.
+template <typename T, int N, bool kHeld>
+struct DkdvRegs {
+  simdgroup_matrix<T, 8, 8> f[N];
+};
+template <typename T, int N>
+struct DkdvRegs<T, N, false> {};
+
+// Where the fused kernel accumulates dQ / scale: split s of the accumulators
+// (rows x D floats per query head); the plain dK/dV kernel passes DkdvNoDq.
+struct DkdvDqAccum {
+  device float* acc;  // split s, batch b, query head 0 of the kv head's group
+  int rows;
+};
+struct DkdvNoDq {};
 
 // Rows [row0, row0 + ROWS) x D of a device matrix (row stride `stride`) into
 // dst[ROWS][LD]; rows >= limit (when guarded) are zeros, never left
@@ -422,6 +487,7 @@ inline void dkdv_stage_rows(threadgroup T* dst, const device T* src, long stride
     const int col = (v % (D / 4)) * 4;
     V x = V(T(0.0f));
     if (!guard || row0 + row < limit) x = *((const device V*)(src + (long(row0 + row) * stride + col)));
+#pragma clang loop unroll(full)
     for (int e = 0; e < 4; ++e) dst[row * LD + col + e] = x[e];
   }
 }
@@ -445,6 +511,7 @@ inline void dkdv_fetch_tile(thread DkdvTileRun<T, NV>& r, const device T* Q, con
   const int ql = params->ql;
   const long qbase = long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const long obase = long(b) * params->o_strides[0] + long(h) * params->o_strides[1];
+#pragma clang loop unroll(full)
   for (int i = 0; i < NV; ++i) {
     const int v = i * NT + tid_tg;
     const int q = q0 + v / (D / 4);
@@ -471,10 +538,12 @@ inline void dkdv_fetch_tile(thread DkdvTileRun<T, NV>& r, const device T* Q, con
 template <typename T, int D, int BQ, int NV, int NT, int LDQ>
 inline void dkdv_store_tile(thread const DkdvTileRun<T, NV>& r, threadgroup T* qs,
                             threadgroup T* dos, threadgroup float* lds, int tid_tg) {
+#pragma clang loop unroll(full)
   for (int i = 0; i < NV; ++i) {
     const int v = i * NT + tid_tg;
     const int row = v / (D / 4);
     const int col = (v % (D / 4)) * 4;
+#pragma clang loop unroll(full)
     for (int e = 0; e < 4; ++e) {
       qs[row * LDQ + col + e] = r.q[i][e];
       dos[row * LDQ + col + e] = r.dout[i][e];
@@ -483,8 +552,386 @@ inline void dkdv_store_tile(thread const DkdvTileRun<T, NV>& r, threadgroup T* q
   if (tid_tg < 2 * BQ) lds[tid_tg] = r.ld;
 }
 
+// Query rows [x, y) that may see one of the keys [k0, k_last] through
+// causal, window and length limits (masks and segment ids not considered).
+template <typename MaskT, bool kBoolMask>
+inline int2 dkdv_visible_rows(thread const ScoreCtx<MaskT, kBoolMask>& c, int k0, int k_last) {
+  if (k0 >= c.k_limit) return int2(0, 0);
+  k_last = min(k_last, c.k_limit - 1);
+  int first = 0;
+  long stop = c.q_limit;
+  if (c.causal) first = max(first, k0 - c.ql_off);
+  if (c.window && c.window_right >= 0) first = max(first, k0 - c.window_right);
+  if (c.window && c.window_left >= 0) stop = min64(stop, long(k_last) + c.window_left + 1);
+  return int2(first, int(stop));
+}
+
+// The function constants, passed from the kernels' bodies (where every use of
+// a function constant must be visible: the emulator and the stand-in
+// specialise a kernel for the constants its body names).
+struct DkdvConstants {
+  bool align_q, align_k, mask, causal, window, q_lengths, kv_lengths, segments;
+};
+
+// The body of both dK/dV kernels. `tg_t` / `tg_f`: the threadgroup arrays of
+// DkdvShape<T, D, kFusedDq>; `dq`: the accumulator split (fused) or DkdvNoDq;
+// `fcs`: the function constants.
+template <typename T, int D, typename MaskT, bool kBoolMask, bool kFusedDq, typename DqOut>
+inline void dkdv_run(
+    const device T* Q, const device T* K, const device T* V, constant AttnParams* params,
+    constant AttnMaskParams* mask_params, const device MaskT* mask, const device float* L,
+    constant WindowParams* window, const device int* q_lengths, const device int* kv_lengths,
+    const device int* q_segment_ids, const device int* kv_segment_ids, const device T* dO,
+    const device float* Delta, device T* dK, device T* dV, thread const DqOut& dq,
+    threadgroup T* tg_t, threadgroup float* tg_f, thread const DkdvConstants& fcs, int split,
+    int nsplit, uint3 tid, uint simd_gid, uint simd_lid) {
+  typedef DkdvShape<T, D, kFusedDq> Sh;
+  constexpr int NSG = Sh::NSG, NT = Sh::NT, W = Sh::W, BKV = Sh::BKV, BQ = Sh::BQ;
+  constexpr int DS = Sh::DS, WF = Sh::WF, QF = Sh::QF, KS = Sh::KS;
+  constexpr int LD = Sh::LD, LDS = Sh::LDS, NV = Sh::NV, NBUF = Sh::NBUF;
+  constexpr bool kKInTg = Sh::kKInTg, kVInTg = Sh::kVInTg;
+  constexpr int kTileElems = Sh::kTileElems, kTileFloats = Sh::kTileFloats;
+  typedef simdgroup_matrix<T, 8, 8> tfrag_t;
+  static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
+  static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 2 * BQ <= NT, "dK/dV staging shape");
+  static_assert(BQ <= 32 && BKV <= 32, "segment ranges read one id per lane");
+  static_assert(Sh::kTgBytes <= kBwdMaxThreadgroupBytes, "dK/dV threadgroup memory");
+  static_assert(!kFusedDq || (kDqAccumRowAlign % BQ == 0 &&
+                              Sh::kDqFrags * NSG == QF * (D / 8) &&
+                              (D / 8) % Sh::kDqFrags == 0), "fused dQ tile shape");
+
+  // Threadgroup memory. K and V at the start of a key tile (f32: those kept
+  // in registers through the tile buffers) and dK, dV at its end pass
+  // through k_stage and v_stage (BKV x LD each).
+  threadgroup T* const k_s = tg_t;
+  threadgroup T* const v_s = tg_t + Sh::kKElems;
+  threadgroup T* const ds_s = v_s + Sh::kVElems;        // fused: dS, [BQ][LDS]
+  threadgroup T* const tile_s = ds_s + Sh::kDsElems;    // NBUF x (Q, dO) [BQ][LD]
+  threadgroup float* const tile_f = tg_f;               // NBUF x (L * log2e, Delta)
+  threadgroup float* const ex_s = tg_f + NBUF * kTileFloats;  // partial scores
+  threadgroup T* const k_stage = kKInTg ? k_s : tile_s;
+  threadgroup T* const v_stage = kVInTg ? v_s : (kKInTg ? tile_s : tile_s + BKV * LD);
+  static_assert(kKInTg || NBUF * kTileElems >= 2 * BKV * LD, "K and V pass the tile buffers");
+  static_assert(kVInTg || NBUF * kTileElems >= (kKInTg ? 1 : 2) * BKV * LD,
+                "V passes the tile buffers");
+
+  const int b = int(tid.z);
+  const int h_kv = int(tid.y);
+  const int kl = params->kl;
+  const int gqa = params->gqa_factor;
+  const short fr = frag_row(simd_lid);
+  const short fc = frag_col(simd_lid);
+  const int sg = int(simd_gid);
+  const int tid_tg = sg * 32 + int(simd_lid);
+  const int ks = sg / DS;
+  const int c0 = (sg % DS) * W;
+
+  const long kbase = long(b) * params->k_strides[0] + long(h_kv) * params->k_strides[1];
+  const long vbase = long(b) * params->v_strides[0] + long(h_kv) * params->v_strides[1];
+  const long kss = params->k_strides[2];
+  const long vss = params->v_strides[2];
+
+  // Visibility does not depend on the query head: limits, causal offset and
+  // window are per batch.
+  const ScoreCtx<MaskT, kBoolMask> ctx0 = make_score_ctx<MaskT, kBoolMask>(
+      params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+      b, h_kv * gqa, fcs.mask, fcs.causal, fcs.window, fcs.q_lengths, fcs.kv_lengths,
+      fcs.segments);
+
+  if constexpr (kFusedDq) {
+    // Split s of the accumulators starts at zero: rows that no key of the
+    // split can see (masked, outside windows or lengths) contribute 0.
+    const int n4 = gqa * dq.rows * (D / 4);
+    for (int v = tid_tg; v < n4; v += NT) {
+      *((device float4*)(dq.acc + 4 * long(v))) = float4(0.0f);
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+  }
+
+  const int n_kt = (kl + BKV - 1) / BKV;
+  for (int pass = 0;; ++pass) {
+    const int j = pass * nsplit + ((pass & 1) == 0 ? split : nsplit - 1 - split);
+    if (j >= n_kt) break;
+    const int kt0 = j * BKV;  // first key of the tile
+    const int kb0 = kt0 + 8 * ks;
+    const int my_key = kb0 + fr;
+
+    // K and V of the tile, staged with coalesced vector loads; float32 keeps
+    // its slices in registers (A operands, row = key).
+    dkdv_stage_rows<T, BKV, D, LD, NT>(k_stage, K + kbase, kss, kt0, kl, !fcs.align_k, tid_tg);
+    dkdv_stage_rows<T, BKV, D, LD, NT>(v_stage, V + vbase, vss, kt0, kl, !fcs.align_k, tid_tg);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    DkdvRegs<T, WF, !kKInTg> Kr;
+    DkdvRegs<T, WF, !kVInTg> Vr;
+    if constexpr (!kKInTg || !kVInTg) {
+#pragma clang loop unroll(full)
+      for (int dd = 0; dd < WF; ++dd) {
+        if constexpr (!kKInTg) simdgroup_load(Kr.f[dd], k_stage + ks * 8 * LD + c0 + dd * 8, LD);
+        if constexpr (!kVInTg) simdgroup_load(Vr.f[dd], v_stage + ks * 8 * LD + c0 + dd * 8, LD);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+    frag_t dKf[WF];
+    frag_t dVf[WF];
+#pragma clang loop unroll(full)
+    for (int dd = 0; dd < WF; ++dd) {
+      dKf[dd] = zero_frag();
+      dVf[dd] = zero_frag();
+    }
+
+    // Query rows that see a key of the tile (tiles start at multiples of BQ),
+    // and per key block (uniform across the threadgroup).
+    const int2 tg_rows = dkdv_visible_rows(ctx0, kt0, kt0 + BKV - 1);
+    int2 blk_rows[KS];
+#pragma clang loop unroll(full)
+    for (int t = 0; t < KS; ++t) blk_rows[t] = dkdv_visible_rows(ctx0, kt0 + 8 * t, kt0 + 8 * t + 7);
+    int q_first = (max(tg_rows.x, 0) / BQ) * BQ;
+    int q_stop = tg_rows.y;
+    int2 k_ids = int2(0, 0);  // the keys' segment id range
+    if (fcs.segments && q_first < q_stop) {
+      k_ids = segment_range(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
+      narrow_to_segments(ctx0.q_seg, k_ids, BQ, params->ql, &q_first, &q_stop, simd_lid);
+    }
+    const int n_tiles = q_stop > q_first ? (q_stop - q_first + BQ - 1) / BQ : 0;
+    const int n_items = n_tiles * gqa;  // (head, tile) pairs, head-major
+
+    DkdvTileRun<T, NV> run;
+    if (n_items > 0) {
+      dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first,
+                                        tid_tg, !fcs.align_q);
+      dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (int it = 0; it < n_items; ++it) {
+      const int g = it / n_tiles;
+      const int h = h_kv * gqa + g;
+      const int q0 = q_first + (it - g * n_tiles) * BQ;
+      const int buf = NBUF == 2 ? (it & 1) : 0;
+      const threadgroup T* Qs = tile_s + buf * kTileElems;
+      const threadgroup T* dOs = Qs + BQ * LD;
+      const threadgroup float* Ls = tile_f + buf * kTileFloats;
+      const threadgroup float* Dls = Ls + BQ;
+
+      // The next tile's loads are issued now and land in registers while
+      // this tile's products run.
+      const bool has_next = it + 1 < n_items;
+      if (has_next) {
+        const int gn = (it + 1) / n_tiles;
+        dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
+                                          q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg,
+                                          !fcs.align_q);
+      }
+
+      const bool meets =
+          !fcs.segments || ranges_meet(k_ids, segment_range(ctx0.q_seg, q0,
+                                                            min(BQ, params->ql - q0), simd_lid));
+      bool blk_active[KS];
+      bool any_active = false;
+#pragma clang loop unroll(full)
+      for (int t = 0; t < KS; ++t) {
+        blk_active[t] = meets && q0 < blk_rows[t].y && q0 + BQ > blk_rows[t].x;
+        any_active = any_active || blk_active[t];
+      }
+      const bool active = blk_active[ks];
+      frag_t S[QF];   // S^T (row = key, col = query)
+      frag_t dP[QF];  // dP^T
+      if (active) {
+#pragma clang loop unroll(full)
+        for (int qf = 0; qf < QF; ++qf) {
+          S[qf] = zero_frag();
+          dP[qf] = zero_frag();
+        }
+#pragma clang loop unroll(full)
+        for (int dd = 0; dd < WF; ++dd) {
+          tfrag_t ka;  // row = key, col = head dim
+          tfrag_t va;
+          if constexpr (kKInTg) {
+            simdgroup_load(ka, k_s + ks * 8 * LD + c0 + dd * 8, LD);
+          } else {
+            ka = Kr.f[dd];
+          }
+          if constexpr (kVInTg) {
+            simdgroup_load(va, v_s + ks * 8 * LD + c0 + dd * 8, LD);
+          } else {
+            va = Vr.f[dd];
+          }
+#pragma clang loop unroll(full)
+          for (int qf = 0; qf < QF; ++qf) {
+            tfrag_t qt;  // row = head dim, col = query
+            tfrag_t dot;
+            simdgroup_load(qt, Qs + qf * 8 * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_load(dot, dOs + qf * 8 * LD + c0 + dd * 8, LD, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(S[qf], ka, qt, S[qf]);
+            simdgroup_multiply_accumulate(dP[qf], va, dot, dP[qf]);
+          }
+        }
+      }
+      if constexpr (DS > 1) {
+        threadgroup float* mine = ex_s + sg * (2 * QF * 64);
+        if (active) {
+#pragma clang loop unroll(full)
+          for (int qf = 0; qf < QF; ++qf) {
+            simdgroup_store(S[qf], mine + qf * 64, 8);
+            simdgroup_store(dP[qf], mine + (QF + qf) * 64, 8);
+          }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (active) {
+          const threadgroup float* part = ex_s + ks * DS * (2 * QF * 64);
+#pragma clang loop unroll(full)
+          for (int qf = 0; qf < QF; ++qf) {
+            simdgroup_load(S[qf], part + qf * 64, 8);
+            simdgroup_load(dP[qf], part + (QF + qf) * 64, 8);
+#pragma clang loop unroll(full)
+            for (int p = 1; p < DS; ++p) {
+              frag_t ps;
+              frag_t pd;
+              simdgroup_load(ps, part + p * (2 * QF * 64) + qf * 64, 8);
+              simdgroup_load(pd, part + p * (2 * QF * 64) + (QF + qf) * 64, 8);
+#pragma clang loop unroll(full)
+              for (int e = 0; e < 2; ++e) {
+                S[qf].thread_elements()[e] += ps.thread_elements()[e];
+                dP[qf].thread_elements()[e] += pd.thread_elements()[e];
+              }
+            }
+          }
+        }
+      }
+      tfrag_t Pt[QF];   // P^T in the input dtype
+      tfrag_t dSt[QF];  // dS^T in the input dtype
+      if (active) {
+        const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
+            params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids,
+            kv_segment_ids, b, h, fcs.mask, fcs.causal, fcs.window, fcs.q_lengths,
+            fcs.kv_lengths, fcs.segments);
+#pragma clang loop unroll(full)
+        for (int qf = 0; qf < QF; ++qf) {
+#pragma clang loop unroll(full)
+          for (int e = 0; e < 2; ++e) {
+            const int ql_idx = qf * 8 + fc + e;
+            const float L2 = Ls[ql_idx];
+            const float s = score2(ctx, S[qf].thread_elements()[e], q0 + ql_idx, my_key);
+            const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
+            Pt[qf].thread_elements()[e] = T(p);
+            dSt[qf].thread_elements()[e] = T(p * (dP[qf].thread_elements()[e] - Dls[ql_idx]));
+          }
+        }
+      }
+      if constexpr (kFusedDq) {
+        // dQ / scale += dS K: dS staged query-major by the first simdgroup of
+        // each key block, then simdgroup sg owns kDqFrags fragments of the
+        // BQ x D tile (row block f / (D / 8), consecutive columns).
+        if (active && sg % DS == 0) {
+#pragma clang loop unroll(full)
+          for (int qf = 0; qf < QF; ++qf) {
+            simdgroup_store(dSt[qf], ds_s + qf * 8 * LDS + ks * 8, LDS, ulong2(0, 0), true);
+          }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (any_active) {
+          device float* acc = dq.acc + (long(g) * dq.rows + q0) * D;
+#pragma clang loop unroll(full)
+          for (int i = 0; i < Sh::kDqFrags; ++i) {
+            const int f = sg * Sh::kDqFrags + i;
+            const int qf = f / (D / 8);
+            const int col = (f % (D / 8)) * 8;
+            frag_t a;
+            simdgroup_load(a, (const device float*)(acc + qf * 8 * D + col), D);
+#pragma clang loop unroll(full)
+            for (int t = 0; t < KS; ++t) {
+              if (!blk_active[t]) continue;
+              tfrag_t dsf;  // row = query, col = key
+              tfrag_t kf;   // row = key, col = head dim
+              simdgroup_load(dsf, ds_s + qf * 8 * LDS + t * 8, LDS);
+              simdgroup_load(kf, k_s + t * 8 * LD + col, LD);
+              simdgroup_multiply_accumulate(a, dsf, kf, a);
+            }
+            simdgroup_store(a, acc + qf * 8 * D + col, D);
+          }
+        }
+      }
+      if (active) {
+        // dV += P^T dO, dK += dS^T Q over this simdgroup's columns.
+#pragma clang loop unroll(full)
+        for (int qf = 0; qf < QF; ++qf) {
+#pragma clang loop unroll(full)
+          for (int dd = 0; dd < WF; ++dd) {
+            tfrag_t dof;  // row = query, col = head dim
+            tfrag_t qfr;
+            simdgroup_load(dof, dOs + qf * 8 * LD + c0 + dd * 8, LD);
+            simdgroup_load(qfr, Qs + qf * 8 * LD + c0 + dd * 8, LD);
+            simdgroup_multiply_accumulate(dVf[dd], Pt[qf], dof, dVf[dd]);
+            simdgroup_multiply_accumulate(dKf[dd], dSt[qf], qfr, dKf[dd]);
+          }
+        }
+      }
+
+      if constexpr (NBUF == 2) {
+        // The other buffer was last read in the previous iteration, before
+        // its closing barrier.
+        if (has_next) {
+          threadgroup T* nq = tile_s + (buf ^ 1) * kTileElems;
+          dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, nq, nq + BQ * LD,
+                                                tile_f + (buf ^ 1) * kTileFloats, tid_tg);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      } else {
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the tile
+        if (has_next) {
+          dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
+    }
+
+    // dK (scaled) and dV through threadgroup memory, then coalesced vector
+    // stores; every key of the kv head is written once (keys past k_limit get
+    // zeros). The item loop (or the staging, if it ran no tile) ended with a
+    // barrier after the last reads of the buffers.
+    const float scale = params->scale;
+#pragma clang loop unroll(full)
+    for (int dd = 0; dd < WF; ++dd) {
+      tfrag_t ko;
+      tfrag_t vo;
+#pragma clang loop unroll(full)
+      for (int e = 0; e < 2; ++e) {
+        ko.thread_elements()[e] = T(dKf[dd].thread_elements()[e] * scale);
+        vo.thread_elements()[e] = T(dVf[dd].thread_elements()[e]);
+      }
+      simdgroup_store(ko, k_stage + ks * 8 * LD + c0 + dd * 8, LD);
+      simdgroup_store(vo, v_stage + ks * 8 * LD + c0 + dd * 8, LD);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    {
+      typedef typename DkdvVec4<T>::type V4;
+      constexpr int kVecs = BKV * D / 4;
+      static_assert(kVecs % NT == 0, "dK/dV store shape");
+#pragma clang loop unroll(full)
+      for (int i = 0; i < kVecs / NT; ++i) {
+        const int v = i * NT + tid_tg;
+        const int row = v / (D / 4);
+        const int col = (v % (D / 4)) * 4;
+        const int key = kt0 + row;
+        if (fcs.align_k || key < kl) {
+          const threadgroup T* dk_in = k_stage + row * LD + col;
+          const threadgroup T* dv_in = v_stage + row * LD + col;
+          *((device V4*)(dK + (kbase + long(key) * kss + col))) =
+              V4(dk_in[0], dk_in[1], dk_in[2], dk_in[3]);
+          *((device V4*)(dV + (vbase + long(key) * vss + col))) =
+              V4(dv_in[0], dv_in[1], dv_in[2], dv_in[3]);
+        }
+      }
+    }
+    // The next key tile's staging overwrites what was just read.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
 template <typename T, int D, typename MaskT, bool kBoolMask>
-[[kernel]] void flash_attn_train_bwd_dkdv(
+[[kernel, max_total_threads_per_threadgroup(bwd_dkdv_threads(D, sizeof(T)))]] void
+flash_attn_train_bwd_dkdv(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
     const device T* K [[buffer(FATRAIN_BUF_K)]],
     const device T* V [[buffer(FATRAIN_BUF_V)]],
@@ -502,295 +949,96 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     device T* dK [[buffer(FATRAIN_BUF_DK)]],
     device T* dV [[buffer(FATRAIN_BUF_DV)]],
     uint3 tid [[threadgroup_position_in_grid]],
+    uint3 tgs [[threadgroups_per_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  constexpr int ES = int(sizeof(T));
-  constexpr int NSG = bwd_dkdv_simdgroups(D, ES);
-  constexpr int NT = 32 * NSG;
-  constexpr int W = bwd_dkdv_cols(D, ES);
-  constexpr int BKV = bwd_block_kv(D, ES);
-  constexpr int BQ = bwd_dkdv_block_q(D, ES);
-  constexpr int DS = D / W;     // simdgroups sharing a key block
-  constexpr int KS = NSG / DS;  // key blocks of 8
-  constexpr int WF = W / 8;     // head-dim fragments per simdgroup
-  constexpr int QF = BQ / 8;    // query fragments per tile
-  constexpr bool kKVInTg = ES == 2;
-  constexpr int LD = D + 16 / ES;  // padded row of a staged tile
-  constexpr int NV = BQ * D / (4 * NT);  // staged 4-element vectors per thread per tensor
-  static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
-  static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 2 * BQ <= NT, "dK/dV staging shape");
-  static_assert(BQ <= 32 && BKV <= 32, "segment ranges read one id per lane");
+  typedef DkdvShape<T, D, false> Sh;
+  threadgroup T tg_t[Sh::kTElems];
+  threadgroup float tg_f[Sh::kFloats];
+  const DkdvNoDq none;
+  const DkdvConstants fcs = {align_Q,    align_K,       has_mask,       do_causal,
+                             has_window, has_q_lengths, has_kv_lengths, has_segments};
+  // One key tile per threadgroup: "split" x of grid-x splits.
+  dkdv_run<T, D, MaskT, kBoolMask, false>(
+      Q, K, V, params, mask_params, mask, L, window, q_lengths, kv_lengths, q_segment_ids,
+      kv_segment_ids, dO, Delta, dK, dV, none, tg_t, tg_f, fcs, int(tid.x), int(tgs.x), tid,
+      simd_gid, simd_lid);
+}
 
-  // Threadgroup memory: K, V (16-bit only), one or two Q/dO/L/Delta tile
-  // buffers, the partial-score exchange (DS > 1).
-  constexpr int kKVElems = kKVInTg ? 2 * BKV * LD : 0;
-  constexpr int kTileElems = 2 * BQ * LD;
-  constexpr int kTileFloats = 2 * BQ;
-  constexpr int kExFloats = DS > 1 ? NSG * 2 * QF * 64 : 0;
-  constexpr int kOneBufBytes = (kKVElems + kTileElems) * ES + (kTileFloats + kExFloats) * 4;
-  constexpr int NBUF = kOneBufBytes + kTileElems * ES + kTileFloats * 4 <= 32768 ? 2 : 1;
-  constexpr int kTgBytes =
-      (kKVElems + NBUF * kTileElems) * ES + (NBUF * kTileFloats + kExFloats) * 4;
-  static_assert(kTgBytes <= 32768, "dK/dV threadgroup memory exceeds 32 KiB");
-  constexpr int kKVAlloc = kKVElems > 0 ? kKVElems : 1;
-  constexpr int kTileAlloc = NBUF * kTileElems;
-  constexpr int kTileFloatAlloc = NBUF * kTileFloats;
-  constexpr int kExAlloc = kExFloats > 0 ? kExFloats : 1;
-  threadgroup T kv_s[kKVAlloc];
-  threadgroup T tile_s[kTileAlloc];
-  threadgroup float tile_f[kTileFloatAlloc];
-  threadgroup float ex_s[kExAlloc];
-  // K, V at the start (f32: through the tile buffers) and dK, dV at the end
-  // pass through the K/V buffer (16-bit) or the tile buffers (f32).
-  static_assert((kKVInTg ? kKVAlloc : kTileAlloc) >= 2 * BKV * LD, "dK/dV staging buffer");
-  threadgroup T* kv_stage = kKVInTg ? &kv_s[0] : &tile_s[0];
+template <typename T, int D, typename MaskT, bool kBoolMask>
+[[kernel, max_total_threads_per_threadgroup(bwd_dkdv_threads(D, sizeof(T)))]] void
+flash_attn_train_bwd_dkdv_dq(
+    const device T* Q [[buffer(FATRAIN_BUF_Q)]],
+    const device T* K [[buffer(FATRAIN_BUF_K)]],
+    const device T* V [[buffer(FATRAIN_BUF_V)]],
+    constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
+    constant AttnMaskParams* mask_params [[buffer(FATRAIN_BUF_MASK_PARAMS), function_constant(has_mask)]],
+    const device MaskT* mask [[buffer(FATRAIN_BUF_MASK), function_constant(has_mask)]],
+    const device float* L [[buffer(FATRAIN_BUF_L)]],
+    constant WindowParams* window [[buffer(FATRAIN_BUF_WINDOW), function_constant(has_window)]],
+    const device int* q_lengths [[buffer(FATRAIN_BUF_Q_LENGTHS), function_constant(has_q_lengths)]],
+    const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
+    const device int* q_segment_ids [[buffer(FATRAIN_BUF_Q_SEGMENT_IDS), function_constant(has_segments)]],
+    const device int* kv_segment_ids [[buffer(FATRAIN_BUF_KV_SEGMENT_IDS), function_constant(has_segments)]],
+    const device T* dO [[buffer(FATRAIN_BUF_DO)]],
+    const device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
+    device T* dK [[buffer(FATRAIN_BUF_DK)]],
+    device T* dV [[buffer(FATRAIN_BUF_DV)]],
+    device float* dq_accum [[buffer(FATRAIN_BUF_DQ_ACCUM)]],
+    constant DqAccumParams* accum [[buffer(FATRAIN_BUF_DQ_ACCUM_PARAMS)]],
+    uint3 tid [[threadgroup_position_in_grid]],
+    uint simd_gid [[simdgroup_index_in_threadgroup]],
+    uint simd_lid [[thread_index_in_simdgroup]]) {
+  typedef DkdvShape<T, D, true> Sh;
+  threadgroup T tg_t[Sh::kTElems];
+  threadgroup float tg_f[Sh::kFloats];
+  const int split = int(tid.x);
+  const int rows = accum->rows;
+  DkdvDqAccum dq;
+  // Split s, batch b, the first query head of kv head h_kv's group.
+  dq.acc = dq_accum + ((long(split) * params->b + int(tid.z)) * params->h +
+                       long(tid.y) * params->gqa_factor) * rows * D;
+  dq.rows = rows;
+  const DkdvConstants fcs = {align_Q,    align_K,       has_mask,       do_causal,
+                             has_window, has_q_lengths, has_kv_lengths, has_segments};
+  dkdv_run<T, D, MaskT, kBoolMask, true>(
+      Q, K, V, params, mask_params, mask, L, window, q_lengths, kv_lengths, q_segment_ids,
+      kv_segment_ids, dO, Delta, dK, dV, dq, tg_t, tg_f, fcs, split, accum->nsplit, tid,
+      simd_gid, simd_lid);
+}
 
+// dQ = scale * (sum of the accumulator splits in split order), in Q's dtype.
+// Grid (ceil(qL / kBwdReduceRows), H_q, B), kBwdReduceThreads threads; thread
+// t moves the 4-element vectors t, t + kBwdReduceThreads, ... of the rows
+// (coalesced 16-byte loads per split, one 8- or 16-byte store).
+template <typename T>
+[[kernel, max_total_threads_per_threadgroup(kBwdReduceThreads)]] void
+flash_attn_train_bwd_dq_reduce(
+    constant AttnParams* params [[buffer(FATRAIN_BUF_PARAMS)]],
+    device T* dQ [[buffer(FATRAIN_BUF_DQ)]],
+    const device float* dq_accum [[buffer(FATRAIN_BUF_DQ_ACCUM)]],
+    constant DqAccumParams* accum [[buffer(FATRAIN_BUF_DQ_ACCUM_PARAMS)]],
+    uint3 tid [[threadgroup_position_in_grid]],
+    uint tix [[thread_index_in_threadgroup]]) {
+  typedef typename DkdvVec4<T>::type V4;
   const int b = int(tid.z);
-  const int h_kv = int(tid.y);
-  const int kl = params->kl;
-  const int gqa = params->gqa_factor;
-  const short fr = frag_row(simd_lid);
-  const short fc = frag_col(simd_lid);
-  const int sg = int(simd_gid);
-  const int tid_tg = sg * 32 + int(simd_lid);
-  const int ks = sg / DS;
-  const int c0 = (sg % DS) * W;
-  const int kt0 = int(tid.x) * BKV;  // first key of the threadgroup
-  const int kb0 = kt0 + 8 * ks;      // first key of this simdgroup's block
-  const int my_key = kb0 + fr;
-
-  const long kbase = long(b) * params->k_strides[0] + long(h_kv) * params->k_strides[1];
-  const long vbase = long(b) * params->v_strides[0] + long(h_kv) * params->v_strides[1];
-  const long kss = params->k_strides[2];
-  const long vss = params->v_strides[2];
-
-  // K and V of the threadgroup's keys, staged with coalesced vector loads.
-  // 16-bit: they stay there; float32: each simdgroup copies its 8 keys x W
-  // columns into registers (A operands, row = key) and frees the buffer.
-  dkdv_stage_rows<T, BKV, D, LD, NT>(kv_stage, K + kbase, kss, kt0, kl, !align_K, tid_tg);
-  dkdv_stage_rows<T, BKV, D, LD, NT>(kv_stage + BKV * LD, V + vbase, vss, kt0, kl, !align_K,
-                                     tid_tg);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  frag_t Kr[kKVInTg ? 1 : WF];
-  frag_t Vr[kKVInTg ? 1 : WF];
-  if constexpr (!kKVInTg) {
-    for (int dd = 0; dd < WF; ++dd) {
-      dkdv_load_frag(Kr[dd], kv_stage + ks * 8 * LD + c0 + dd * 8, LD, fr, fc);
-      dkdv_load_frag(Vr[dd], kv_stage + (BKV + ks * 8) * LD + c0 + dd * 8, LD, fr, fc);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-
-  frag_t dKf[WF];
-  frag_t dVf[WF];
-  for (int dd = 0; dd < WF; ++dd) {
-    dKf[dd] = zero_frag();
-    dVf[dd] = zero_frag();
-  }
-
-  // Visibility does not depend on the query head: limits, causal offset and
-  // window are per batch. Query rows that see a key of the threadgroup
-  // (tiles start at multiples of BQ), and rows that see a key of this
-  // simdgroup's block (uniform across its lanes, equal across the DS
-  // simdgroups of the block).
-  const ScoreCtx<MaskT, kBoolMask> ctx0 = make_score_ctx<MaskT, kBoolMask>(
-      params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-      b, h_kv * gqa, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths,
-      has_segments);
-  const int kt_last = min(kt0 + BKV, ctx0.k_limit) - 1;
-  int q_first = 0;
-  int q_stop = ctx0.q_limit;
-  int sq_first = 0;
-  int sq_stop = ctx0.q_limit;
-  if (do_causal) {
-    q_first = max(q_first, kt0 - ctx0.ql_off);
-    sq_first = max(sq_first, kb0 - ctx0.ql_off);
-  }
-  if (has_window && ctx0.window_right >= 0) {
-    q_first = max(q_first, kt0 - ctx0.window_right);
-    sq_first = max(sq_first, kb0 - ctx0.window_right);
-  }
-  if (has_window && ctx0.window_left >= 0) {
-    q_stop = min(q_stop, kt_last + ctx0.window_left + 1);
-    sq_stop = min(sq_stop, min(kb0 + 7, kt_last) + ctx0.window_left + 1);
-  }
-  if (kt0 >= ctx0.k_limit) q_stop = 0;
-  if (kb0 >= ctx0.k_limit) sq_stop = 0;
-  q_first = (q_first / BQ) * BQ;
-  int2 k_ids = int2(0, 0);  // the keys' segment id range
-  if (has_segments && q_first < q_stop) {
-    k_ids = segment_range(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
-    narrow_to_segments(ctx0.q_seg, k_ids, BQ, params->ql, &q_first, &q_stop, simd_lid);
-  }
-  const int n_tiles = q_stop > q_first ? (q_stop - q_first + BQ - 1) / BQ : 0;
-  const int n_items = n_tiles * gqa;  // (head, tile) pairs, head-major
-
-  const threadgroup T* Ks = kv_s + ks * 8 * LD + c0;
-  const threadgroup T* Vs = kv_s + (BKV + ks * 8) * LD + c0;
-
-  DkdvTileRun<T, NV> run;
-  if (n_items > 0) {
-    dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first, tid_tg,
-                                   !align_Q);
-    dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  for (int it = 0; it < n_items; ++it) {
-    const int g = it / n_tiles;
-    const int h = h_kv * gqa + g;
-    const int q0 = q_first + (it - g * n_tiles) * BQ;
-    const int buf = NBUF == 2 ? (it & 1) : 0;
-    const threadgroup T* Qs = tile_s + buf * kTileElems;
-    const threadgroup T* dOs = Qs + BQ * LD;
-    const threadgroup float* Ls = tile_f + buf * kTileFloats;
-    const threadgroup float* Dls = Ls + BQ;
-
-    // The next tile's loads are issued now and land in registers while this
-    // tile's products run.
-    const bool has_next = it + 1 < n_items;
-    if (has_next) {
-      const int gn = (it + 1) / n_tiles;
-      dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
-                                     q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg, !align_Q);
-    }
-
-    const bool active =
-        q0 < sq_stop && q0 + BQ > sq_first &&
-        (!has_segments || ranges_meet(k_ids, segment_range(ctx0.q_seg, q0,
-                                                           min(BQ, params->ql - q0), simd_lid)));
-    frag_t S[QF];   // S^T, then P^T (row = key, col = query)
-    frag_t dP[QF];  // dP^T, then dS^T
-    if (active) {
-      for (int qf = 0; qf < QF; ++qf) {
-        S[qf] = zero_frag();
-        dP[qf] = zero_frag();
-      }
-      for (int dd = 0; dd < WF; ++dd) {
-        frag_t ka;
-        frag_t va;
-        if constexpr (kKVInTg) {
-          dkdv_load_frag(ka, Ks + dd * 8, LD, fr, fc);
-          dkdv_load_frag(va, Vs + dd * 8, LD, fr, fc);
-        } else {
-          ka = Kr[dd];
-          va = Vr[dd];
-        }
-        for (int qf = 0; qf < QF; ++qf) {
-          frag_t qt;   // row = head dim, col = query
-          frag_t dot;
-          dkdv_load_frag_t(qt, Qs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
-          dkdv_load_frag_t(dot, dOs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
-          simdgroup_multiply_accumulate(S[qf], ka, qt, S[qf]);
-          simdgroup_multiply_accumulate(dP[qf], va, dot, dP[qf]);
-        }
-      }
-    }
-    if constexpr (DS > 1) {
-      threadgroup float* mine = ex_s + sg * (2 * QF * 64);
-      if (active) {
-        for (int qf = 0; qf < QF; ++qf) {
-          for (int j = 0; j < 2; ++j) {
-            mine[qf * 64 + fr * 8 + fc + j] = S[qf].thread_elements()[j];
-            mine[(QF + qf) * 64 + fr * 8 + fc + j] = dP[qf].thread_elements()[j];
-          }
-        }
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (active) {
-        const threadgroup float* part = ex_s + ks * DS * (2 * QF * 64);
-        for (int qf = 0; qf < QF; ++qf) {
-          for (int j = 0; j < 2; ++j) {
-            const int e = fr * 8 + fc + j;
-            float s = part[qf * 64 + e];
-            float dp = part[(QF + qf) * 64 + e];
-            for (int p = 1; p < DS; ++p) {
-              s += part[p * (2 * QF * 64) + qf * 64 + e];
-              dp += part[p * (2 * QF * 64) + (QF + qf) * 64 + e];
-            }
-            S[qf].thread_elements()[j] = s;
-            dP[qf].thread_elements()[j] = dp;
-          }
-        }
-      }
-    }
-    if (active) {
-      const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
-          params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids,
-          kv_segment_ids, b, h, has_mask, do_causal, has_window, has_q_lengths, has_kv_lengths,
-          has_segments);
-      for (int qf = 0; qf < QF; ++qf) {
-        for (int j = 0; j < 2; ++j) {
-          const int ql_idx = qf * 8 + fc + j;
-          const float L2 = Ls[ql_idx];
-          const float s = score2(ctx, S[qf].thread_elements()[j], q0 + ql_idx, my_key);
-          const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
-          S[qf].thread_elements()[j] = p;
-          dP[qf].thread_elements()[j] = p * (dP[qf].thread_elements()[j] - Dls[ql_idx]);
-        }
-      }
-      // dV += P^T dO, dK += dS^T Q over this simdgroup's columns.
-      for (int qf = 0; qf < QF; ++qf) {
-        for (int dd = 0; dd < WF; ++dd) {
-          frag_t dof;  // row = query, col = head dim
-          frag_t qfr;
-          dkdv_load_frag(dof, dOs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
-          dkdv_load_frag(qfr, Qs + qf * 8 * LD + c0 + dd * 8, LD, fr, fc);
-          simdgroup_multiply_accumulate(dVf[dd], S[qf], dof, dVf[dd]);
-          simdgroup_multiply_accumulate(dKf[dd], dP[qf], qfr, dKf[dd]);
-        }
-      }
-    }
-
-    if (NBUF == 2) {
-      // The other buffer was last read in the previous iteration, before its
-      // closing barrier.
-      if (has_next) {
-        threadgroup T* nq = tile_s + (buf ^ 1) * kTileElems;
-        dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, nq, nq + BQ * LD,
-                                           tile_f + (buf ^ 1) * kTileFloats, tid_tg);
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    } else {
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the tile
-      if (has_next) {
-        dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-  }
-
-  // dK (scaled) and dV through threadgroup memory, then coalesced vector
-  // stores; every key of the kv head is written once (keys past k_limit get
-  // zeros). The loop (or the staging, if it ran no tile) ended with a barrier
-  // after the last reads of the buffer.
+  const int h = int(tid.y);
+  const int d = params->d;
+  const int d4 = d / 4;
+  const int row0 = int(tid.x) * kBwdReduceRows;
+  const int n_rows = min(kBwdReduceRows, params->ql - row0);
+  const int nsplit = accum->nsplit;
+  const long split_stride = long(params->b) * params->h * accum->rows * d;
+  const device float* src = dq_accum + ((long(b) * params->h + h) * accum->rows + row0) * d;
+  device T* dst = dQ + long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const float scale = params->scale;
-  for (int dd = 0; dd < WF; ++dd) {
-    for (int j = 0; j < 2; ++j) {
-      const int e = (ks * 8 + fr) * LD + c0 + dd * 8 + fc + j;
-      kv_stage[e] = T(dKf[dd].thread_elements()[j] * scale);
-      kv_stage[BKV * LD + e] = T(dVf[dd].thread_elements()[j]);
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  {
-    typedef typename DkdvVec4<T>::type V4;
-    constexpr int kVecs = BKV * D / 4;
-    static_assert(kVecs % NT == 0, "dK/dV store shape");
-    for (int i = 0; i < kVecs / NT; ++i) {
-      const int v = i * NT + tid_tg;
-      const int row = v / (D / 4);
-      const int col = (v % (D / 4)) * 4;
-      const int key = kt0 + row;
-      if (align_K || key < kl) {
-        const threadgroup T* dk_in = kv_stage + row * LD + col;
-        const threadgroup T* dv_in = dk_in + BKV * LD;
-        *((device V4*)(dK + (kbase + long(key) * kss + col))) =
-            V4(dk_in[0], dk_in[1], dk_in[2], dk_in[3]);
-        *((device V4*)(dV + (vbase + long(key) * vss + col))) =
-            V4(dv_in[0], dv_in[1], dv_in[2], dv_in[3]);
-      }
-    }
+  for (int v = int(tix); v < n_rows * d4; v += kBwdReduceThreads) {
+    const int r = v / d4;
+    const long off = long(r) * d + (v - r * d4) * 4;
+    float4 sum = *((const device float4*)(src + off));
+    for (int s = 1; s < nsplit; ++s) sum += *((const device float4*)(src + s * split_stride + off));
+    *((device V4*)(dst + long(row0 + r) * params->q_strides[2] + (v - r * d4) * 4)) =
+        V4(T(sum.x * scale), T(sum.y * scale), T(sum.z * scale), T(sum.w * scale));
   }
 }
 
@@ -814,3 +1062,17 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   FATRAIN_INSTANTIATE_COMPUTE_D(name, T)       \
   FATRAIN_METAL_FOR_EACH_HEAD_DIM(FATRAIN_INSTANTIATE_BWD, name, T)
 FATRAIN_METAL_FOR_EACH_DTYPE(FATRAIN_INSTANTIATE_BWD_ALL_D)
+
+// The fused backward's kernels (flash_attn_abi.h lists them).
+#define FATRAIN_INSTANTIATE_FUSED_BWD(name, T, D)                                                \
+  template [[host_name("flash_attn_train_bwd_dkdv_dq_" #name "_d" #D)]] [[kernel]]               \
+  decltype(flash_attn_train_bwd_dkdv_dq<T, D, T, false>)                                         \
+      flash_attn_train_bwd_dkdv_dq<T, D, T, false>;                                              \
+  template [[host_name("flash_attn_train_bwd_dkdv_dq_" #name "_d" #D "_boolmask")]] [[kernel]]   \
+  decltype(flash_attn_train_bwd_dkdv_dq<T, D, bool, true>)                                       \
+      flash_attn_train_bwd_dkdv_dq<T, D, bool, true>;
+#define FATRAIN_INSTANTIATE_FUSED_BWD_ALL_D(name, T)                                   \
+  template [[host_name("flash_attn_train_bwd_dq_reduce_" #name)]] [[kernel]]           \
+  decltype(flash_attn_train_bwd_dq_reduce<T>) flash_attn_train_bwd_dq_reduce<T>;       \
+  FATRAIN_METAL_FOR_EACH_HEAD_DIM(FATRAIN_INSTANTIATE_FUSED_BWD, name, T)
+FATRAIN_METAL_FOR_EACH_DTYPE(FATRAIN_INSTANTIATE_FUSED_BWD_ALL_D)

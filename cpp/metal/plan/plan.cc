@@ -2,6 +2,7 @@
 
 #include "metal/plan/plan.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace fatrain::metal_plan {
@@ -147,6 +148,7 @@ const char* role_name(Role role) {
     case Role::kDV: return "dV";
     case Role::kQSegmentIds: return "q_segment_ids";
     case Role::kKVSegmentIds: return "kv_segment_ids";
+    case Role::kDQAccum: return "dQ_accum";
   }
   return "?";
 }
@@ -174,8 +176,9 @@ std::vector<std::string> all_kernel_names() {
   std::vector<std::string> names;
   for (const std::string& dt : dtypes) {
     names.push_back("flash_attn_train_bwd_compute_d_" + dt);
+    names.push_back("flash_attn_train_bwd_dq_reduce_" + dt);
     for (const std::string& d : dims) {
-      for (const char* op : {"fwd", "bwd_dq", "bwd_dkdv"}) {
+      for (const char* op : {"fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_dq"}) {
         for (const char* suffix : {"", "_boolmask"}) {
           names.push_back(std::string("flash_attn_train_") + op + "_" + dt + "_d" + d + suffix);
         }
@@ -266,6 +269,9 @@ uint64_t required_bytes(const Problem& p, Role role) {
     case Role::kKVLengths: return uint64_t(p.batch) * 4;
     case Role::kQSegmentIds: return uint64_t(p.batch * p.q_len) * 4;
     case Role::kKVSegmentIds: return uint64_t(p.batch * p.kv_len) * 4;
+    case Role::kDQAccum:
+      return uint64_t(p.batch * p.q_heads) * uint64_t(abi::dq_accum_rows(int(p.q_len))) *
+             uint64_t(p.head_dim) * 4;
     case Role::kMask: {
       const ScoreTensor* score = score_operand(p);
       if (score == nullptr) return 0;
@@ -298,7 +304,21 @@ std::string plan_forward(const Problem& p, Plan* plan) {
   return "";
 }
 
-std::string plan_backward(const Problem& p, Plan* plan) {
+int backward_splits(const Problem& p, const BackwardOptions& options) {
+  const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
+  const int64_t tiles = ceil_div(p.kv_len, abi::bwd_block_kv(d, es));
+  const uint64_t split_bytes = required_bytes(p, Role::kDQAccum);
+  const uint64_t by_budget = split_bytes > 0 ? options.scratch_budget / split_bytes : 0;
+  if (by_budget < 1) return 0;
+  const int64_t cap = std::min<int64_t>(tiles, int64_t(std::min<uint64_t>(by_budget, 65535)));
+  if (options.force_nsplit > 0) return int(std::min<int64_t>(options.force_nsplit, cap));
+  const int64_t n =
+      std::min<int64_t>(ceil_div(kBackwardTargetThreadgroups, p.batch * p.kv_heads), cap);
+  // The fewest splits with the same longest walk: ceil(tiles / n) key tiles.
+  return int(ceil_div(tiles, ceil_div(tiles, n)));
+}
+
+std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& options) {
   if (std::string e = validate(p); !e.empty()) return e;
   plan->scratch.clear();
   plan->dispatches.clear();
@@ -316,6 +336,48 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   plan->dispatches.push_back(std::move(cd));
 
   const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
+  // dK/dV (both forms): its own tiles (per head dim and element size), hence
+  // its own alignment constants.
+  const int dkdv_bq = abi::bwd_dkdv_block_q(d, es), dkdv_bkv = abi::bwd_block_kv(d, es);
+  auto dkdv_dispatch = [&](const char* op) {
+    Dispatch k;
+    k.kernel = variant(op, p);
+    add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % dkdv_bkv == 0, &k);
+    for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
+                        {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
+                        {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
+                        {FATRAIN_BUF_DK, Role::kDK}, {FATRAIN_BUF_DV, Role::kDV}}) {
+      k.bindings.push_back(buffer(i, r));
+    }
+    set_size(k.threadgroup, kSimdgroupWidth, abi::bwd_dkdv_threads(d, es) / kSimdgroupWidth, 1);
+    return k;
+  };
+
+  if (const int nsplit = backward_splits(p, options); nsplit > 0) {
+    // Fused: dK, dV and the dQ accumulators in one kernel, then the reduce.
+    const uint64_t split_bytes = required_bytes(p, Role::kDQAccum);
+    plan->scratch.push_back({Role::kDQAccum, split_bytes * uint64_t(nsplit)});
+    abi::DqAccumParams acc{};
+    acc.nsplit = nsplit;
+    acc.rows = abi::dq_accum_rows(int(p.q_len));
+    Dispatch fused = dkdv_dispatch("bwd_dkdv_dq");
+    fused.bindings.push_back(buffer(FATRAIN_BUF_DQ_ACCUM, Role::kDQAccum));
+    fused.bindings.push_back(bytes_binding(FATRAIN_BUF_DQ_ACCUM_PARAMS, acc));
+    set_size(fused.grid, nsplit, p.kv_heads, p.batch);
+    plan->dispatches.push_back(std::move(fused));
+
+    Dispatch reduce;
+    reduce.kernel = std::string("flash_attn_train_bwd_dq_reduce_") + dtype_name(p.dtype);
+    reduce.bindings.push_back(bytes_binding(FATRAIN_BUF_PARAMS, make_params(p)));
+    reduce.bindings.push_back(buffer(FATRAIN_BUF_DQ, Role::kDQ));
+    reduce.bindings.push_back(buffer(FATRAIN_BUF_DQ_ACCUM, Role::kDQAccum));
+    reduce.bindings.push_back(bytes_binding(FATRAIN_BUF_DQ_ACCUM_PARAMS, acc));
+    set_size(reduce.grid, ceil_div(p.q_len, abi::kBwdReduceRows), p.q_heads, p.batch);
+    set_size(reduce.threadgroup, abi::kBwdReduceThreads, 1, 1);
+    plan->dispatches.push_back(std::move(reduce));
+    return "";
+  }
+
   const int dq_bq = abi::dq_block_q(d, es), dq_bk = abi::dq_block_k(d, es);
   Dispatch dq;
   dq.kernel = variant("bwd_dq", p);
@@ -330,20 +392,8 @@ std::string plan_backward(const Problem& p, Plan* plan) {
   set_size(dq.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(dq));
 
-  // dK/dV: its own tiles (per head dim and element size), hence its own
-  // alignment constants.
-  const int dkdv_bq = abi::bwd_dkdv_block_q(d, es), dkdv_bkv = abi::bwd_block_kv(d, es);
-  Dispatch dkdv;
-  dkdv.kernel = variant("bwd_dkdv", p);
-  add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % dkdv_bkv == 0, &dkdv);
-  for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
-                      {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
-                      {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
-                      {FATRAIN_BUF_DK, Role::kDK}, {FATRAIN_BUF_DV, Role::kDV}}) {
-    dkdv.bindings.push_back(buffer(i, r));
-  }
+  Dispatch dkdv = dkdv_dispatch("bwd_dkdv");
   set_size(dkdv.grid, ceil_div(p.kv_len, dkdv_bkv), p.kv_heads, p.batch);
-  set_size(dkdv.threadgroup, kSimdgroupWidth, abi::bwd_dkdv_simdgroups(d, es), 1);
   plan->dispatches.push_back(std::move(dkdv));
   return "";
 }

@@ -17,7 +17,14 @@
 //     flash_attn_train_bwd_dq_{dt}_d{D}[_boolmask]: Q tiles outer, grid (ceil(qL/BQ), H_q, B)
 //     flash_attn_train_bwd_dkdv_{dt}_d{D}[_boolmask]: KV tiles outer, grid (ceil(kL/BKV), H_kv, B),
 //       looping over the query heads of its GQA group and all query tiles
-//   threadgroup (32, kSimdgroups, 1), except (32, bwd_dkdv_simdgroups, 1) for dK/dV: the
+//   or, when the dQ accumulators fit kFusedBackwardScratchBudget (fused backward, 5 tile
+//   products per block instead of 7):
+//     flash_attn_train_bwd_compute_d_{dt}, as above
+//     flash_attn_train_bwd_dkdv_dq_{dt}_d{D}[_boolmask]: grid (nsplit, H_kv, B); threadgroup s
+//       walks the key tiles of split s and adds dS K into float32 accumulator split s
+//     flash_attn_train_bwd_dq_reduce_{dt}: dQ = scale * sum of the splits, grid
+//       (ceil(qL/kBwdReduceRows), H_q, B), threadgroup (kBwdReduceThreads, 1, 1)
+//   threadgroup (32, kSimdgroups, 1), except (32, bwd_dkdv_threads / 32, 1) for dK/dV: the
 //   only source of threads per threadgroup (hosts and emulator take them from the plan).
 #pragma once
 
@@ -36,6 +43,7 @@ using fatrain::DType;
 enum class Role : int32_t {
   kQ, kK, kV, kO, kL, kMask, kQLengths, kKVLengths, kDO, kDelta, kDQ, kDK, kDV,
   kQSegmentIds, kKVSegmentIds,
+  kDQAccum,  // float32 dQ accumulators of the fused backward (scratch)
 };
 const char* role_name(Role role);
 
@@ -97,12 +105,37 @@ using metal_abi::AttnMaskParams;
 using metal_abi::AttnParams;
 using metal_abi::WindowParams;
 
+// The fused backward keeps nsplit float32 dQ accumulators of B x H_q x
+// dq_accum_rows(qL) x D floats each. It is planned when one split fits this
+// many bytes; the number of splits is
+//   nsplit = min(ceil(kBackwardTargetThreadgroups / (B * H_kv)),  -- fill the GPU
+//                number of key tiles,                             -- one tile at least
+//                kFusedBackwardScratchBudget / bytes of one split) -- the budget
+// then evened out: nsplit = ceil(tiles / ceil(tiles / nsplit)), so that every
+// split walks the same number of key tiles (+-1). Otherwise the backward is
+// the two-kernel form (dQ kernel + dK/dV kernel, no accumulators).
+inline constexpr uint64_t kFusedBackwardScratchBudget = uint64_t(512) << 20;  // 512 MiB
+// Threadgroups that fill a large Apple GPU: two per core, 40 cores (M-series Max).
+inline constexpr int kBackwardTargetThreadgroups = 80;
+
+// Test hooks of plan_backward (the defaults are the plan's own choice):
+// `force_nsplit` > 0 asks for that many splits (clamped to the key tiles; the
+// budget still applies), `scratch_budget` replaces kFusedBackwardScratchBudget.
+struct BackwardOptions {
+  int force_nsplit = 0;
+  uint64_t scratch_budget = kFusedBackwardScratchBudget;
+};
+
 // Returns "" when the problem can run on the Metal kernels, else why not.
 std::string validate(const Problem& p);
 std::string plan_forward(const Problem& p, Plan* plan);
-std::string plan_backward(const Problem& p, Plan* plan);
+std::string plan_backward(const Problem& p, Plan* plan,
+                          const BackwardOptions& options = BackwardOptions());
+// The number of dQ accumulator splits plan_backward picks; 0: the two-kernel form.
+int backward_splits(const Problem& p, const BackwardOptions& options = BackwardOptions());
 
-// Minimum bytes a buffer of the given role must have for this problem.
+// Minimum bytes a buffer of the given role must have for this problem (the
+// dQ accumulators: one split; the plan's Scratch entry has the full size).
 uint64_t required_bytes(const Problem& p, Role role);
 
 const char* dtype_name(DType t);  // "bf16", "f16", "f32"

@@ -10,7 +10,7 @@
 namespace fatrain::metal_plan {
 
 struct RoleBuffers {
-  static constexpr int kRoles = 16;  // > number of Role values
+  static constexpr int kRoles = 20;  // > number of Role values
   void* data[kRoles] = {};
   size_t size[kRoles] = {};
   bool output[kRoles] = {};  // written by the plan (copied back when staged)

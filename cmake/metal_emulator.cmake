@@ -23,12 +23,6 @@ if(JAX_FATRAIN_METAL_EMULATOR)
   else()
     message(WARNING "clang++ not found: the MSL emulator's address-space rule is skipped")
   endif()
-  # The unroll rule on jax_fatrain/metal/*.metal (ON: enforced; OFF: skipped).
-  set(_msl_package_unroll_rule OFF)  # MSL-UNROLL-RULE: turn ON once the kernels carry the pragmas
-  set(_msl_package_rule_args ${_msl_rule_args})
-  if(NOT _msl_package_unroll_rule)
-    list(APPEND _msl_package_rule_args --skip-rule unroll)
-  endif()
 
   # Pre-pass: .metal -> C++ with binding glue (kept line-accurate via #line).
   set(_msl_generated)
@@ -37,7 +31,7 @@ if(JAX_FATRAIN_METAL_EMULATOR)
       OUTPUT "${_gen_dir}/${_src}.cc"
       COMMAND "${Python_EXECUTABLE}" "${_msl_dir}/msl_prepass.py"
               "${_metal_dir}/${_src}.metal" "${_gen_dir}/${_src}.cc" --cxx "${CMAKE_CXX_COMPILER}"
-              ${_msl_package_rule_args}
+              ${_msl_rule_args}
       DEPENDS "${_metal_dir}/${_src}.metal" "${_metal_dir}/flash_attn_common.h"
               "${_metal_dir}/flash_attn_tiles.h"
               "${_metal_dir}/flash_attn_abi.h" "${_msl_dir}/msl_prepass.py" "${_msl_dir}/msl_rules.py"

@@ -210,10 +210,9 @@ def build(plant: str | None = None, *, verbose: bool = False) -> Path:
     lib_dir.mkdir(parents=True, exist_ok=True)
     (lib_dir / "library.metal").write_text(source)
     tmp_cc = lib_dir / "library.cc.tmp"
-    # The package build enforces the source rules on these kernels
-    # (cmake/metal_emulator.cmake decides whether the unroll rule applies).
+    # The source rules hold for these kernels (the package build enforces them).
     _run([sys.executable, str(EMULATOR / "msl_prepass.py"), str(lib_dir / "library.metal"),
-          str(tmp_cc), "--cxx", cxx, "--skip-rule", "unroll"],
+          str(tmp_cc), "--cxx", cxx],
          "the MSL pre-pass of the kernel library")
     os.replace(tmp_cc, lib_dir / "library.cc")
   (lib_dir / "library_source.S").write_text(

@@ -21,6 +21,22 @@ std::string execute_plan(const mp::Problem& problem, const mp::Plan& plan, RoleM
     memory.set(s.role, scratch.back().get(), s.bytes);
   }
   for (const auto& d : plan.dispatches) {
+    // The plan is the one source of threads per threadgroup, and every kernel
+    // it dispatches declares exactly that bound, so that Apple's compiler
+    // budgets registers for the threadgroup the plan sends.
+    const uint64_t threads = uint64_t(d.threadgroup[0]) * d.threadgroup[1] * d.threadgroup[2];
+    if (const msl::rt::KernelEntry* entry = msl::rt::find_kernel(d.kernel); entry != nullptr) {
+      if (!entry->declared_max_threads) {
+        return "msl emulator: kernel " + d.kernel +
+               " declares no [[max_total_threads_per_threadgroup(N)]]; the plan dispatches " +
+               std::to_string(threads) + " threads per threadgroup";
+      }
+      if (entry->max_threads != threads) {
+        return "msl emulator: kernel " + d.kernel + " declares max_total_threads_per_threadgroup(" +
+               std::to_string(entry->max_threads) + "), the plan dispatches " +
+               std::to_string(threads) + " threads per threadgroup";
+      }
+    }
     msl::rt::DispatchSpec spec;
     spec.kernel = d.kernel;
     for (auto [index, value] : d.constants) spec.constants.push_back({index, value ? 1.0 : 0.0});

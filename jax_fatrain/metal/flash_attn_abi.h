@@ -63,6 +63,9 @@ typedef int64_t fatrain_abi_i64;
 #define FATRAIN_BUF_DQ_ACCUM 19         // float32 [nsplit, B, H_q, rows, D]: dQ / scale per
                                         // key-block split (fused backward; DqAccumParams)
 #define FATRAIN_BUF_DQ_ACCUM_PARAMS 20  // DqAccumParams (setBytes)
+// Threadgroup-memory binding (setThreadgroupMemoryLength) of the forward and dQ
+// kernels' mask tile (see mask_tile_bytes).
+#define FATRAIN_TG_MASK_TILE 0
 
 // ---------------------------------------------------------------------------
 // The compiled variants: kernel names are
@@ -87,6 +90,19 @@ FATRAIN_ABI_CONST int kSimdgroups = 4;
 // declare as max_total_threads_per_threadgroup and the threadgroup size the
 // plan dispatches them with.
 FATRAIN_ABI_CONST int kThreadgroupThreads = 32 * kSimdgroups;
+
+// The forward and dQ kernels stage each key step's mask (block_q query rows x
+// block_k keys, additive in Q's dtype or bool) in the threadgroup memory the
+// plan binds at FATRAIN_TG_MASK_TILE (setThreadgroupMemoryLength), so that problems
+// without a mask do not pay for it in threadgroups resident per core. Rows are
+// padded by 16 bytes to mask_tile_ld elements (the 8 rows of a fragment then
+// start in different banks).
+FATRAIN_ABI_FN int mask_tile_ld(int block_k, int mask_bytes) { return block_k + 16 / mask_bytes; }
+FATRAIN_ABI_FN int mask_tile_bytes(int block_q, int block_k, int mask_bytes) {
+  return block_q * mask_tile_ld(block_k, mask_bytes) * mask_bytes;
+}
+// Without a mask the binding still needs a length: the smallest Metal accepts.
+FATRAIN_ABI_CONST int kNoMaskTileBytes = 16;
 
 // Tile sizes per head dim and element size (bytes of Q/K/V's dtype). The
 // forward and dQ kernels own block_q query rows per threadgroup and sweep the

@@ -126,11 +126,9 @@ inline int2 visible_keys(thread const ScoreCtx<MaskT, kBoolMask>& c, int row_fir
 
 // The score operands of one key step, staged in threadgroup memory once per
 // step so that scores read them there instead of from device memory per
-// element: the mask of the BQ query rows x BK keys (additive in Q's dtype,
-// or bool), rows padded by 16 bytes to mask_tile_ld elements (the 8 rows of a
-// fragment then start in different banks), and the BK keys' segment ids.
-// Threadgroup bytes: BQ * mask_tile_ld * sizeof(MaskT) + BK * 4.
-constexpr int mask_tile_ld(int block_k, int mask_bytes) { return block_k + 16 / mask_bytes; }
+// element: the mask of the BQ query rows x BK keys (the tile of
+// flash_attn_abi.h's mask_tile_bytes, bound at FATRAIN_TG_MASK_TILE) and the
+// BK keys' segment ids (BK * 4 bytes).
 
 // This thread's share of a key step's score operands in registers (fetched
 // with the step's K or V tile, stored after the math that follows).

@@ -115,6 +115,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     const device T* dO [[buffer(FATRAIN_BUF_DO)]],
     const device float* Delta [[buffer(FATRAIN_BUF_DELTA)]],
     device T* dQ [[buffer(FATRAIN_BUF_DQ)]],
+    threadgroup MaskT* Ms [[threadgroup(FATRAIN_TG_MASK_TILE)]],  // the key step's mask (has_mask)
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -127,7 +128,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int LD = D + kTilePad;
   constexpr int kSx = WN > 1 ? 2 * kSimdgroups * 8 * BK : 1;  // partial S and dP
   constexpr int LDM = mask_tile_ld(BK, int(sizeof(MaskT)));
-  constexpr int kScoreBytes = BQ * LDM * int(sizeof(MaskT)) + BK * 4;  // mask, key ids
+  // The mask tile the plan binds for a masked problem, and the key ids.
+  constexpr int kScoreBytes = mask_tile_bytes(BQ, BK, int(sizeof(MaskT))) + BK * 4;
   // Q stays in registers (TD fragments) where its tile does not fit beside
   // dO, K, V and the rest (f32, D = 256); it is staged through the K tile then.
   constexpr bool kQInRegs =
@@ -143,7 +145,6 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
-  threadgroup MaskT Ms[BQ * LDM];  // the mask of the key step (has_mask)
   threadgroup int KvIds[BK];       // the key step's segment ids (has_segments)
 
   const int b = int(tid.z);

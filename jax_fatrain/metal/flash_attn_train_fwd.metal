@@ -53,6 +53,7 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
     const device int* kv_lengths [[buffer(FATRAIN_BUF_KV_LENGTHS), function_constant(has_kv_lengths)]],
     const device int* q_segment_ids [[buffer(FATRAIN_BUF_Q_SEGMENT_IDS), function_constant(has_segments)]],
     const device int* kv_segment_ids [[buffer(FATRAIN_BUF_KV_SEGMENT_IDS), function_constant(has_segments)]],
+    threadgroup MaskT* Ms [[threadgroup(FATRAIN_TG_MASK_TILE)]],  // the key step's mask (has_mask)
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
@@ -65,8 +66,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   constexpr int LD = D + kTilePad;
   constexpr int kSx = WN > 1 ? kSimdgroups * 8 * BK : 1;  // partial scores
   constexpr int LDM = mask_tile_ld(BK, int(sizeof(MaskT)));
+  // Static arrays plus the mask tile the plan binds for a masked problem.
   constexpr int kTgBytes = (BQ + 2 * BK) * LD * int(sizeof(T)) + kSx * 4 +
-                           BQ * LDM * int(sizeof(MaskT)) + BK * 4;
+                           mask_tile_bytes(BQ, BK, int(sizeof(MaskT))) + BK * 4;
   static_assert(kTgBytes <= kMaxThreadgroupBytes, "threadgroup memory over 30 KiB");
   static_assert(WN * BQ == kSimdgroups * 8 && TD * 8 * WN == D, "tile shape");
   static_assert(BQ <= 32 && BK <= 32, "segment ranges read one id per lane");
@@ -75,7 +77,6 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
   threadgroup T Ks[BK * LD];
   threadgroup T Vs[BK * LD];
   threadgroup float Sx[kSx];
-  threadgroup MaskT Ms[BQ * LDM];  // the mask of the key step (has_mask)
   threadgroup int KvIds[BK];       // the key step's segment ids (has_segments)
 
   const int b = int(tid.z);

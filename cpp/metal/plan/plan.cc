@@ -283,6 +283,19 @@ uint64_t required_bytes(const Problem& p, Role role) {
   return 0;
 }
 
+namespace {
+
+// Threadgroup memory for the forward and dQ kernels' mask tile: the tile of
+// a masked problem, else the smallest binding Metal accepts.
+uint32_t mask_tile_length(const Problem& p, int block_q, int block_k) {
+  const ScoreTensor* score = score_operand(p);
+  if (score == nullptr) return uint32_t(abi::kNoMaskTileBytes);
+  const int bytes = abi::mask_tile_bytes(block_q, block_k, int(dtype_size(score->dtype)));
+  return uint32_t((bytes + 15) / 16 * 16);
+}
+
+}  // namespace
+
 std::string plan_forward(const Problem& p, Plan* plan) {
   if (std::string e = validate(p); !e.empty()) return e;
   plan->scratch.clear();
@@ -298,6 +311,7 @@ std::string plan_forward(const Problem& p, Plan* plan) {
                       {FATRAIN_BUF_L, Role::kL}}) {
     d.bindings.push_back(buffer(i, r));
   }
+  d.threadgroup_memory_length = mask_tile_length(p, bq, bk);
   set_size(d.grid, ceil_div(p.q_len, bq), p.q_heads, p.batch);
   set_size(d.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(d));
@@ -388,6 +402,7 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
                       {FATRAIN_BUF_DQ, Role::kDQ}}) {
     dq.bindings.push_back(buffer(i, r));
   }
+  dq.threadgroup_memory_length = mask_tile_length(p, dq_bq, dq_bk);
   set_size(dq.grid, ceil_div(p.q_len, dq_bq), p.q_heads, p.batch);
   set_size(dq.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(dq));

@@ -194,6 +194,9 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
                                      if instr_lines_bytes else None),
       "threadgroup_bytes": tot["tg_bytes_read"] + tot["tg_bytes_written"],
       "peak_threadgroup_bytes": max(int(d.get("peak_tg_bytes", 0) or 0) for d in ds),
+      # The fewest threadgroups a core holds at once over the pass's dispatches
+      # (threadgroup memory and threads against a core's; metal_model).
+      "resident_per_core": min(metal_model.resident_per_core(d) for d in ds),
       "mma": tot["simdgroup_mma"],
       "barriers": tot["barriers"],
       "races": int(tot["races"]),

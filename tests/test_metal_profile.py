@@ -202,6 +202,23 @@ def test_masks_are_staged_with_coalesced_loads(kind, monkeypatch):
       assert metal_profile.coalescing(launch) > 0.7, (kind_, metal_profile.coalescing(launch))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_dispatch_keeps_two_threadgroups_per_core(dtype, monkeypatch):
+  """Threadgroups a core holds at once (jax_fatrain.metal_model.
+  resident_per_core: threadgroup memory and threads against a core's) are at
+  least two for every dispatch the plan makes, at every head dim, in both
+  forms of the backward (the two-kernel one through the plan's budget hook)."""
+  from jax_fatrain import metal_model
+  for budget in (None, "0"):
+    if budget is not None:
+      monkeypatch.setenv("JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET", budget)
+    for head_dim in (64, 128, 256):
+      for launch in metal_profile.run_problem(seq_len=64, head_dim=head_dim, dtype=dtype,
+                                              q_heads=2, kv_heads=1, backward=True):
+        assert metal_model.resident_per_core(launch) >= 2, (
+            launch["kernel"], launch["peak_tg_bytes"], launch["threads_per_threadgroup"])
+
+
 def test_sampling_scales_to_the_full_run():
   problem = dict(seq_len=256, head_dim=64, q_heads=2, kv_heads=1, causal=True, backward=True)
   full = _by_kernel(metal_profile.run_problem(**problem))

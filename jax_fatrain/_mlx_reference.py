@@ -21,7 +21,7 @@ M*-Ultra GPUs, ``bk32``; at D = 64 ``bk32_wm4_wn1``; at D = 128
 ``bk16_wm4_wn1``) and its ``libmlx.dylib`` the name parts ``_bq _bk _bd _bv
 _wm _wn``. The GEMM's tile choice follows ``GEMM_TPARAM_MACRO`` and the grid
 ``steel_matmul_regular_axpby`` in MLX's ``mlx/backend/metal/matmul.cpp``
-(github.com/ml-explore/mlx, commit 846d176 of 2026-08-22, the newest source
+(github.com/ml-explore/mlx, commit 846d176227a0ac13d2667e58d2bb68b322109ab0 of 2026-08-22, the newest source
 at hand; its six tile configurations are the ones in the wheel's metallib). Only tests and
 ``python -m jax_fatrain.benchmark --metal-model`` use this module; it needs
 network access (or the wheel) and a source checkout.

@@ -63,7 +63,7 @@ MMA_FMAS = 8 * 8 * 8
 # ---------------------------------------------------------------------------
 # Per-core rates and limits.
 #
-# [MB] Philip Turner, "metal-benchmarks", README at commit dc2adc6
+# [MB] Philip Turner, "metal-benchmarks", README at commit dc2adc640a1588246f4471d415aa6873cb6e3499
 #      (2024-09-22), https://github.com/philipturner/metal-benchmarks --
 #      microbenchmarks of the Apple 7 and 8 (M1, M2) GPU cores.
 # Apple 9 (M3, M4): ASSUMED equal to Apple 8 where nothing was published.

@@ -1,13 +1,13 @@
 """Earlier versions of our Metal kernels, run by the MSL emulator for comparison.
 
-The kernels before anything was staged in threadgroup memory (commit 9210a2f,
-before e73c43a and 84f602a: the forward and dQ read K and V, the dK/dV kernel
-Q and dO, from device memory in every simdgroup) and, optionally, the dK/dV
-kernel between its staging and its vectorised coalesced loads (the parent of
-f8f2b8f) are taken from this repository's history with ``git show`` into a
+The kernels before anything was staged in threadgroup memory (UNSTAGED below:
+the forward and dQ read K and V, the dK/dV kernel Q and dO, from device memory
+in every simdgroup) and, optionally, the dK/dV kernel between its staging and
+its vectorised coalesced loads (DKDV_SCALAR_STAGED) are taken from this
+repository's history with ``git show`` into a
 temporary directory, built as standalone emulator libraries
 (jax_fatrain._msl_standalone) and dispatched the way the dispatch plan of
-their commit did (cpp/metal/plan/plan.cc there): the 160-byte AttnParams at
+their revision did (cpp/metal/plan/plan.cc there): the 160-byte AttnParams at
 buffer 4, Q0 K1 V2 O3 L8 dO12 Delta13 dQ14 dK15 dV16, function constants
 200/201 (aligned tiles) and 300-304 (mask, causal, window, lengths), grid
 (ceil(length / tile), heads, batch), threadgroup (32, simdgroups, 1).
@@ -27,13 +27,14 @@ from jax_fatrain import _msl_standalone
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Commits and the tiles their dispatch plans used for bfloat16 (flash_attn_abi.h
+# Revisions and the tiles their dispatch plans used for bfloat16 (flash_attn_abi.h
 # there: fwd_block_q 32, fwd_block_k 16, bwd_block_q 32, bwd_block_kv 32,
-# kSimdgroups 4; at the parent of f8f2b8f the dK/dV kernel runs 8 simdgroups
-# of 8 keys x 64 columns, bwd_block_kv = 4096 / D and bwd_dkdv_block_q 16 at
+# kSimdgroups 4; at DKDV_SCALAR_STAGED the dK/dV kernel runs 8 simdgroups of
+# 8 keys x 64 columns, bwd_block_kv = 4096 / D and bwd_dkdv_block_q 16 at
 # D = 64, else 8).
-UNSTAGED = "9210a2f"
-DKDV_SCALAR_STAGED = "f8f2b8f^"
+UNSTAGED = "9210a2f33ab7ab67eeca8e7aacbf52dcec364465"
+# The parent of the dK/dV kernel's vectorised, coalesced loads.
+DKDV_SCALAR_STAGED = "f8f2b8f6f295b13fd85661cc4de149909bc3354a^"
 
 
 def available(commit: str) -> bool:

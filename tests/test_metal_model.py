@@ -520,7 +520,7 @@ def test_stored_calibration_counters_match_a_fresh_emulator_run():
 
 
 def test_model_ranks_unstaged_kernels_slower_than_todays(tmp_path):
-  """The forward, dQ and dK/dV kernels of commit 9210a2f (nothing staged in
+  """The forward, dQ and dK/dV kernels of metal_history.UNSTAGED (nothing staged in
   threadgroup memory: every simdgroup reads K and V, resp. Q and dO, from
   device memory) against today's, on the calibrated model: slower by more
   than the error band on every default GPU."""

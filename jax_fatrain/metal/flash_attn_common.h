@@ -77,22 +77,26 @@ inline bool sees(thread const ScoreCtx<MaskT, kBoolMask>& c, int i, int j) {
   return true;
 }
 
+// A base-2 score with the mask element m applied: -inf where a bool mask is
+// false, else the additive mask (natural log) added in base 2.
+template <typename MaskT, bool kBoolMask>
+inline float apply_mask(float s, MaskT m) {
+  if constexpr (kBoolMask) {
+    return m ? s : -INFINITY;
+  } else {
+    return s + float(m) * kLog2e;
+  }
+}
+
 // The base-2 score of (query i, key j) from the raw dot product, or -inf;
 // segment ids and the mask are read from device memory.
 template <typename MaskT, bool kBoolMask>
 inline float score2(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i, int j) {
   if (!sees(c, i, j)) return -INFINITY;
   if (c.segments && c.q_seg[i] != c.kv_seg[j]) return -INFINITY;
-  float s = dot * c.scale2;
-  if (c.use_mask) {
-    const MaskT m = c.mask[c.mask_base + long(i) * c.mask_row_stride + long(j)];
-    if constexpr (kBoolMask) {
-      if (!m) return -INFINITY;
-    } else {
-      s += float(m) * kLog2e;
-    }
-  }
-  return s;
+  const float s = dot * c.scale2;
+  if (!c.use_mask) return s;
+  return apply_mask<MaskT, kBoolMask>(s, c.mask[c.mask_base + long(i) * c.mask_row_stride + long(j)]);
 }
 
 // The same score with the mask value and key j's segment id read from
@@ -104,16 +108,9 @@ inline float score2_staged(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot
                            int q_id) {
   if (!sees(c, i, j)) return -INFINITY;
   if (c.segments && *kv_id_at != q_id) return -INFINITY;
-  float s = dot * c.scale2;
-  if (c.use_mask) {
-    const MaskT m = *mask_at;
-    if constexpr (kBoolMask) {
-      if (!m) return -INFINITY;
-    } else {
-      s += float(m) * kLog2e;
-    }
-  }
-  return s;
+  const float s = dot * c.scale2;
+  if (!c.use_mask) return s;
+  return apply_mask<MaskT, kBoolMask>(s, *mask_at);
 }
 
 // Fills ctx for batch b, query head h (kernels pass their function constants

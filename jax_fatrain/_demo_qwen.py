@@ -14,8 +14,8 @@ layers of Qwen3.6-35B-A3B-class models, scaled down in width and depth only:
   tokens to experts), an output head tied to the token embedding, Optax AdamW.
 
 Every training sequence packs documents of random lengths (``--min-doc`` to
-``--max-doc`` characters, each starting at a line of the demo's corpus); their
-positions in the sequence are passed as ``q_segment_ids`` / ``kv_segment_ids``, so
+``--max-doc`` characters, each starting at a line of the demo's corpus); the
+document number of every position is passed as ``q_segment_ids`` / ``kv_segment_ids``, so
 a token attends only to earlier tokens of its own document, and the loss leaves
 out the one prediction per document boundary. Rotary positions count from the
 start of the sequence rather than of each document; this changes nothing, since
@@ -74,7 +74,7 @@ HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
 SIZES: dict[str, dict[str, int]] = {
     "cpu": dict(steps=120, seq_len=512, batch_size=1, d_model=256, layers=2,
                 mlp_dim=512, min_doc=32, max_doc=256),
-    "gpu": dict(steps=300, seq_len=4096, batch_size=4, d_model=1024, layers=4,
+    "gpu": dict(steps=200, seq_len=4096, batch_size=4, d_model=1024, layers=4,
                 mlp_dim=2048, min_doc=128, max_doc=2048),
 }
 
@@ -365,12 +365,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       "bfloat16, with jax_fatrain attention and with jax.nn.dot_product_attention.")
   p.add_argument("--preset", choices=("qwen",), default="qwen", help=argparse.SUPPRESS)
   p.add_argument("--size", choices=("auto",) + tuple(SIZES), default="auto",
-                 help="default sizes: 'gpu' on an NVIDIA GPU, else 'cpu' (auto); "
+                 help="default sizes: 'gpu' where jax's default backend is a GPU, else "
+                 "'cpu' (auto); "
                  "the flags below override single sizes. " + "; ".join(
                      f"{k}: " + ", ".join(f"{n}={v}" for n, v in s.items())
                      for k, s in SIZES.items()))
+  helps = {"mlp_dim": "hidden width of the SwiGLU MLP",
+           "min_doc": "shortest document packed into a sequence, in characters",
+           "max_doc": "longest document packed into a sequence, in characters"}
   for name in SIZES["cpu"]:
-    p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                   help=helps.get(name))
   p.add_argument("--implementation", default=None, metavar="NAME",
                  help="implementation= passed to jax_fatrain.dot_product_attention: "
                  f"one of {', '.join(available)} here, or 'auto' (the default)")

@@ -140,3 +140,19 @@ def test_qwen_preset_sizes():
   assert qwen.parse_args([]).size == expect
   with pytest.raises(SystemExit):
     qwen.parse_args(["--min-doc", "50", "--max-doc", "10"])
+
+
+def test_output_gate_multiplies_the_attention_output_before_the_projection():
+  """With an attention that returns ones, the layer computes
+  o_proj(sigmoid(gate_proj(x))): the gate comes from the layer input and is
+  applied elementwise, head by head, before the output projection."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  cfg = qwen.QwenConfig(vocab_size=8, d_model=16, layers=1, mlp_dim=16,
+                        dtype=jnp.float32)
+  layer = qwen.GatedAttention(cfg, lambda q, k, v, seg: jnp.ones_like(q),
+                              rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+  seg = jnp.zeros((2, 5), jnp.int32)
+  want = layer.o_proj(jax.nn.sigmoid(layer.gate_proj(x)))
+  np.testing.assert_allclose(layer(x, seg), want, rtol=1e-5, atol=1e-5)
+  assert float(jnp.max(jnp.abs(want - layer.o_proj(jnp.ones((2, 5, 16 * 256)))))) > 0.1

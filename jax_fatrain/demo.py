@@ -26,6 +26,12 @@ the step times (``--plot``; needs matplotlib, part of the ``demo`` extra).
 The default sizes (sequences of 1024 characters, two layers) make attention a large
 part of a training step, so the step times show what a faster attention buys.
 
+``--preset qwen`` runs another model instead (jax_fatrain/_demo_qwen.py): a
+bfloat16 decoder with the attention geometry of Qwen3.6-35B-A3B's full-attention
+layers (16 query heads, 2 key/value heads, head dim 256, causal, sigmoid output
+gate) trained on sequences packed with several documents, again next to
+``jax.nn.dot_product_attention``; ``--preset qwen --help`` lists its flags.
+
 The training text, ``jax_fatrain/data/corpus.txt``, ships with the package. It is a
 synthetic corpus written by ``tools/make_corpus.py`` from small
 deterministic grammars (simple sentences with agreement, counting stories, integer
@@ -57,6 +63,10 @@ except ImportError:  # pragma: no cover
   tqdm = None
 
 AttentionFn = Callable[..., jax.Array]
+
+# --preset: "default" is the character-level model below; "qwen" is
+# jax_fatrain/_demo_qwen.py (Qwen3.6-35B-A3B's attention geometry, packed documents).
+PRESETS = ("default", "qwen")
 
 # ---------------------------------------------------------------------------
 # Data
@@ -450,6 +460,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       prog="python -m jax_fatrain.demo",
       description="Train a small char-level transformer with jax_fatrain attention "
       "and compare it against jax.nn.dot_product_attention.")
+  p.add_argument("--preset", choices=PRESETS, default="default",
+                 help="'qwen': a decoder with the attention geometry of Qwen3.6-35B-A3B's "
+                 "full-attention layers on packed documents, in bfloat16, with its own "
+                 "flags (--preset qwen --help lists them)")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--batch-size", type=int, default=2)
@@ -507,6 +521,11 @@ def main(argv: Sequence[str] | None = None, *,
   (for testing); by default it is used with ``--implementation``.
   """
   import jax_fatrain  # pylint: disable=import-outside-toplevel
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--preset", choices=PRESETS, default="default")
+  if pre.parse_known_args(argv)[0].preset == "qwen":
+    from jax_fatrain import _demo_qwen  # pylint: disable=import-outside-toplevel
+    return _demo_qwen.main(argv)
   args = parse_args(argv)
   t_start = time.perf_counter()
   data = CharData.from_text(load_corpus())

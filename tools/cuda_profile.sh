@@ -13,6 +13,9 @@ set -uo pipefail
 out=$1 name=$2 kernel=$3
 shift 3
 cd "$(dirname "$0")/.."
+# tools/cuda_one_step.py imports jax_fatrain from this tree (built in place by
+# tools/cuda_device_build.sh, not installed).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 rep=/tmp/$name
 ncu --clock-control none -k "regex:$kernel" -c 1 -f -o "$rep" \
   --section SpeedOfLight --section WarpStateStats --section InstructionStats \

@@ -138,13 +138,14 @@ struct QuerySteps {
 // or dPᵀ = V dOᵀ (V, dO) for keys [key_row0, key_row0 + 64) of a BK-row tile
 // x queries [q_row0, q_row0 + NQ) of a BQ-row tile, both K-major; FIRST:
 // step KK0 overwrites acc instead of adding to it. Not fenced or committed.
-template <class E, int BK, int NQ, int BQ, int KK0, int KK1, bool FIRST>
+template <class E, int BK, int NQ, int BQ, int KK0, int KK1, bool FIRST,
+          DescBuild DB = DescBuild::kHoisted>
 __device__ __forceinline__ void issue_score_ksteps(float (&acc)[NQ / 2], uint32_t sA,
                                                    int key_row0, uint32_t sB, int q_row0) {
 #pragma unroll
   for (int kk = KK0; kk < KK1; ++kk)
-    Wgmma<E, NQ>::template ss<0, 0>(acc, desc_k_major<BK>(sA, key_row0, kk),
-                                    desc_k_major<BQ>(sB, q_row0, kk), !FIRST || kk > KK0);
+    Wgmma<E, NQ>::template ss<0, 0>(acc, desc_k_major<BK, DB>(sA, key_row0, kk),
+                                    desc_k_major<BQ, DB>(sB, q_row0, kk), !FIRST || kk > KK0);
 }
 
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for keys [key_row0, key_row0 + 64) of the BK-row
@@ -272,7 +273,7 @@ __device__ __forceinline__ void pack_pairs(const float (&st)[NQ / 2], uint32_t (
 }
 
 // dV += Pᵀ dO over the step's BQ queries, A = the packed Pᵀ, committed.
-template <class E, int D, int BQ>
+template <class E, int D, int BQ, DescBuild DB = DescBuild::kHoisted>
 __device__ __forceinline__ void issue_dv_packed(float (&dv)[D / 2], const uint32_t (&pt)[BQ / 4],
                                                 uint32_t cdO) {
   fence_regs(dv);
@@ -280,7 +281,7 @@ __device__ __forceinline__ void issue_dv_packed(float (&dv)[D / 2], const uint32
 #pragma unroll
   for (int kk = 0; kk < BQ / 16; ++kk) {
     const uint32_t a[4] = {pt[4 * kk], pt[4 * kk + 1], pt[4 * kk + 2], pt[4 * kk + 3]};
-    Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ>(cdO, 0, kk), 1);
+    Wgmma<E, D>::template rs<1>(dv, a, desc_mn_major<BQ, DB>(cdO, 0, kk), 1);
   }
   wgmma_commit();
 }
@@ -355,7 +356,7 @@ __device__ __forceinline__ void store_query_major(uint32_t tile, const float (&x
 
 // dK += dSᵀ Q over the step's BQ queries (A = dSᵀ from registers, B = Q
 // MN-major), committed.
-template <class E, int D, int BQ = kBwdBQ>
+template <class E, int D, int BQ = kBwdBQ, DescBuild DB = DescBuild::kHoisted>
 __device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[BQ / 2],
                                          uint32_t cQ) {
   fence_regs(dk);
@@ -364,7 +365,7 @@ __device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const float (&dpt)[
   for (int kk = 0; kk < BQ / 16; ++kk) {
     uint32_t a[4];
     acc_to_a<E>(dpt, kk, a);
-    Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<BQ>(cQ, 0, kk), 1);
+    Wgmma<E, D>::template rs<1>(dk, a, desc_mn_major<BQ, DB>(cQ, 0, kk), 1);
   }
   wgmma_commit();
 }
@@ -388,12 +389,12 @@ __device__ __forceinline__ void issue_ss_overwrite(float (&d)[N / 2], DescA desc
 // dQ = dS K for 64 of the step's queries, [q0, q0 + 64), x columns [col0,
 // col0 + NC), over all BK keys of the block: A = the [BK keys][queries] dSᵀ
 // tile read MN-major, B = K read MN-major; one commit group, dq overwritten.
-template <class E, int NC, int BK>
+template <class E, int NC, int BK, DescBuild DB = DescBuild::kHoisted>
 __device__ __forceinline__ void issue_dq(float (&dq)[NC / 2], uint32_t cdS, uint32_t sK,
                                          int col0, int q0 = 0) {
   issue_ss_overwrite<E, NC, BK / 16, 1, 1>(
-      dq, [&](int kk) { return desc_mn_major<BK>(cdS, q0, kk); },
-      [&](int kk) { return desc_mn_major<BK>(sK, col0, kk); });
+      dq, [&](int kk) { return desc_mn_major<BK, DB>(cdS, q0, kk); },
+      [&](int kk) { return desc_mn_major<BK, DB>(sK, col0, kk); });
 }
 
 // dQᵀ = Kᵀ dSᵀ for head columns [col0, col0 + 64) x the step's NQ queries,

@@ -426,7 +426,11 @@ __global__ void __launch_bounds__(kNT, 1)
   }
 
   setmaxnreg_inc<240>();
-  const int c = wg - 1, wq = warp & 3;
+  // The warp's index as a uniform value (warp_index_uniform): its keys, dQ
+  // columns and tile addresses, and so its wgmma descriptors, stay in uniform
+  // registers through the step loop.
+  const int uwarp = warp_index_uniform();
+  const int c = (uwarp >> 2) - 1, wq = uwarp & 3;
   const int key_w0 = c * 64 + wq * 16;  // the warp's 16 keys, relative to j0
   uint8_t* sdq = smem_ptr(base + L::kDq + c * L::kDqBytes);
 
@@ -947,6 +951,8 @@ __global__ void __launch_bounds__(kNT, 1)
   using L = PairLayout;
   using Bars = PairBarriers;
   constexpr int DH = 128;  // the block's own columns
+  // Each reduction step's descriptors from its whole address (DescBuild).
+  constexpr DescBuild kDescs = DescBuild::kPerStep;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   auto smem_ptr = [&](uint32_t addr) { return smem_raw + (addr - smem_u32(smem_raw)); };
@@ -1073,10 +1079,11 @@ __global__ void __launch_bounds__(kNT, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBQ / 16; ++kk)
-        Wgmma<E, DH>::template ss<0, 1>(dk, desc_k_major<kBK>(cdS, c * 64, kk),
-                                        desc_mn_major<kBQ>(slot_tile(slot(prev)), 0, kk), 1);
+        Wgmma<E, DH>::template ss<0, 1>(
+            dk, desc_k_major<kBK, kDescs>(cdS, c * 64, kk),
+            desc_mn_major<kBQ, kDescs>(slot_tile(slot(prev)), 0, kk), 1);
       wgmma_commit();
-      issue_dq<E, 64, kBK>(dq, cdS, sWholeKV, 64 * c);
+      issue_dq<E, 64, kBK, kDescs>(dq, cdS, sWholeKV, 64 * c);
     };
     auto finish_late = [&](int prev) {
       wgmma_wait<1>();
@@ -1108,9 +1115,11 @@ __global__ void __launch_bounds__(kNT, 1)
       mbar_wait(bar.full(Bars::kOther, s), parts_parity);
       ThreadRowStats<kBQ> row_stat;  // rank 0: L; rank 1: D
       row_stat.load((rank == 0 ? sL : sDs) + u * kBQ, 0, lane);
-      issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true>(sc, sWholeKV, c * 64, score_tile, 0);
+      issue_score_ksteps<E, kBK, kBQ, kBQ, 8, 16, true, kDescs>(sc, sWholeKV, c * 64,
+                                                                score_tile, 0);
       mbar_wait(bar.full(Bars::kOwn, s), parts_parity);
-      issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false>(sc, sWholeKV, c * 64, score_tile, 0);
+      issue_score_ksteps<E, kBK, kBQ, kBQ, 0, 8, false, kDescs>(sc, sWholeKV, c * 64,
+                                                                score_tile, 0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sc);
@@ -1142,7 +1151,7 @@ __global__ void __launch_bounds__(kNT, 1)
         send_warp_rows(warp_p, bar.p_full(u), other, lane);
 
         mbar_wait(bar.full(Bars::kAux), g & 1);
-        issue_dv_packed<E, DH, kBQ>(dv, pt, sAux);
+        issue_dv_packed<E, DH, kBQ, kDescs>(dv, pt, sAux);
         if (it > 0) {
           issue_late(g - 1);
           wgmma_wait<2>();
@@ -1186,15 +1195,15 @@ __global__ void __launch_bounds__(kNT, 1)
         mbar_arrive(bar.ds_ready(u));
         send_warp_rows(cdS + key_w0 * 128, bar.ds_ready(u), other, lane);  // 128 bytes a key
 
-        issue_dv_packed<E, DH, kBQ>(dv, pt, score_tile);
+        issue_dv_packed<E, DH, kBQ, kDescs>(dv, pt, score_tile);
         // Q's own half (kAux) has landed. Without this wait dK could read
         // the tile before its copy completed, and the producer could arm the
         // barrier for the next step while this step's copy was still
         // pending (an intermittent CUDA error).
         mbar_wait(bar.full(Bars::kAux), g & 1);
-        issue_dk<E, DH>(dk, sc, sAux);
+        issue_dk<E, DH, kBwdBQ, kDescs>(dk, sc, sAux);
         mbar_wait(bar.ds_ready(u), use_parity);  // both consumers' keys, for dQ
-        issue_dq<E, 64, kBK>(dq, cdS, sHalfK, 64 * c);
+        issue_dq<E, 64, kBK, kDescs>(dq, cdS, sHalfK, 64 * c);
         wgmma_wait<2>();
         fence_regs(dv);
         mbar_arrive(bar.empty(Bars::kOwn));

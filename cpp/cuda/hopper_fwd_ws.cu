@@ -131,7 +131,10 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   setmaxnreg_inc<Tile::kConsumerRegs>();
   // Named barriers 1 .. kConsumers: the consumers' turns.
   constexpr int kTurnBarrier0 = 1;
-  const int c = wg - 1, wq = warp & 3;
+  // The warp's index as a uniform value (warp_index_uniform), so that Q's
+  // wgmma descriptors stay in uniform registers through the tile loop.
+  const int uwarp = warp_index_uniform();
+  const int c = (uwarp >> 2) - 1, wq = uwarp & 3;
   const int warp_row0 = i0 + c * 64 + wq * 16;  // the warp's 16 rows
   const int row0 = warp_row0 + (lane >> 2);     // this thread's rows: row0, row0 + 8
   // Consumer c issues after consumer c - 1 (round robin): it waits on its

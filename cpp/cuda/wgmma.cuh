@@ -45,35 +45,65 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t tile, const uint16_t* b
 }
 
 // wgmma matrix descriptor for a SW128 operand starting at shared address
-// `addr`. lead / stride: the byte offsets the descriptor calls leading and
-// stride dimension offsets.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lead >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((stride >> 4) & 0x3FFF) << 32) |
-         (1ull << 62);  // swizzle mode 1: 128-byte
+// `addr` + `offset`. lead / stride: the byte offsets the descriptor calls
+// leading and stride dimension offsets. The start address is a 14-bit field
+// of 16-byte units in the low word, taken from the address's low 18 bits (a
+// block of a thread-block cluster sees its own shared memory at an address
+// with its rank in higher bits). Every address in a block's shared memory
+// (under 256 KB) fits, so adding offset / 16 to the low word never carries
+// out of the field. The callers pass the run-time part of an operand's
+// address as addr and the compile-time part (a product's reduction step) as
+// offset: the word built from addr is then common to all reduction steps of
+// the product, and each step's descriptor costs one add, not the mask, shift
+// and or of a descriptor built from scratch (about a dozen integer
+// instructions per wgmma of two shared-memory operands).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lead, uint32_t stride,
+                                               uint32_t offset = 0) {
+  const uint32_t lo =
+      (((addr & 0x3FFFF) >> 4) | (((lead >> 4) & 0x3FFF) << 16)) + (offset >> 4);
+  const uint32_t hi = ((stride >> 4) & 0x3FFF) | (1u << 30);  // bit 62: 128-byte swizzle
+  return (static_cast<uint64_t>(hi) << 32) | lo;
 }
+
+// How desc_k_major and desc_mn_major build a product's descriptors:
+// kHoisted passes the reduction step's part of the address as sw128_desc's
+// offset (one add per wgmma; every kernel but one); kPerStep builds each
+// step's descriptor from its whole address, as bwd_ws_cluster_pair_kernel
+// does: there the hoisted form measured 7.5% slower (docs/cuda.md).
+enum class DescBuild : int { kHoisted, kPerStep };
 
 // K-major operand: rows [row0, row0 + 64 or N) of a SW128 tile of R rows,
 // reduction columns [16 kk, 16 kk + 16). Rows step by 8 every 1024 bytes; the
 // 16 columns sit inside one 128-byte row (the leading offset is unused).
-template <int R>
+template <int R, DescBuild B = DescBuild::kHoisted>
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int row0, int kk) {
   const int col = kk * 16;
-  return sw128_desc(tile + (col >> 6) * (R * 128) + row0 * 128 + (col & 63) * 2, 16, 1024);
+  const uint32_t step = (col >> 6) * (R * 128) + (col & 63) * 2;
+  return B == DescBuild::kHoisted ? sw128_desc(tile + row0 * 128, 16, 1024, step)
+                                  : sw128_desc(tile + row0 * 128 + step, 16, 1024);
 }
 
 // MN-major operand: reduction rows [16 kk, 16 kk + 16) of a SW128 tile of R
 // rows, MN columns from col0 on (a multiple of 64, or 32 inside a block).
 // Column blocks of 64 are R * 128 bytes apart, groups of 8 rows 1024.
-template <int R>
+template <int R, DescBuild B = DescBuild::kHoisted>
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int col0, int kk) {
-  return sw128_desc(tile + (col0 >> 6) * (R * 128) + (col0 & 63) * 2 + kk * 16 * 128, R * 128,
-                    1024);
+  const uint32_t base = tile + (col0 >> 6) * (R * 128) + (col0 & 63) * 2;
+  return B == DescBuild::kHoisted ? sw128_desc(base, R * 128, 1024, kk * 16 * 128)
+                                  : sw128_desc(base + kk * 16 * 128, R * 128, 1024);
 }
 
 template <class E, int N> struct Wgmma;
 #include "cuda/wgmma_ops.inc"
+
+// The calling thread's warp in its block (threadIdx.x / 32), read from lane
+// 0 so that the compiler knows every lane of the warp holds the same value:
+// what the warp-specialised kernels compute from it (a warpgroup's keys and
+// tile addresses, hence its wgmma descriptors) can then stay in uniform
+// registers instead of being moved there (R2UR) before every wgmma.
+__device__ __forceinline__ int warp_index_uniform() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0);
+}
 
 // Orders register accesses around asynchronous wgmma: the compiler must not
 // move reads or writes of accumulators across a fence or a wait.

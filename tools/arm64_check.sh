@@ -66,16 +66,26 @@ check_metal() {
   # The kernel library as the package hands it to newLibraryWithSource, its
   # pre-pass to C++, and the metal-cpp headers (PyPI, checked by SHA-256):
   # standin.py's own steps.
-  local mcpp
-  mcpp="$(cd "$root" && "$python" - "$m" <<'PY'
+  # FATRAIN_STANDIN_PLANT names one of standin.py's PLANTED host bugs in
+  # executor.cc: host_check must then fail.
+  local mcpp executor="$root/cpp/metal/host/executor.cc"
+  mcpp="$(cd "$root" && "$python" - "$m" "${FATRAIN_STANDIN_PLANT:-}" <<'PY'
 import pathlib, sys
 sys.path.insert(0, "tests/metal_standin")
 import standin
-out = pathlib.Path(sys.argv[1])
+out, plant = pathlib.Path(sys.argv[1]), sys.argv[2]
 (out / "library.metal").write_text(standin.library_source())
+(out / "executor_planted.cc").unlink(missing_ok=True)
+if plant:
+  rel, old, new = standin.PLANTED[plant]
+  assert rel == "cpp/metal/host/executor.cc", f"{plant} is not a bug of executor.cc"
+  text = pathlib.Path(rel).read_text()
+  assert text.count(old) == 1, f"planted bug {plant}: its text no longer occurs once"
+  (out / "executor_planted.cc").write_text(text.replace(old, new))
 print(standin.metal_cpp())
 PY
 )"
+  [[ -f "$m/executor_planted.cc" ]] && executor="$m/executor_planted.cc"
   "$python" "$emulator/msl_prepass.py" "$m/library.metal" "$m/library.cc" --cxx aarch64-linux-gnu-g++
   {
     echo '    .section .rodata'
@@ -101,7 +111,7 @@ PY
   "${gxx[@]}" "${inc[@]}" -c "$emulator/src/plan_executor.cc" -o "$m/plan_executor.o" &
   "${gxx[@]}" "${inc[@]}" -c "$root/cpp/metal/plan/plan.cc" -o "$m/plan.o" &
   "${gxx[@]}" "${inc[@]}" -c "$standin/host_check.cc" -o "$m/host_check.o" &
-  "${clangxx[@]}" "${inc[@]}" -c "$root/cpp/metal/host/executor.cc" -o "$m/executor.o" &
+  "${clangxx[@]}" "${inc[@]}" -c "$executor" -o "$m/executor.o" &
   "${clangxx[@]}" -I "$emulator/include" -I "$standin" -c "$standin/metal_standin.cc" \
     -o "$m/metal_standin.o" &
   "${clangxx[@]}" -I "$standin" -c "$standin/standin_selftest.cc" -o "$m/standin_selftest.o" &

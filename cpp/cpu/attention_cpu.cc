@@ -35,6 +35,7 @@ namespace fatrain::cpu {
   const char* attention_bias_grad(const AttentionProblem&, const BiasGradOperands&,       \
                                   const ParallelFor&);                                     \
   double fma_loop(int64_t iters);                                                          \
+  const char* vector_isa();                                                                \
   }
 FATRAIN_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
@@ -286,6 +287,8 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
 namespace {
 double fma_loop(int64_t iters) { FATRAIN_DISPATCH(fma_loop, iters) }
 }  // namespace
+
+const char* selected_vector_isa() { FATRAIN_DISPATCH(vector_isa) }
 
 double fma_peak_gflops(int threads, double seconds) {
   if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));

@@ -59,6 +59,11 @@ const char* attention_bias_grad(const AttentionProblem& problem,
 // ("avx512", "avx2", "baseline"), for benchmarks and bug reports.
 const char* selected_isa();
 
+// The vector instructions the selected kernels were compiled for: "avx512",
+// "avx2", "sse2", "neon" or "scalar" (baseline is sse2 on x86-64 and neon on
+// arm64).
+const char* selected_vector_isa();
+
 // This machine's float32 FMA rate in GFLOP/s with the selected ISA's vectors:
 // `threads` threads (0: one per hardware thread) each running independent
 // vector FMAs for about `seconds`. What the benchmark compares kernels with.

@@ -7,7 +7,7 @@
 // anonymous namespace (internal linkage), and the code uses no standard
 // library templates or inline library functions: nothing compiled with wide
 // vector instructions can be merged (COMDAT) into another ISA's code. Only the
-// three entry points at the bottom have external linkage.
+// entry points at the bottom have external linkage.
 //
 // Structure (see docs/design.md and docs/cpu.md):
 //  * Pre-pass: operands are packed per head into float32 scratch (row-major
@@ -1720,6 +1720,22 @@ double fma_loop(int64_t iters) {
   volatile float sink = hsum(r0 + r1 + r2 + r3 + r4 + r5 + r6 + r7 + r8 + r9 + r10 + r11);
   (void)sink;
   return double(iters) * 12 * W * 2;
+}
+
+// The vector instructions this translation unit was compiled for, from the
+// compiler's own macros (what `baseline` means on a given target).
+const char* vector_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__SSE2__)
+  return "sse2";
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
 }
 
 }  // namespace fatrain::cpu::FATRAIN_ISA

@@ -49,6 +49,31 @@ thread_local std::vector<PoolFrame> t_pools;
 // What an unknown message or a message to a zombie returns: nil / 0.
 uint64_t nil_result() { return 0; }
 
+// Overwrites the argument registers the lookup may use (and a larger lookup,
+// such as Apple's, does), so that a trampoline that fails to restore one of
+// them fails the self-test instead of passing because this small lookup
+// happened to leave the register alone.
+__attribute__((noinline)) void scramble_argument_registers() {
+#if defined(__aarch64__)
+  __asm__ volatile(
+      "movi v0.16b, #0xa5\n movi v1.16b, #0xa5\n movi v2.16b, #0xa5\n movi v3.16b, #0xa5\n"
+      "movi v4.16b, #0xa5\n movi v5.16b, #0xa5\n movi v6.16b, #0xa5\n movi v7.16b, #0xa5\n"
+      "mov x2, #0xa5a5\n mov x3, x2\n mov x4, x2\n mov x5, x2\n mov x6, x2\n mov x7, x2\n"
+      "mov x8, x2\n"
+      ::: "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "x2", "x3", "x4", "x5", "x6", "x7",
+      "x8", "memory");
+#elif defined(__x86_64__)
+  __asm__ volatile(
+      "pcmpeqd %%xmm0, %%xmm0\n movdqa %%xmm0, %%xmm1\n movdqa %%xmm0, %%xmm2\n"
+      "movdqa %%xmm0, %%xmm3\n movdqa %%xmm0, %%xmm4\n movdqa %%xmm0, %%xmm5\n"
+      "movdqa %%xmm0, %%xmm6\n movdqa %%xmm0, %%xmm7\n"
+      "mov $0xa5a5, %%edx\n mov %%rdx, %%rcx\n mov %%rdx, %%r8\n mov %%rdx, %%r9\n"
+      "mov %%rdx, %%rax\n"
+      ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "rdx", "rcx", "r8",
+      "r9", "rax", "memory");
+#endif
+}
+
 }  // namespace
 
 SEL sel(const char* name) {
@@ -176,6 +201,7 @@ extern "C" {
 // Called by the objc_msgSend trampolines with the receiver (never nil) and
 // the selector; returns the implementation to jump to.
 __attribute__((visibility("hidden"))) standin::Imp fatrain_objc_lookup(void* receiver, SEL s) {
+  standin::scramble_argument_registers();
   auto* o = reinterpret_cast<standin::Object*>(receiver);
   if (o->zombie.load()) {
     standin::record_finding(std::string("message -") + standin::sel_name(s) +

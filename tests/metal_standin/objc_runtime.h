@@ -1,12 +1,14 @@
-// A minimal Objective-C runtime for Linux x86-64, enough for metal-cpp.
+// A minimal Objective-C runtime for Linux x86-64 and aarch64, enough for
+// metal-cpp.
 //
 // metal-cpp reaches Metal only through the Objective-C runtime: it casts
-// objc_msgSend (or its _stret/_fpret forms) to a function of the method's
-// exact C signature and calls it with (receiver, selector, arguments...); it
-// names selectors with sel_registerName and classes with objc_lookUpClass.
-// This runtime provides those entry points (objc_msgsend_x86_64.S: a
-// trampoline that looks up the implementation for (receiver, selector) and
-// jumps to it with every argument register and the stack untouched), and the
+// objc_msgSend (or, on x86-64, its _stret/_fpret forms) to a function of the
+// method's exact C signature and calls it with (receiver, selector,
+// arguments...); it names selectors with sel_registerName and classes with
+// objc_lookUpClass. This runtime provides those entry points
+// (objc_msgsend_x86_64.S, objc_msgsend_aarch64.S: a trampoline that looks up
+// the implementation for (receiver, selector) and jumps to it with every
+// argument register and the stack untouched), and the
 // object model the Metal stand-in (metal_standin.cc) builds its classes on:
 // reference counting, autorelease pools per thread, and bookkeeping that
 // turns what would be undefined behaviour on a Mac into a recorded finding

@@ -19,7 +19,9 @@ Debian's package is installed with apt-get when missing and running as root)
 and the metal-cpp headers of the pymetal-cpp 0.1.5 source distribution from
 PyPI, checked by SHA-256. Objects and the extension are cached by the hash of
 their inputs under ``$JAX_FATRAIN_CACHE`` (default ``~/.cache/jax_fatrain``).
-Linux x86-64 only (the message-send trampoline is x86-64 assembly).
+Linux x86-64 only (objc_msgsend_x86_64.S); tools/arm64_check.sh builds the
+host for aarch64 with objc_msgsend_aarch64.S and runs it under qemu from C++
+(host_check.cc).
 
 Command line: ``python tests/metal_standin/standin.py [--plant NAME]`` builds
 and prints the extension's path.

@@ -41,10 +41,12 @@ struct SelfTest {
   }
 };
 
-// The message-send trampolines against the x86-64 calling convention: more
-// integer and floating-point arguments than registers, structs passed in
-// memory, a double result (objc_msgSend_fpret) and a struct result returned
-// through memory (objc_msgSend_stret), and messages to nil.
+// The message-send trampolines against the calling convention: more integer
+// and floating-point arguments than registers, structs passed in memory (by
+// reference on arm64), a double result (objc_msgSend_fpret on x86-64), a
+// struct result returned through memory (objc_msgSend_stret on x86-64,
+// through x8 on arm64), homogeneous float aggregates (in v0-v3 on arm64),
+// bool and 8- and 16-bit arguments past the registers, and messages to nil.
 double probe_arguments(void*, SEL, int64_t a, int64_t b, int64_t c, int64_t d, int64_t e,
                        double x0, double x1, double x2, double x3, double x4, double x5,
                        double x6, double x7, double x8, MTL::Size size, int32_t last) {
@@ -57,6 +59,21 @@ MTL::Size probe_struct_result(void*, SEL, MTL::Size in, NS::UInteger add) {
   return MTL::Size(in.width + add, in.height + add, in.depth + add);
 }
 
+// MTL::ClearColor: four doubles, a homogeneous aggregate (v0-v3 on arm64).
+MTL::ClearColor probe_hfa(void*, SEL, MTL::ClearColor in, float scale) {
+  return MTL::ClearColor(in.red * scale, in.green * scale, in.blue * scale, in.alpha * scale);
+}
+
+// Eight integer registers taken, then small arguments on the stack (Apple's
+// arm64 packs them at their own size, AAPCS64 in 8-byte slots: caller and
+// implementation must agree, and the trampoline must leave the stack as is).
+int64_t probe_small_arguments(void*, SEL, int64_t a, int64_t b, int64_t c, int64_t d, int64_t e,
+                              int64_t f, bool flag, int8_t s8, uint16_t u16, bool flag2,
+                              int32_t s32) {
+  return a + b + c + d + e + f + (flag ? 1000 : 0) + s8 * 10000 + u16 * 100000 +
+         (flag2 ? 7 : 0) + int64_t(s32) * 1000000000;
+}
+
 // metal-cpp's message send, as its wrappers use it (protected in NS::Object).
 struct Send : NS::Object {
   using NS::Object::sendMessage;
@@ -66,7 +83,9 @@ void check_trampolines(SelfTest& t) {
   static const standin::MethodTable table(
       "ABIProbe",
       {{"probeArguments", standin::imp(&probe_arguments)},
-       {"probeStructResult", standin::imp(&probe_struct_result)}},
+       {"probeStructResult", standin::imp(&probe_struct_result)},
+       {"probeHFA", standin::imp(&probe_hfa)},
+       {"probeSmallArguments", standin::imp(&probe_small_arguments)}},
       &standin::root_methods());
   auto* probe = new standin::Object(&table);
   const double got = Send::sendMessage<double>(
@@ -74,12 +93,25 @@ void check_trampolines(SelfTest& t) {
       int64_t(5), 0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, MTL::Size(7, 8, 9), int32_t(-3));
   const double want = probe_arguments(nullptr, nullptr, 1, 2, 3, 4, 5, 0.5, 1.5, 2.5, 3.5, 4.5,
                                       5.5, 6.5, 7.5, 8.5, MTL::Size(7, 8, 9), -3);
-  t.note(got == want, "objc_msgSend_fpret with 14 arguments and a struct",
+  t.note(got == want, "a double result of 14 arguments and a struct",
          std::to_string(got) + " (want " + std::to_string(want) + ")");
   const MTL::Size r = Send::sendMessage<MTL::Size>(probe, standin::sel("probeStructResult"),
                                                          MTL::Size(1, 2, 3), NS::UInteger(10));
-  t.note(r.width == 11 && r.height == 12 && r.depth == 13, "objc_msgSend_stret",
+  t.note(r.width == 11 && r.height == 12 && r.depth == 13, "a 24-byte struct result",
          std::to_string(r.width) + "," + std::to_string(r.height) + "," + std::to_string(r.depth));
+  const MTL::ClearColor c = Send::sendMessage<MTL::ClearColor>(
+      probe, standin::sel("probeHFA"), MTL::ClearColor(1, 2, 3, 4), 0.5f);
+  t.note(c.red == 0.5 && c.green == 1 && c.blue == 1.5 && c.alpha == 2,
+         "a homogeneous float aggregate argument and result",
+         std::to_string(c.red) + "," + std::to_string(c.green) + "," + std::to_string(c.blue) +
+             "," + std::to_string(c.alpha));
+  const int64_t small = Send::sendMessage<int64_t>(
+      probe, standin::sel("probeSmallArguments"), int64_t(1), int64_t(2), int64_t(3), int64_t(4),
+      int64_t(5), int64_t(6), true, int8_t(-3), uint16_t(65535), true, int32_t(-2));
+  const int64_t small_want = probe_small_arguments(nullptr, nullptr, 1, 2, 3, 4, 5, 6, true, -3,
+                                                   65535, true, -2);
+  t.note(small == small_want, "bool, 8- and 16-bit arguments on the stack",
+         std::to_string(small) + " (want " + std::to_string(small_want) + ")");
   const double nil_double = Send::sendMessage<double>(nullptr, standin::sel("probeArguments"));
   const NS::UInteger nil_int = Send::sendMessage<NS::UInteger>(nullptr, standin::sel("length"));
   t.note(nil_double == 0.0 && nil_int == 0, "messages to nil return 0", "");
@@ -257,7 +289,7 @@ extern "C" __attribute__((visibility("default"))) const char* fatrain_metal_stan
   });
 
   t.expect_finding("unknown selector", "unrecognized selector", [&] {
-    // maxThreadsPerThreadgroup returns MTL::Size through objc_msgSend_stret.
+    // maxThreadsPerThreadgroup returns MTL::Size (objc_msgSend_stret on x86-64).
     (void)device->maxThreadsPerThreadgroup();
   });
 

@@ -3,6 +3,9 @@
 # CMake build uses) and runs the suite once per ISA the machine supports.
 #   cpp/cpu/tests/build_and_test.sh          build + test every ISA
 #   cpp/cpu/tests/build_and_test.sh bench    build + benchmark (2 threads)
+# A cross compiler in CXX builds for its target (the x86-64 ISAs only for
+# x86-64) and FATRAIN_TEST_RUNNER runs the binary (e.g. qemu-aarch64, see
+# tools/arm64_check.sh).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 src="$here/.."
@@ -16,7 +19,9 @@ isa_avx512=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16
 "$CXX" "${common[@]}" -c "$src/attention_cpu.cc" -o "$out/attention_cpu.o" &
 "$CXX" "${common[@]}" -c "$src/attention_cpu_isa_baseline.cc" -o "$out/isa_baseline.o" &
 objs=("$out/attention_cpu.o" "$out/isa_baseline.o")
-if [[ "$(uname -m)" == "x86_64" ]]; then
+x86_64=0
+[[ "$("$CXX" -dumpmachine)" == x86_64* ]] && x86_64=1
+if ((x86_64)); then
   "$CXX" "${common[@]}" "${isa_avx2[@]}" -c "$src/attention_cpu_isa_avx2.cc" -o "$out/isa_avx2.o" &
   "$CXX" "${common[@]}" "${isa_avx2[@]}" -c "$src/attention_cpu_isa_avx2_bf16_emulated.cc" \
     -o "$out/isa_avx2_bf16_emulated.o" &
@@ -30,15 +35,17 @@ wait
 if [[ "${1:-}" == "bench" ]]; then
   shift
   for isa in ${FATRAIN_BENCH_ISAS:-avx512}; do
-    JAX_FATRAIN_CPU_ISA=$isa "$out/test_attention_cpu" bench "${@:-2}"
+    JAX_FATRAIN_CPU_ISA=$isa ${FATRAIN_TEST_RUNNER:-} "$out/test_attention_cpu" bench "${@:-2}"
   done
   exit 0
 fi
 
 status=0
 # A variant the CPU lacks is ignored by the dispatcher (the best one runs).
-for isa in avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline; do
+isas=(baseline)
+((x86_64)) && isas=(avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline)
+for isa in "${isas[@]}"; do
   echo "=== JAX_FATRAIN_CPU_ISA=$isa"
-  JAX_FATRAIN_CPU_ISA=$isa "$out/test_attention_cpu" "$@" || status=1
+  JAX_FATRAIN_CPU_ISA=$isa ${FATRAIN_TEST_RUNNER:-} "$out/test_attention_cpu" "$@" || status=1
 done
 exit $status

@@ -1,8 +1,11 @@
 // Standalone test and benchmark of the CPU attention kernels.
 //
-//   test_attention_cpu            run the correctness suite on the ISA chosen
+//   test_attention_cpu [NAME...]  run the correctness suite (the cases whose
+//                                 names contain one of the NAMEs) on the ISA chosen
 //                                 by selected_isa() (set JAX_FATRAIN_CPU_ISA to
-//                                 force a lower one)
+//                                 force a lower one); with
+//                                 FATRAIN_EXPECT_VECTOR_ISA set, fail unless
+//                                 the kernels use those vector instructions
 //   test_attention_cpu bench [threads] [reps]
 //                                 time causal fwd/bwd at B=1 N=8 T=S=2048 D=64
 //
@@ -180,17 +183,27 @@ int main(int argc, char** argv) {
     return 0;
   }
   const char* want = std::getenv("JAX_FATRAIN_CPU_ISA");
-  std::printf("isa: %s (requested %s)\n", selected_isa(), want ? want : "-");
+  std::printf("isa: %s, vector instructions %s (requested %s)\n", selected_isa(),
+              selected_vector_isa(), want ? want : "-");
   if (want && std::strcmp(want, selected_isa()) != 0) {
     std::printf("requested ISA not available on this CPU; skipping\n");
     return 0;
   }
+  // A cross build run under an emulator names the vector instructions it must
+  // have run (tools/arm64_check.sh: neon), so a build that lost them fails.
+  const char* want_vector = std::getenv("FATRAIN_EXPECT_VECTOR_ISA");
+  if (want_vector && std::strcmp(want_vector, selected_vector_isa()) != 0) {
+    std::printf("FAILED: the kernels use %s vector instructions, expected %s\n",
+                selected_vector_isa(), want_vector);
+    return 1;
+  }
   test_validation();
   CpuBackend backend;
-  const char* only = argc > 1 ? argv[1] : nullptr;
+  // Arguments, if any, select the cases whose names contain one of them.
   for (const Case& c : standard_cases()) {
-    if (only && c.name.find(only) == std::string::npos) continue;
-    run_case(c, backend);
+    bool selected = argc == 1;
+    for (int i = 1; i < argc; ++i) selected = selected || c.name.find(argv[i]) != std::string::npos;
+    if (selected) run_case(c, backend);
   }
   if (failures()) {
     std::printf("FAILED: %d check(s)\n", failures());

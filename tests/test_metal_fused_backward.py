@@ -80,8 +80,8 @@ def backward_launches(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype=j
 
 def test_plan_fills_the_gpu_with_even_splits():
   # One kv head: ceil(80 / 1) splits wanted, bounded by the 7 key tiles of
-  # 32 keys (D = 64, 16-bit).
-  launches = backward_launches(1, 2, 1, 100, 200, 64)
+  # 64 keys (the fused kernel's tiles at D = 64, 16-bit).
+  launches = backward_launches(1, 2, 1, 100, 448, 64)
   assert [n for n, _ in launches] == [
       "flash_attn_train_bwd_compute_d_bf16", "flash_attn_train_bwd_dkdv_dq_bf16_d64",
       "flash_attn_train_bwd_dq_reduce_bf16"]
@@ -89,10 +89,10 @@ def test_plan_fills_the_gpu_with_even_splits():
   assert launches[2][1] == (4, 2, 1)  # ceil(100 / 32) row blocks x query heads
   # 2 x 16 kv heads: ceil(80 / 32) = 3 splits wanted; 7 tiles -> 3 per
   # split at most -> 3 splits (3, 2, 2 tiles).
-  launches = backward_launches(2, 16, 16, 40, 200, 64)
+  launches = backward_launches(2, 16, 16, 40, 448, 64)
   assert launches[1][1] == (3, 16, 2)
   # 10 key tiles, 8 splits wanted -> 2 tiles per split -> 5 splits.
-  launches = backward_launches(1, 10, 10, 40, 320, 64)
+  launches = backward_launches(1, 10, 10, 40, 640, 64)
   assert launches[1][1] == (5, 10, 1)
   # float32 D = 256: 8-key tiles.
   launches = backward_launches(1, 1, 1, 16, 40, 256, jnp.float32)
@@ -100,7 +100,7 @@ def test_plan_fills_the_gpu_with_even_splits():
 
 
 def test_budget_bounds_the_splits_and_selects_the_two_kernel_form():
-  shape = (1, 2, 1, 100, 200, 64)
+  shape = (1, 2, 1, 100, 448, 64)  # 7 fused key tiles
   split_bytes = 1 * 2 * 128 * 64 * 4  # B x H_q x rows (100 -> 128) x D floats
   assert backward_launches(*shape, budget=3 * split_bytes)[1][1] == (3, 1, 1)
   # 5 splits would walk 2, 2, 1, 1, 1 tiles: 4 walk 2, 2, 2, 1 in the same time.
@@ -110,7 +110,7 @@ def test_budget_bounds_the_splits_and_selects_the_two_kernel_form():
   assert [n for n, _ in launches] == [
       "flash_attn_train_bwd_compute_d_bf16", "flash_attn_train_bwd_dq_bf16_d64",
       "flash_attn_train_bwd_dkdv_bf16_d64"]
-  assert launches[2][1] == (7, 1, 1)
+  assert launches[2][1] == (14, 1, 1)  # the two-kernel dK/dV kernel's 32-key tiles
   # A forced split count goes through the same rule's bounds.
   assert backward_launches(*shape, nsplit=4)[1][1] == (4, 1, 1)
   assert backward_launches(*shape, nsplit=50)[1][1] == (7, 1, 1)
@@ -131,9 +131,9 @@ _SPLIT_CASES = [
     Case(batch=2, q_len=41, kv_len=53, q_heads=2, kv_heads=1, head_dim=128, dtype=jnp.float16,
          mask_shape=(B, 1, T, S), fully_masked_row=True, kv_lengths=True),
     Case(batch=2, q_len=37, kv_len=45, q_heads=2, kv_heads=2, head_dim=256, dtype=jnp.float32,
-         window=(9, 4), q_lengths=True),
-    Case(batch=2, q_len=60, kv_len=60, q_heads=2, kv_heads=1, head_dim=64,
-         dtype=jnp.float32, segments="padding", is_causal=True),
+         window=(9, 4)),
+    Case(batch=2, q_len=100, kv_len=100, q_heads=2, kv_heads=1, head_dim=64,
+         dtype=jnp.bfloat16, segments="padding", is_causal=True),
 ]
 
 
@@ -142,12 +142,14 @@ def test_every_split_count_is_deterministic_and_correct(case):
   x = make_inputs(case, seed=3)
   want = reference_results(case, x)
   es = jnp.dtype(case.dtype).itemsize
-  block_kv = {(64, 2): 32, (128, 2): 32, (256, 2): 16, (64, 4): 32, (128, 4): 16,
+  block_kv = {(64, 2): 64, (128, 2): 32, (256, 2): 16, (64, 4): 32, (128, 4): 16,
               (256, 4): 8}[(case.head_dim, es)]
   tiles = -(-case.kv_len // block_kv)
   assert tiles >= 2
   by_split = {}
-  for nsplit in sorted({1, 2, tiles}):
+  # Half the tiles: with a window (6 tiles, 3 splits) a split's two tiles see
+  # rows that do not meet, and the rows between them must be zeroed.
+  for nsplit in sorted({1, tiles // 2, tiles}):
     with backward_plan(nsplit=nsplit):
       got = results(case, x, IMPL)
     assert_matches_reference(case, x, got, want)

@@ -141,14 +141,20 @@ FATRAIN_ABI_FN int dq_block_k(int head_dim, int elem_bytes) {
 // dK and dV of 8 keys x bwd_dkdv_cols head-dim columns in registers; 16-bit
 // inputs stage K and V in threadgroup memory (64 columns per simdgroup),
 // float32 keeps its K and V columns in registers (32 columns per simdgroup).
-FATRAIN_ABI_FN int bwd_dkdv_simdgroups(int head_dim, int elem_bytes) {
-  return head_dim == 64 && elem_bytes == 2 ? 4 : 8;
+//
+// `fused`: the tiles of the fused dK/dV/dQ kernel, which has 8 simdgroups at
+// every head dim. Its float32 dQ accumulator tile is read and written once per
+// (key tile, query tile), so its accumulator traffic is inversely
+// proportional to the keys per threadgroup: 64 keys at 16-bit D = 64 instead
+// of the two-kernel form's 32 (whose 4 simdgroups keep its grid fine).
+FATRAIN_ABI_FN int bwd_dkdv_simdgroups(int head_dim, int elem_bytes, bool fused = false) {
+  return head_dim == 64 && elem_bytes == 2 && !fused ? 4 : 8;
 }
 FATRAIN_ABI_FN int bwd_dkdv_cols(int /*head_dim*/, int elem_bytes) {
   return elem_bytes == 4 ? 32 : 64;
 }
-FATRAIN_ABI_FN int bwd_block_kv(int head_dim, int elem_bytes) {
-  return 8 * bwd_dkdv_simdgroups(head_dim, elem_bytes) * bwd_dkdv_cols(head_dim, elem_bytes) /
+FATRAIN_ABI_FN int bwd_block_kv(int head_dim, int elem_bytes, bool fused = false) {
+  return 8 * bwd_dkdv_simdgroups(head_dim, elem_bytes, fused) * bwd_dkdv_cols(head_dim, elem_bytes) /
          head_dim;
 }
 FATRAIN_ABI_FN int bwd_dkdv_block_q(int head_dim, int /*elem_bytes*/) {
@@ -156,8 +162,8 @@ FATRAIN_ABI_FN int bwd_dkdv_block_q(int head_dim, int /*elem_bytes*/) {
 }
 // Threads per threadgroup of the dK/dV kernels (both forms): the kernels'
 // max_total_threads_per_threadgroup and the plan's threadgroup (32, N / 32, 1).
-FATRAIN_ABI_FN int bwd_dkdv_threads(int head_dim, int elem_bytes) {
-  return 32 * bwd_dkdv_simdgroups(head_dim, elem_bytes);
+FATRAIN_ABI_FN int bwd_dkdv_threads(int head_dim, int elem_bytes, bool fused = false) {
+  return 32 * bwd_dkdv_simdgroups(head_dim, elem_bytes, fused);
 }
 // Threadgroup memory the dK/dV kernels may use (two threadgroups per core on
 // GPUs with about 60 KB per core); a variant takes a second query-tile

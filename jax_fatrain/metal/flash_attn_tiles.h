@@ -205,6 +205,19 @@ inline int2 segment_range(const device int* ids, int first, int n, uint lane) {
   return int2(simd_min(id), simd_max(id));
 }
 
+// The same for n <= 32 * N ids, N reads per lane.
+template <int N>
+inline int2 segment_range_wide(const device int* ids, int first, int n, uint lane) {
+  int2 r = segment_range(ids, first, min(n, 32), lane);
+  for (int i = 1; i < N; ++i) {
+    if (32 * i < n) {  // uniform: every lane joins the reductions
+      const int2 x = segment_range(ids, first + 32 * i, min(n - 32 * i, 32), lane);
+      r = int2(min(r.x, x.x), max(r.y, x.y));
+    }
+  }
+  return r;
+}
+
 // Whether two id ranges overlap: tiles whose ranges do not share no id.
 inline bool ranges_meet(int2 a, int2 b) { return a.x <= b.y && b.x <= a.y; }
 

@@ -360,7 +360,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 // fixed "snake" order j = p * nsplit + (p even ? s : nsplit - 1 - s), p = 0,
 // 1, ... (each split gets the p-th tile from alternate ends, which evens out
 // causal work), and additionally accumulates dQ / scale = dS K into its own
-// float32 accumulator split s (FATRAIN_BUF_DQ_ACCUM), which it zeroes first.
+// float32 accumulator split s (FATRAIN_BUF_DQ_ACCUM): the first visit of a
+// row tile stores, later visits add, and rows the split never sees get zeros.
 // No other threadgroup touches split s and the visiting order is fixed, so
 // the sums are bitwise reproducible; flash_attn_train_bwd_dq_reduce adds the
 // splits in split order.
@@ -385,7 +386,8 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 //   4. fused: the first simdgroup of each key block stores dS (query-major)
 //      in threadgroup memory; after a barrier simdgroup sg adds
 //      dS[rows, :] K[:, cols] into DqFrags 8x8 fragments of the accumulator
-//      (read, multiply-accumulate, write back: always the same simdgroup);
+//      (read, multiply-accumulate, write back: always the same simdgroup;
+//      on the split's first visit of the row tile, no read);
 //   5. dV[:, c0:c0+W] += P^T dO[:, c0:c0+W],  dK[:, c0:c0+W] += dS^T Q[:, c0:c0+W].
 // dK *= scale when the key tile is done. No matrix product is computed
 // twice: 4 products per (query, key) pair, 5 fused.
@@ -425,10 +427,10 @@ template <typename T, int D, bool kFusedDq>
 struct DkdvShape {
   enum : int {
     ES = int(sizeof(T)),
-    NSG = bwd_dkdv_simdgroups(D, ES),
-    NT = bwd_dkdv_threads(D, ES),
+    NSG = bwd_dkdv_simdgroups(D, ES, kFusedDq),
+    NT = bwd_dkdv_threads(D, ES, kFusedDq),
     W = bwd_dkdv_cols(D, ES),
-    BKV = bwd_block_kv(D, ES),
+    BKV = bwd_block_kv(D, ES, kFusedDq),
     BQ = bwd_dkdv_block_q(D, ES),
     DS = D / W,     // simdgroups sharing a key block
     KS = NSG / DS,  // key blocks of 8
@@ -472,6 +474,23 @@ struct DkdvDqAccum {
 };
 struct DkdvNoDq {};
 
+// Fused: zeros in the accumulator rows [first, stop) (multiples of BQ) of
+// every query head of the group, through the fragments the dQ step gives
+// this simdgroup (so that the same lane later loads them).
+template <int D, int BQ, int NSG, int kDqFrags>
+inline void dkdv_zero_rows(thread const DkdvDqAccum& dq, int gqa, int first, int stop, int sg) {
+  for (int g = 0; g < gqa; ++g) {
+    for (int q0 = first; q0 < stop; q0 += BQ) {
+      device float* acc = dq.acc + (long(g) * dq.rows + q0) * D;
+#pragma clang loop unroll(full)
+      for (int i = 0; i < kDqFrags; ++i) {
+        const int f = sg * kDqFrags + i;
+        simdgroup_store(zero_frag(), acc + (f / (D / 8)) * 8 * D + (f % (D / 8)) * 8, D);
+      }
+    }
+  }
+}
+
 // Rows [row0, row0 + ROWS) x D of a device matrix (row stride `stride`) into
 // dst[ROWS][LD]; rows >= limit (when guarded) are zeros, never left
 // uninitialised. Vector v = i * NT + tid is row v / (D / 4), columns
@@ -486,8 +505,12 @@ inline void dkdv_stage_rows(threadgroup T* dst, const device T* src, long stride
     const int v = i * NT + tid;
     const int row = v / (D / 4);
     const int col = (v % (D / 4)) * 4;
-    V x = V(T(0.0f));
-    if (!guard || row0 + row < limit) x = *((const device V*)(src + (long(row0 + row) * stride + col)));
+    V x;  // rows past the limit are zeros
+    if (!guard || row0 + row < limit) {
+      x = *((const device V*)(src + (long(row0 + row) * stride + col)));
+    } else {
+      x = V(T(0.0f));
+    }
 #pragma clang loop unroll(full)
     for (int e = 0; e < 4; ++e) dst[row * LD + col + e] = x[e];
   }
@@ -517,11 +540,12 @@ inline void dkdv_fetch_tile(thread DkdvTileRun<T, NV>& r, const device T* Q, con
     const int v = i * NT + tid_tg;
     const int q = q0 + v / (D / 4);
     const int col = (v % (D / 4)) * 4;
-    r.q[i] = V(T(0.0f));
-    r.dout[i] = V(T(0.0f));
     if (!guard_rows || q < ql) {
       r.q[i] = *((const device V*)(Q + (qbase + long(q) * params->q_strides[2] + col)));
       r.dout[i] = *((const device V*)(dO + (obase + long(q) * params->o_strides[2] + col)));
+    } else {
+      r.q[i] = V(T(0.0f));
+      r.dout[i] = V(T(0.0f));
     }
   }
   r.ld = 0.0f;
@@ -595,7 +619,7 @@ inline void dkdv_run(
   typedef simdgroup_matrix<T, 8, 8> tfrag_t;
   static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
   static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 2 * BQ <= NT, "dK/dV staging shape");
-  static_assert(BQ <= 32 && BKV <= 32, "segment ranges read one id per lane");
+  static_assert(BQ <= 32 && (BKV <= 32 || BKV % 32 == 0), "segment ranges: 32 ids per read");
   static_assert(Sh::kTgBytes <= kBwdMaxThreadgroupBytes, "dK/dV threadgroup memory");
   static_assert(!kFusedDq || (kDqAccumRowAlign % BQ == 0 &&
                               Sh::kDqFrags * NSG == QF * (D / 8) &&
@@ -639,15 +663,15 @@ inline void dkdv_run(
       b, h_kv * gqa, fcs.mask, fcs.causal, fcs.window, fcs.q_lengths, fcs.kv_lengths,
       fcs.segments);
 
-  if constexpr (kFusedDq) {
-    // Split s of the accumulators starts at zero: rows that no key of the
-    // split can see (masked, outside windows or lengths) contribute 0.
-    const int n4 = gqa * dq.rows * (D / 4);
-    for (int v = tid_tg; v < n4; v += NT) {
-      *((device float4*)(dq.acc + 4 * long(v))) = float4(0.0f);
-    }
-    threadgroup_barrier(mem_flags::mem_device);
-  }
+  // Fused: the accumulator rows [w_lo, w_hi) of split s hold its sum so far
+  // (multiples of BQ; empty at first). A query tile outside them is stored,
+  // not added to, on its first visit (no zero fill, one read less); rows
+  // between visited tiles are zeroed (windows, segment ids), so that
+  // [w_lo, w_hi) stays fully written, and the rows outside it at the end.
+  // Each accumulator element is stored, loaded and stored again by the same
+  // lane (the same simdgroup owns the same fragments), so no barrier orders
+  // them.
+  int w_lo = 0, w_hi = 0;
 
   const int n_kt = (kl + BKV - 1) / BKV;
   for (int pass = 0;; ++pass) {
@@ -691,7 +715,7 @@ inline void dkdv_run(
     int q_stop = tg_rows.y;
     int2 k_ids = int2(0, 0);  // the keys' segment id range
     if (fcs.segments && q_first < q_stop) {
-      k_ids = segment_range(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
+      k_ids = segment_range_wide<(BKV + 31) / 32>(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
       narrow_to_segments(ctx0.q_seg, k_ids, BQ, params->ql, &q_first, &q_stop, simd_lid);
     }
     const int n_tiles = q_stop > q_first ? (q_stop - q_first + BQ - 1) / BQ : 0;
@@ -831,15 +855,16 @@ inline void dkdv_run(
           }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        if (any_active) {
+        const bool fresh = q0 < w_lo || q0 >= w_hi;  // first visit of the row tile
+        if (any_active || fresh) {
           device float* acc = dq.acc + (long(g) * dq.rows + q0) * D;
 #pragma clang loop unroll(full)
           for (int i = 0; i < Sh::kDqFrags; ++i) {
             const int f = sg * Sh::kDqFrags + i;
             const int qf = f / (D / 8);
             const int col = (f % (D / 8)) * 8;
-            frag_t a;
-            simdgroup_load(a, (const device float*)(acc + qf * 8 * D + col), D);
+            frag_t a = zero_frag();
+            if (!fresh) simdgroup_load(a, (const device float*)(acc + qf * 8 * D + col), D);
 #pragma clang loop unroll(full)
             for (int t = 0; t < KS; ++t) {
               if (!blk_active[t]) continue;
@@ -887,6 +912,22 @@ inline void dkdv_run(
       }
     }
 
+    if constexpr (kFusedDq) {
+      if (n_items > 0) {
+        // Rows between this tile's and the ones written before: zeros.
+        const int a = q_first, e = q_first + n_tiles * BQ;
+        if (w_lo < w_hi) {
+          dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, e, w_lo, sg);
+          dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, w_hi, a, sg);
+          w_lo = min(w_lo, a);
+          w_hi = max(w_hi, e);
+        } else {
+          w_lo = a;
+          w_hi = e;
+        }
+      }
+    }
+
     // dK (scaled) and dV through threadgroup memory, then coalesced vector
     // stores; every key of the kv head is written once (keys past k_limit get
     // zeros). The item loop (or the staging, if it ran no tile) ended with a
@@ -928,6 +969,16 @@ inline void dkdv_run(
     // The next key tile's staging overwrites what was just read.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  if constexpr (kFusedDq) {
+    // Rows no key tile of the split sees (causal: those above its first
+    // tile) are zeros for the reduce.
+    if (w_lo < w_hi) {
+      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, 0, w_lo, sg);
+      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, w_hi, dq.rows, sg);
+    } else {
+      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, 0, dq.rows, sg);
+    }
+  }
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
@@ -967,7 +1018,7 @@ flash_attn_train_bwd_dkdv(
 }
 
 template <typename T, int D, typename MaskT, bool kBoolMask>
-[[kernel, max_total_threads_per_threadgroup(bwd_dkdv_threads(D, sizeof(T)))]] void
+[[kernel, max_total_threads_per_threadgroup(bwd_dkdv_threads(D, sizeof(T), true))]] void
 flash_attn_train_bwd_dkdv_dq(
     const device T* Q [[buffer(FATRAIN_BUF_Q)]],
     const device T* K [[buffer(FATRAIN_BUF_K)]],

@@ -320,7 +320,7 @@ std::string plan_forward(const Problem& p, Plan* plan) {
 
 int backward_splits(const Problem& p, const BackwardOptions& options) {
   const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
-  const int64_t tiles = ceil_div(p.kv_len, abi::bwd_block_kv(d, es));
+  const int64_t tiles = ceil_div(p.kv_len, abi::bwd_block_kv(d, es, /*fused=*/true));
   const uint64_t split_bytes = required_bytes(p, Role::kDQAccum);
   const uint64_t by_budget = split_bytes > 0 ? options.scratch_budget / split_bytes : 0;
   if (by_budget < 1) return 0;
@@ -352,18 +352,19 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
   const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
   // dK/dV (both forms): its own tiles (per head dim and element size), hence
   // its own alignment constants.
-  const int dkdv_bq = abi::bwd_dkdv_block_q(d, es), dkdv_bkv = abi::bwd_block_kv(d, es);
-  auto dkdv_dispatch = [&](const char* op) {
+  const int dkdv_bq = abi::bwd_dkdv_block_q(d, es);
+  auto dkdv_dispatch = [&](const char* op, bool fused) {
     Dispatch k;
     k.kernel = variant(op, p);
-    add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % dkdv_bkv == 0, &k);
+    add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % abi::bwd_block_kv(d, es, fused) == 0, &k);
     for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
                         {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
                         {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
                         {FATRAIN_BUF_DK, Role::kDK}, {FATRAIN_BUF_DV, Role::kDV}}) {
       k.bindings.push_back(buffer(i, r));
     }
-    set_size(k.threadgroup, kSimdgroupWidth, abi::bwd_dkdv_threads(d, es) / kSimdgroupWidth, 1);
+    set_size(k.threadgroup, kSimdgroupWidth, abi::bwd_dkdv_threads(d, es, fused) / kSimdgroupWidth,
+             1);
     return k;
   };
 
@@ -374,7 +375,7 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
     abi::DqAccumParams acc{};
     acc.nsplit = nsplit;
     acc.rows = abi::dq_accum_rows(int(p.q_len));
-    Dispatch fused = dkdv_dispatch("bwd_dkdv_dq");
+    Dispatch fused = dkdv_dispatch("bwd_dkdv_dq", true);
     fused.bindings.push_back(buffer(FATRAIN_BUF_DQ_ACCUM, Role::kDQAccum));
     fused.bindings.push_back(bytes_binding(FATRAIN_BUF_DQ_ACCUM_PARAMS, acc));
     set_size(fused.grid, nsplit, p.kv_heads, p.batch);
@@ -407,8 +408,8 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
   set_size(dq.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);
   plan->dispatches.push_back(std::move(dq));
 
-  Dispatch dkdv = dkdv_dispatch("bwd_dkdv");
-  set_size(dkdv.grid, ceil_div(p.kv_len, dkdv_bkv), p.kv_heads, p.batch);
+  Dispatch dkdv = dkdv_dispatch("bwd_dkdv", false);
+  set_size(dkdv.grid, ceil_div(p.kv_len, abi::bwd_block_kv(d, es)), p.kv_heads, p.batch);
   plan->dispatches.push_back(std::move(dkdv));
   return "";
 }

@@ -114,6 +114,19 @@ using metal_abi::WindowParams;
 // then evened out: nsplit = ceil(tiles / ceil(tiles / nsplit)), so that every
 // split walks the same number of key tiles (+-1). Otherwise the backward is
 // the two-kernel form (dQ kernel + dK/dV kernel, no accumulators).
+// Key tiles are the fused kernel's: bwd_block_kv(D, element bytes, fused).
+//
+// Why the rule ignores the accumulators' traffic and the GPU's cores: with
+// first-visit stores the splits together move 8 x T x D bytes per key tile
+// and per query head whatever nsplit is (a split's first tile stores its
+// rows, later tiles add to them); nsplit sets only the bytes the reduce reads
+// (nsplit x T x D x 4) and the threadgroups that share the work. With fewer
+// threadgroups than two per core, a core runs 8 simdgroups instead of 16 and
+// the compute-bound fused kernel slows by up to 2x, against a reduce that
+// costs 0.18-0.28x the forward at 64 splits (T = 4096, D = 64, one head,
+// modelled); and the plan does not know the GPU it runs on (Metal reports no
+// core count; the emulator has none). On an 8-core M1 a core-aware rule could
+// take fewer splits (jax_fatrain/metal/README.md has the modelled numbers).
 inline constexpr uint64_t kFusedBackwardScratchBudget = uint64_t(512) << 20;  // 512 MiB
 // Threadgroups that fill a large Apple GPU: two per core, 40 cores (M-series Max).
 inline constexpr int kBackwardTargetThreadgroups = 80;

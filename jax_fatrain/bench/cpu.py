@@ -46,7 +46,7 @@ with segment ids against ours on the same shape with dense causal attention
 ``--metal-model`` runs something else: our Metal kernels and MLX's steel attention
 forward through the MSL emulator with cost counters, and a cost model of named
 Apple GPUs over those counters, calibrated on published MLX timings
-(:mod:`jax_fatrain.metal_benchmark`); with
+(:mod:`jax_fatrain.bench.metal`); with
 ``--packed``, our Metal kernels on a packed causal sequence (segment ids) against
 our dense causal call on the same shape, counted and modelled the same way.
 """
@@ -643,7 +643,9 @@ def _impl_list(s: str) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       prog="python -m jax_fatrain.benchmark",
-      description="Time jax_fatrain's CPU attention against XLA and PyTorch.")
+      description="Time jax_fatrain's CPU attention against XLA and PyTorch.",
+      epilog="python -m jax_fatrain.benchmark --cuda [--help]: the NVIDIA GPU benchmark "
+      "(ours against cuDNN and XLA), with flags of its own.")
   p.add_argument("--quick", action="store_true",
                  help="small subset (T=512, D=64, causal on and off, f32), < 1 minute")
   p.add_argument("--seq-lens", type=_int_list, default=None, help="default 512,2048,4096")
@@ -697,7 +699,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                   help="counters of the calibration points: stored with the data (default) "
                   "or emulated now (needs MLX's kernels, about a minute)")
   mm.add_argument("--gpus", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                  default=None, help="comma-separated GPU names of jax_fatrain.metal_model "
+                  default=None, help="comma-separated GPU names of jax_fatrain.emulator.model "
                   "(default M1,M2 Max,M3 Max,M4 Max)")
   args = p.parse_args(argv)
   if args.metal_model and args.packed:
@@ -740,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args.packed and not args.metal_model:
     return packed_main(args)
   if args.metal_model:
-    from jax_fatrain import metal_benchmark  # pylint: disable=import-outside-toplevel
+    from jax_fatrain.bench import metal as metal_benchmark  # pylint: disable=import-outside-toplevel
     try:
       return {"records": metal_benchmark.main(args)}
     except metal_benchmark.Unavailable as e:

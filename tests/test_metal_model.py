@@ -351,6 +351,24 @@ def test_mlx_outside_a_source_checkout_is_one_line_and_status_2(monkeypatch, cap
   assert len(err) == 1 and "source checkout" in err[0] and "--impls ours" in err[0]
 
 
+def test_instruments_find_this_checkout_and_their_data():
+  """From a source checkout, the instruments in jax_fatrain/emulator/ find the
+  emulator sources and MLX's instantiation files two levels up, and the
+  calibration data beside them (tools/check_wheel.sh covers an installed copy)."""
+  import pathlib
+
+  import jax_fatrain
+  from jax_fatrain.emulator import calibration, msl_standalone
+  from jax_fatrain.emulator import mlx_reference as _mlx_reference
+  root = pathlib.Path(__file__).resolve().parents[1]
+  if pathlib.Path(jax_fatrain.__file__).resolve().parents[1] != root:
+    pytest.skip("jax_fatrain is not imported from this checkout")
+  assert _mlx_reference.source_checkout()
+  assert msl_standalone.emulator_dir() == root / "cpp" / "metal" / "emulator"
+  assert calibration.DATA.parent == root / "jax_fatrain" / "emulator"
+  assert len(calibration.load()) > 0
+
+
 # ---------------------------------------------------------------------------
 # End to end through the emulator (our kernels; a few seconds)
 # ---------------------------------------------------------------------------

@@ -287,6 +287,19 @@ def _split_bhld_mask(mask):
   return mask, None
 
 
+def _prepare_bhld(q, k, v, mask, implementation, q_segment_ids, kv_segment_ids):
+  """The checks and operands both ``[B, H, L, D]`` stages share:
+  (q, k, v, bias, bool_mask, q_segment_ids, kv_segment_ids, implementation)."""
+  bias, bool_mask = _split_bhld_mask(mask)
+  q, k, v, bias, bool_mask, _, _, impl = _prepare(
+      q, k, v, bias, bool_mask, None, None, layout="BNTH",
+      implementation=implementation, q_name="q", k_name="k", v_name="v",
+      bias_name="mask", mask_name="mask")
+  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
+                                     q.shape[2], k.shape[2])
+  return q, k, v, bias, bool_mask, q_seg, kv_seg, impl
+
+
 def flash_attn_train_fwd(q, k, v, mask=None, *, scale, causal, implementation=None,
                          q_segment_ids=None, kv_segment_ids=None):
   """The forward in the ``[B, H, L, D]`` layout of mlx_native's ``flash_attn_train.rs``:
@@ -300,13 +313,8 @@ def flash_attn_train_fwd(q, k, v, mask=None, *, scale, causal, implementation=No
   itself: pair it with :func:`flash_attn_train_bwd` (or use
   :func:`dot_product_attention`).
   """
-  bias, bool_mask = _split_bhld_mask(mask)
-  q, k, v, bias, bool_mask, _, _, impl = _prepare(
-      q, k, v, bias, bool_mask, None, None, layout="BNTH",
-      implementation=implementation, q_name="q", k_name="k", v_name="v",
-      bias_name="mask", mask_name="mask")
-  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
-                                     q.shape[2], k.shape[2])
+  q, k, v, bias, bool_mask, q_seg, kv_seg, impl = _prepare_bhld(
+      q, k, v, mask, implementation, q_segment_ids, kv_segment_ids)
   config = _bhld_config(q, scale, causal)
   return _op.stage(impl, "forward", config)(q, k, v, bias, bool_mask, None, None,
                                             q_seg, kv_seg)
@@ -320,13 +328,8 @@ def flash_attn_train_bwd(q, k, v, o, lse, do, mask=None, *, scale, causal,
   Takes the forward's ``mask`` and segment ids (the same ones).
   ``deterministic``: as in :func:`dot_product_attention`.
   """
-  bias, bool_mask = _split_bhld_mask(mask)
-  q, k, v, bias, bool_mask, _, _, impl = _prepare(
-      q, k, v, bias, bool_mask, None, None, layout="BNTH",
-      implementation=implementation, q_name="q", k_name="k", v_name="v",
-      bias_name="mask", mask_name="mask")
-  q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q.shape[0],
-                                     q.shape[2], k.shape[2])
+  q, k, v, bias, bool_mask, q_seg, kv_seg, impl = _prepare_bhld(
+      q, k, v, mask, implementation, q_segment_ids, kv_segment_ids)
   o, do = _as_array("o", o), _as_array("do", do)
   for name, x in (("o", o), ("do", do)):
     if x.shape != q.shape or x.dtype != q.dtype:

@@ -16,7 +16,7 @@ def planned_kernel_names() -> list[str]:
   """Every kernel name the Metal dispatch plan can ask for."""
 
 def profile_start(fraction: float = 1.0, max_threadgroups: int = 0) -> None:
-  """Starts recording per-dispatch counters (jax_fatrain.metal_profile.record)."""
+  """Starts recording per-dispatch counters (jax_fatrain.emulator.profile.record)."""
 
 def profile_stop() -> list[dict[str, Any]]:
   """Stops recording and returns one record per dispatch since profile_start."""

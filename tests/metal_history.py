@@ -6,7 +6,7 @@ in every simdgroup) and, optionally, the dK/dV kernel between its staging and
 its vectorised coalesced loads (DKDV_SCALAR_STAGED) are taken from this
 repository's history with ``git show`` into a
 temporary directory, built as standalone emulator libraries
-(jax_fatrain._msl_standalone) and dispatched the way the dispatch plan of
+(jax_fatrain.emulator.msl_standalone) and dispatched the way the dispatch plan of
 their revision did (cpp/metal/plan/plan.cc there): the 160-byte AttnParams at
 buffer 4, Q0 K1 V2 O3 L8 dO12 Delta13 dQ14 dK15 dV16, function constants
 200/201 (aligned tiles) and 300-304 (mask, causal, window, lengths), grid
@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jax_fatrain import _msl_standalone
+from jax_fatrain.emulator import msl_standalone
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,7 +100,7 @@ def run_unstaged(tmp: Path, *, seq_len: int, head_dim: int, heads: int = 1, batc
     name = f"flash_attn_train_{op}_bf16_d{head_dim}"
     # These kernels predate the full-unroll directives; they are built to be
     # counted, never to run on a Mac.
-    lib = _msl_standalone.build_library(checkout_kernels(commit, tmp) / source, kernels=[name],
+    lib = msl_standalone.build_library(checkout_kernels(commit, tmp) / source, kernels=[name],
                                         skip_rules=("unroll",))
     constants = {200: align_q, 201: align_k, 300: False, 301: causal, 302: False, 303: False,
                  304: False}

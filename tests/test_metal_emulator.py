@@ -156,7 +156,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from jax_fatrain import _msl_standalone  # noqa: E402
+from jax_fatrain.emulator import msl_standalone  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PREPASS = ROOT / "cpp" / "metal" / "emulator" / "msl_prepass.py"
@@ -263,12 +263,12 @@ def test_rule_address_space_passes_on_valid_kernels():
 
 
 def test_run_time_builds_enforce_the_rules():
-  with pytest.raises(_msl_standalone.BuildError, match=r"\[unroll\]"):
-    _msl_standalone.build_library(RULES_DIR / "unroll_missing_pragma.metal")
+  with pytest.raises(msl_standalone.BuildError, match=r"\[unroll\]"):
+    msl_standalone.build_library(RULES_DIR / "unroll_missing_pragma.metal")
 
 
 def test_max_total_threads_per_threadgroup_is_enforced_at_dispatch():
-  lib = _msl_standalone.build_library(RULES_DIR / "max_threads.metal")
+  lib = msl_standalone.build_library(RULES_DIR / "max_threads.metal")
   out = np.zeros(1024, np.uint32)
 
   def run(kernel, threads):
@@ -282,7 +282,7 @@ def test_max_total_threads_per_threadgroup_is_enforced_at_dispatch():
     out[:] = 0
     run(kernel, limit)
     assert out[limit - 1] != 0, kernel
-    with pytest.raises(_msl_standalone.EmulatorError) as e:
+    with pytest.raises(msl_standalone.EmulatorError) as e:
       run(kernel, limit + 32)
     if kernel == "unbounded":
       assert "1..1024" in str(e.value)

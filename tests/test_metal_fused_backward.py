@@ -33,7 +33,7 @@ if _metal_emulated.IMPORT_ERROR is not None:
   pytest.fail(f"metal_emulated extension not built: {_metal_emulated.IMPORT_ERROR}",
               pytrace=False)
 
-from jax_fatrain import metal_profile  # noqa: E402
+from jax_fatrain.emulator import profile as metal_profile  # noqa: E402
 
 IMPL = "metal_emulated"
 B, N, T, S = "B", "N", "T", "S"

@@ -1,4 +1,4 @@
-"""The Apple-GPU cost model (jax_fatrain.metal_model) and the --metal-model report.
+"""The Apple-GPU cost model (jax_fatrain.emulator.model) and the --metal-model report.
 
 The model tests use hand-computed examples; the report tests use synthetic
 dispatch records; the last tests run the command end to end on a small
@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from jax_fatrain import metal_benchmark, metal_model
+from jax_fatrain.bench import metal as metal_benchmark
+from jax_fatrain.emulator import model as metal_model
 
 
 def test_gpu_table_matches_published_fp32_rates():
@@ -339,7 +340,8 @@ def test_missing_parts_are_clear_errors(monkeypatch):
 def test_mlx_outside_a_source_checkout_is_one_line_and_status_2(monkeypatch, capsys):
   """An installed package has no emulator sources or MLX instantiation files:
   --metal-model says so and exits with status 2 instead of a traceback."""
-  from jax_fatrain import _mlx_reference, benchmark
+  from jax_fatrain import benchmark
+  from jax_fatrain.emulator import mlx_reference as _mlx_reference
   monkeypatch.setattr(metal_benchmark, "_profile", lambda: None)
   monkeypatch.setattr(_mlx_reference, "source_checkout", lambda: False)
   with pytest.raises(SystemExit) as exit_info:
@@ -347,6 +349,24 @@ def test_mlx_outside_a_source_checkout_is_one_line_and_status_2(monkeypatch, cap
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "source checkout" in err[0] and "--impls ours" in err[0]
+
+
+def test_instruments_find_this_checkout_and_their_data():
+  """From a source checkout, the instruments in jax_fatrain/emulator/ find the
+  emulator sources and MLX's instantiation files two levels up, and the
+  calibration data beside them (tools/check_wheel.sh covers an installed copy)."""
+  import pathlib
+
+  import jax_fatrain
+  from jax_fatrain.emulator import calibration, msl_standalone
+  from jax_fatrain.emulator import mlx_reference as _mlx_reference
+  root = pathlib.Path(__file__).resolve().parents[1]
+  if pathlib.Path(jax_fatrain.__file__).resolve().parents[1] != root:
+    pytest.skip("jax_fatrain is not imported from this checkout")
+  assert _mlx_reference.source_checkout()
+  assert msl_standalone.emulator_dir() == root / "cpp" / "metal" / "emulator"
+  assert calibration.DATA.parent == root / "jax_fatrain" / "emulator"
+  assert len(calibration.load()) > 0
 
 
 # ---------------------------------------------------------------------------
@@ -409,7 +429,8 @@ def test_metal_model_command_ours(tmp_path, capsys):
 
 
 def test_metal_model_command_with_mlx(capsys):
-  from jax_fatrain import _mlx_reference, benchmark
+  from jax_fatrain import benchmark
+  from jax_fatrain.emulator import mlx_reference as _mlx_reference
   from jax_fatrain._backends import metal_emulated as _metal_emulated
   if _metal_emulated.IMPORT_ERROR is not None:
     pytest.skip(f"metal_emulated not built: {_metal_emulated.IMPORT_ERROR}")
@@ -456,7 +477,7 @@ def test_metal_model_packed_command(capsys):
 
 
 # ---------------------------------------------------------------------------
-# Calibration (jax_fatrain/data/metal_calibration.json)
+# Calibration (jax_fatrain/emulator/calibration.json)
 # ---------------------------------------------------------------------------
 
 # The stated error of the calibrated model (docs/metal.md): leave-one-out
@@ -465,7 +486,7 @@ MEDIAN_ERROR, WORST_ERROR = 0.25, 0.50
 
 
 def test_calibration_data_are_sourced_and_complete():
-  from jax_fatrain import metal_calibration, metal_profile
+  from jax_fatrain.emulator import calibration as metal_calibration, profile as metal_profile
   points = metal_calibration.load()
   assert len(points) >= 10 and len({p["chip"] for p in points}) >= 2
   for p in points:
@@ -478,7 +499,7 @@ def test_calibration_data_are_sourced_and_complete():
 
 
 def test_model_recomputes_every_calibration_point_within_its_stated_error():
-  from jax_fatrain import metal_calibration
+  from jax_fatrain.emulator import calibration as metal_calibration
   result = metal_calibration.calibrate()
   errors = [p["loo_error"] for p in result["points"]]
   assert result["error"]["median_abs"] == pytest.approx(np.median(np.abs(errors)))
@@ -495,7 +516,8 @@ def test_model_recomputes_every_calibration_point_within_its_stated_error():
 
 
 def test_stored_calibration_counters_match_a_fresh_emulator_run():
-  from jax_fatrain import _mlx_reference, metal_calibration, metal_profile
+  from jax_fatrain.emulator import calibration as metal_calibration, profile as metal_profile
+  from jax_fatrain.emulator import mlx_reference as _mlx_reference
   if not _mlx_reference.source_checkout():
     pytest.skip("MLX's kernels run in the emulator only from a source checkout")
   try:
@@ -525,7 +547,7 @@ def test_model_ranks_unstaged_kernels_slower_than_todays(tmp_path):
   device memory) against today's, on the calibrated model: slower by more
   than the error band on every default GPU."""
   import metal_history
-  from jax_fatrain import metal_calibration, metal_profile
+  from jax_fatrain.emulator import calibration as metal_calibration, profile as metal_profile
   from jax_fatrain._backends import metal_emulated as _metal_emulated
   if _metal_emulated.IMPORT_ERROR is not None:
     pytest.skip(f"metal_emulated not built: {_metal_emulated.IMPORT_ERROR}")

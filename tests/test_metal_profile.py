@@ -1,4 +1,4 @@
-"""The MSL emulator as a measuring instrument (jax_fatrain.metal_profile).
+"""The MSL emulator as a measuring instrument (jax_fatrain.emulator.profile).
 
 * planted threadgroup-memory races (a missing threadgroup_barrier between a
   write and a read, a simdgroup exchange without simdgroup_barrier, a tile
@@ -21,7 +21,7 @@
 * recording is off unless requested, and its arguments are checked;
 * the transcendental, bfloat-conversion, shuffle, reduction and working-set
   counters on small kernels with known values (counter_test_kernels.metal,
-  built at run time by jax_fatrain._msl_standalone).
+  built at run time by jax_fatrain.emulator.msl_standalone).
 """
 
 import functools
@@ -35,7 +35,7 @@ try:
 except ImportError as e:
   pytest.fail(f"metal_emulated extension not built: {e}", pytrace=False)
 
-from jax_fatrain import metal_profile  # noqa: E402
+from jax_fatrain.emulator import profile as metal_profile  # noqa: E402
 
 RECORD_KEYS = {"kernel", "grid", "threadgroup", "threadgroup_memory_length", "race_reports",
                "sampled_fraction", "call", "target", *metal_profile.COUNTERS}
@@ -206,11 +206,11 @@ def test_masks_are_staged_with_coalesced_loads(kind, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_dispatch_keeps_two_threadgroups_per_core(dtype, monkeypatch):
-  """Threadgroups a core holds at once (jax_fatrain.metal_model.
+  """Threadgroups a core holds at once (jax_fatrain.emulator.model.
   resident_per_core: threadgroup memory and threads against a core's) are at
   least two for every dispatch the plan makes, at every head dim, in both
   forms of the backward (the two-kernel one through the plan's budget hook)."""
-  from jax_fatrain import metal_model
+  from jax_fatrain.emulator import model as metal_model
   for budget in (None, "0"):
     if budget is not None:
       monkeypatch.setenv("JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET", budget)
@@ -273,8 +273,8 @@ _COUNTER_KERNELS = Path(__file__).resolve().parent / "metal_emulator" / "counter
 
 @functools.lru_cache(maxsize=None)
 def _counter_library():
-  from jax_fatrain import _msl_standalone  # pylint: disable=import-outside-toplevel
-  return _msl_standalone.build_library(_COUNTER_KERNELS)
+  from jax_fatrain.emulator import msl_standalone  # pylint: disable=import-outside-toplevel
+  return msl_standalone.build_library(_COUNTER_KERNELS)
 
 
 def test_alu_counters_of_a_small_kernel():

@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_fatrain import _mlx_reference as mlx_ref
-from jax_fatrain import _msl_standalone
+from jax_fatrain.emulator import mlx_reference as mlx_ref
+from jax_fatrain.emulator import msl_standalone
 
 ROOT = Path(__file__).resolve().parent.parent
 FEATURES = ROOT / "tests" / "metal_emulator" / "msl_language_features.metal"
@@ -31,7 +31,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 @pytest.fixture(scope="module")
 def features_lib():
-  return _msl_standalone.build_library(FEATURES)
+  return msl_standalone.build_library(FEATURES)
 
 
 def test_vector_types_traits_literals_and_max_threads(features_lib):
@@ -41,7 +41,7 @@ def test_vector_types_traits_literals_and_max_threads(features_lib):
   expected = [5, -2, 3.5, 0, 8, 2, 20, 11, 1, 1, 7.5, 8, 65504, np.log2(np.e)]
   np.testing.assert_allclose(out, expected, rtol=1e-6)
   # [[kernel, max_total_threads_per_threadgroup(32)]] is enforced.
-  with pytest.raises(_msl_standalone.EmulatorError, match="max_total_threads_per_threadgroup"):
+  with pytest.raises(msl_standalone.EmulatorError, match="max_total_threads_per_threadgroup"):
     features_lib.dispatch("lang_vectors", buffers={0: out}, constants={}, grid=(1, 1, 1),
                           threadgroup=(64, 1, 1))
 
@@ -68,7 +68,7 @@ def test_element_addresses_of_device_buffers_stay_checked_and_counted(features_l
   np.testing.assert_array_equal(out[64:96], 0.5)  # lanes overlap: each writes two floats
   assert record["device_bytes_written"] == 32 * 4 * 4
   # One float short: the last lane's second store is out of bounds.
-  with pytest.raises(_msl_standalone.EmulatorError, match="out-of-bounds"):
+  with pytest.raises(msl_standalone.EmulatorError, match="out-of-bounds"):
     features_lib.dispatch("lang_element_address", buffers={0: out[:96].copy()}, constants={},
                           grid=(1, 1, 1), threadgroup=(32, 1, 1))
 

@@ -1,11 +1,13 @@
 """Smoke tests of the user-facing scripts: ``jax_fatrain.demo``, ``jax_fatrain.benchmark``
-and ``jax_fatrain.benchmark_cuda`` (its refusal to run without our kernels).
+and its ``--cuda`` mode (its refusal to run without our kernels).
 
 They run the scripts' ``main`` at tiny sizes; speed is never asserted.
 """
 
 import importlib.util
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -247,18 +249,21 @@ def test_benchmark_packed_rows():
     assert cells["dense/packed"].endswith("x")
 
 
-def test_benchmark_cuda_refuses_without_our_kernels(capsys):
-  from jax_fatrain import benchmark_cuda
+def test_benchmark_cuda_refuses_without_our_kernels():
+  """``python -m jax_fatrain.benchmark --cuda`` reaches the CUDA benchmark, which
+  says in one line why it cannot run and exits with status 2."""
+  from jax_fatrain.bench import cuda as benchmark_cuda
   if benchmark_cuda.cuda_unavailable_reason() is None:
     pytest.skip("our cuda kernels and a GPU are here, so the benchmark would run in full")
-  assert benchmark_cuda.main(["--quick"]) == 2
-  err = capsys.readouterr().err
-  assert "benchmark_cuda: cannot run" in err and "cuda" in err
+  proc = subprocess.run([sys.executable, "-m", "jax_fatrain.benchmark", "--cuda", "--quick"],
+                        capture_output=True, text=True, check=False, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert "benchmark --cuda: cannot run" in proc.stderr and proc.stdout == "", proc
 
 
 def test_benchmark_cuda_repeat_rotates_and_takes_medians():
   """--repeat's aggregation, with a stand-in for the GPU timing."""
-  from jax_fatrain import benchmark_cuda
+  from jax_fatrain.bench import cuda as benchmark_cuda
   cfg = dict(B=2, N=4, K=4, T=1024, D=64, causal=True)
   calls = []
   times = {"cuda": iter([(2.0, 6.0), (1.0, 3.0), (9.0, 30.0)]),  # ms: fwd, f+b
@@ -285,7 +290,7 @@ def test_benchmark_cuda_repeat_rotates_and_takes_medians():
 
 def test_benchmark_cuda_packed_rows_rotate_and_print(capsys):
   """--packed's aggregation and table, with a stand-in for the GPU timing."""
-  from jax_fatrain import benchmark_cuda
+  from jax_fatrain.bench import cuda as benchmark_cuda
   order = []
   times = {"cuda packed": iter([(1.0, 3.0), (2.0, 5.0)]),
            "cuda dense": iter([(6.0, 20.0), (8.0, 30.0)]),
@@ -311,7 +316,7 @@ def test_benchmark_cuda_packed_rows_rotate_and_print(capsys):
 
 
 def test_benchmark_cuda_rejects_a_repeat_below_one(capsys):
-  from jax_fatrain import benchmark_cuda
+  from jax_fatrain.bench import cuda as benchmark_cuda
   with pytest.raises(SystemExit):
     benchmark_cuda.main(["--repeat", "0"])
   assert "--repeat must be at least 1" in capsys.readouterr().err
@@ -321,7 +326,7 @@ def test_benchmark_cuda_back_to_back_queues_calls_and_waits_once():
   """_time_back_to_back: warm-up calls, then `rounds` batches of `calls`, timed
   per call (a call of 20 ms reads as 20 ms, not as a batch of 60)."""
   import time
-  from jax_fatrain import benchmark_cuda
+  from jax_fatrain.bench import cuda as benchmark_cuda
   calls = []
 
   def fn(x):

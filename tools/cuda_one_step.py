@@ -9,11 +9,11 @@ default), for running under a profiler (ncu, compute-sanitizer):
 The optional last positional argument adds a boolean mask or an additive
 bias of shape (B, 1, T, T) (contiguous keys, so the Hopper kernels stage it),
 or ("packed") segment ids that pack each sequence with 8 documents of T / 8
-tokens, as benchmark_cuda --packed does (ours only). --window L lets each
+tokens, as benchmark --cuda --packed does (ours only). --window L lets each
 query see only the L keys before it and itself (local_window_size=(L, 0), as
-benchmark_cuda's window row).
+benchmark --cuda's window row).
 --impl cudnn or xla runs jax.nn.dot_product_attention instead, as
-jax_fatrain.benchmark_cuda does.
+jax_fatrain.bench.cuda does.
 """
 
 import argparse
@@ -21,7 +21,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain import benchmark_cuda
+from jax_fatrain.bench import cuda as benchmark_cuda
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ time:
     (cd ../other_tree && PYTHONPATH=$PWD python tools/cuda_sweep.py ...)
 
 Prints one line per configuration: forward and forward+backward TFLOP/s
-(FlashAttention convention, as jax_fatrain.benchmark_cuda) and, for `cuda`,
+(FlashAttention convention, as jax_fatrain.bench.cuda) and, for `cuda`,
 the relative error of O and of the gradients against cuDNN on the same inputs,
 so that a kernel that computes the wrong thing cannot look fast.
 """
@@ -27,7 +27,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain import benchmark_cuda as bench
+from jax_fatrain.bench import cuda as bench
 from jax_fatrain._backends import cuda as _cuda
 
 CONFIGS = [
@@ -72,7 +72,7 @@ def main():
                   help="this T instead of each configuration's, at the same tokens per batch")
   ap.add_argument("--causal", action="store_true", help="every configuration causal")
   ap.add_argument("--window", type=int, metavar="L",
-                  help="every configuration with local_window_size=(L, 0), as benchmark_cuda's "
+                  help="every configuration with local_window_size=(L, 0), as benchmark --cuda's "
                        "window row")
   ap.add_argument("--family", default="hopper", choices=("hopper", "mma_sync", "simt"),
                   help="the fastest kernel family ours may use (cpp/cuda/kernel_choice.h)")

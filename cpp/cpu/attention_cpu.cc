@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <initializer_list>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace fatrain::cpu {
@@ -233,18 +235,28 @@ const char* selected_isa() {
 
 namespace {
 ParallelFor usable(const ParallelFor& p) { return p.run ? p : serial_parallel_for(); }
+
+// The operand checks of every entry point: q's dtype, then q, k, v, o and the
+// stage's further sequence operands `more` (same dtype as q), then lse.
+template <class Operands>
+const char* check_operands(const Operands& op,
+                           std::initializer_list<std::pair<const SeqTensor*, const char*>> more) {
+  if (const char* e = check_q_dtype(op.q)) return e;
+  for (auto [t, name] : {std::pair{&op.q, "q"}, {&op.k, "k"}, {&op.v, "v"}, {&op.o, "o"}}) {
+    if (const char* e = check_seq(*t, name, op.q.dtype)) return e;
+  }
+  for (auto [t, name] : more) {
+    if (const char* e = check_seq(*t, name, op.q.dtype)) return e;
+  }
+  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  return nullptr;
+}
 }  // namespace
 
 const char* attention_forward(const AttentionProblem& problem, const ForwardOperands& op,
                               const ParallelFor& parallel) {
   if (const char* e = validate_problem(problem)) return e;
-  if (const char* e = check_q_dtype(op.q)) return e;
-  const DType dt = op.q.dtype;
-  if (const char* e = check_seq(op.q, "q", dt)) return e;
-  if (const char* e = check_seq(op.k, "k", dt)) return e;
-  if (const char* e = check_seq(op.v, "v", dt)) return e;
-  if (const char* e = check_seq(op.o, "o", dt)) return e;
-  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  if (const char* e = check_operands(op, {})) return e;
   const ParallelFor pf = usable(parallel);
   FATRAIN_DISPATCH(attention_forward, problem, op, pf, bf16_dot(current_isa()))
 }
@@ -252,17 +264,10 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
 const char* attention_backward(const AttentionProblem& problem, const BackwardOperands& op,
                                const ParallelFor& parallel) {
   if (const char* e = validate_problem(problem)) return e;
-  if (const char* e = check_q_dtype(op.q)) return e;
-  const DType dt = op.q.dtype;
-  if (const char* e = check_seq(op.q, "q", dt)) return e;
-  if (const char* e = check_seq(op.k, "k", dt)) return e;
-  if (const char* e = check_seq(op.v, "v", dt)) return e;
-  if (const char* e = check_seq(op.o, "o", dt)) return e;
-  if (const char* e = check_seq(op.d_o, "d_o", dt)) return e;
-  if (const char* e = check_seq(op.dq, "dq", dt)) return e;
-  if (const char* e = check_seq(op.dk, "dk", dt)) return e;
-  if (const char* e = check_seq(op.dv, "dv", dt)) return e;
-  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  if (const char* e = check_operands(
+          op, {{&op.d_o, "d_o"}, {&op.dq, "dq"}, {&op.dk, "dk"}, {&op.dv, "dv"}})) {
+    return e;
+  }
   const ParallelFor pf = usable(parallel);
   FATRAIN_DISPATCH(attention_backward, problem, op, pf, bf16_dot(current_isa()))
 }
@@ -271,14 +276,7 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
                                 const ParallelFor& parallel) {
   if (const char* e = validate_problem(problem)) return e;
   if (problem.bias.data == nullptr) return "jax_fatrain cpu: bias gradient without a bias";
-  if (const char* e = check_q_dtype(op.q)) return e;
-  const DType dt = op.q.dtype;
-  if (const char* e = check_seq(op.q, "q", dt)) return e;
-  if (const char* e = check_seq(op.k, "k", dt)) return e;
-  if (const char* e = check_seq(op.v, "v", dt)) return e;
-  if (const char* e = check_seq(op.o, "o", dt)) return e;
-  if (const char* e = check_seq(op.d_o, "d_o", dt)) return e;
-  if (op.lse == nullptr) return "jax_fatrain cpu: lse is null";
+  if (const char* e = check_operands(op, {{&op.d_o, "d_o"}})) return e;
   if (op.dbias == nullptr) return "jax_fatrain cpu: dbias is null";
   const ParallelFor pf = usable(parallel);
   FATRAIN_DISPATCH(attention_bias_grad, problem, op, pf)

@@ -691,6 +691,20 @@ static inline int64_t col_hi(const Geo& g, int64_t j, int64_t te) {
 // Ints for make_segment_tiles: 4 per query tile and 4 per key tile.
 static inline int64_t segment_tile_ints(const Geo& g) { return 4 * g.B * (g.ntq + g.ntk); }
 
+// The smallest and largest id of each tile of `tile` ids of ids[0, len) (the
+// last tile may be shorter): lo[t] and hi[t] for t < ntiles.
+static void tile_id_ranges(const int32_t* ids, int64_t len, int64_t tile, int64_t ntiles,
+                           int32_t* lo, int32_t* hi) {
+  for (int64_t t = 0; t < ntiles; ++t) {
+    const int32_t* p = ids + t * tile;
+    lo[t] = hi[t] = p[0];
+    for (int64_t r = 1; r < imin(tile, len - t * tile); ++r) {
+      lo[t] = p[r] < lo[t] ? p[r] : lo[t];
+      hi[t] = p[r] > hi[t] ? p[r] : hi[t];
+    }
+  }
+}
+
 // Fills the tile id ranges and the meeting tile ranges of g (see Geo) from
 // the segment ids, in `ints` (segment_tile_ints(g) of them). O(B * (T + S)
 // + B * ntq * ntk), once per call.
@@ -704,31 +718,18 @@ static void make_segment_tiles(Geo& g, int32_t* ints) {
   g.kt_max = g.kt_min + nk;
   g.kt_qfirst = g.kt_max + nk;
   g.kt_qlast = g.kt_qfirst + nk;
+  // No meeting tiles until the loop below finds them: first past the end, last -1.
+  for (int64_t i = 0; i < nq; ++i) {
+    g.qt_kfirst[i] = static_cast<int32_t>(g.ntk);
+    g.qt_klast[i] = -1;
+  }
+  for (int64_t i = 0; i < nk; ++i) {
+    g.kt_qfirst[i] = static_cast<int32_t>(g.ntq);
+    g.kt_qlast[i] = -1;
+  }
   for (int64_t b = 0; b < g.B; ++b) {
-    for (int64_t t = 0; t < g.ntq; ++t) {
-      const int32_t* ids = g.qseg + b * g.T + t * BQ;
-      int32_t lo = ids[0], hi = ids[0];
-      for (int64_t r = 1; r < imin(BQ, g.T - t * BQ); ++r) {
-        lo = ids[r] < lo ? ids[r] : lo;
-        hi = ids[r] > hi ? ids[r] : hi;
-      }
-      g.qt_min[b * g.ntq + t] = lo;
-      g.qt_max[b * g.ntq + t] = hi;
-      g.qt_kfirst[b * g.ntq + t] = static_cast<int32_t>(g.ntk);
-      g.qt_klast[b * g.ntq + t] = -1;
-    }
-    for (int64_t t = 0; t < g.ntk; ++t) {
-      const int32_t* ids = g.kvseg + b * g.S + t * BK;
-      int32_t lo = ids[0], hi = ids[0];
-      for (int64_t c = 1; c < imin(BK, g.S - t * BK); ++c) {
-        lo = ids[c] < lo ? ids[c] : lo;
-        hi = ids[c] > hi ? ids[c] : hi;
-      }
-      g.kt_min[b * g.ntk + t] = lo;
-      g.kt_max[b * g.ntk + t] = hi;
-      g.kt_qfirst[b * g.ntk + t] = static_cast<int32_t>(g.ntq);
-      g.kt_qlast[b * g.ntk + t] = -1;
-    }
+    tile_id_ranges(g.qseg + b * g.T, g.T, BQ, g.ntq, g.qt_min + b * g.ntq, g.qt_max + b * g.ntq);
+    tile_id_ranges(g.kvseg + b * g.S, g.S, BK, g.ntk, g.kt_min + b * g.ntk, g.kt_max + b * g.ntk);
     for (int64_t qt = 0; qt < g.ntq; ++qt) {
       const int64_t iq = b * g.ntq + qt;
       for (int64_t kt = 0; kt < g.ntk; ++kt) {

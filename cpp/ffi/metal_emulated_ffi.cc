@@ -7,7 +7,7 @@
 // mapping of XLA buffers onto the plan is shared with the macOS host
 // (cpp/ffi/metal_ffi_common.h).
 //
-// Profiling (jax_fatrain/metal_profile.py): while recording is on, every call
+// Profiling (jax_fatrain/emulator/profile.py): while recording is on, every call
 // runs its dispatches with cost counters (optionally on a sample of each
 // dispatch's threadgroups) and appends one record per dispatch to a
 // process-wide log; profile_stop() returns them.

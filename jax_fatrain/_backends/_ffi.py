@@ -9,6 +9,7 @@ placeholders and flagged by ``has_*``.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import jax
@@ -28,6 +29,36 @@ def register_targets(extension, platform: str, registered: set) -> None:
   for name, capsule in extension.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform=platform)
   registered.add(extension.__name__)
+
+
+class Extension:
+  """A compiled extension an implementation calls, imported when its module loads.
+
+  ``module`` is the extension, or None with ``import_error`` (``why(e)`` of the
+  ImportError) saying why; ``get()`` returns it or raises that reason, and
+  ``register_targets()`` registers its handlers with XLA on ``platform`` once.
+  """
+
+  _registered: set = set()
+
+  def __init__(self, name: str, implementation: str, platform: str,
+               why: Callable[[ImportError], str]):
+    self.implementation, self.platform = implementation, platform
+    try:
+      self.module = importlib.import_module(f"jax_fatrain.{name}")
+    except ImportError as e:
+      self.module, self.import_error = None, why(e)
+    else:
+      self.import_error = None
+
+  def get(self):
+    if self.module is None:
+      raise RuntimeError(f"implementation {self.implementation!r} is not available: "
+                         f"{self.import_error}")
+    return self.module
+
+  def register_targets(self) -> None:
+    register_targets(self.get(), self.platform, Extension._registered)
 
 
 def optional_operands(bias, mask, q_lengths, kv_lengths, q_segment_ids=None,
@@ -89,6 +120,17 @@ def lse_result(q, config: AttentionConfig) -> jax.ShapeDtypeStruct:
   return result((b, n, t), jnp.float32, q)
 
 
+def ffi_call(target: str, results, q, k, v, bias, mask, q_lengths, kv_lengths,
+             config: AttentionConfig, q_segment_ids, kv_segment_ids, *after, **extra):
+  """Calls the FFI target ``target`` with the operands every handler takes (q, k,
+  v, the optional ones, then ``after``: o, lse, d_o in the backward stages) and
+  the shared attributes plus ``extra``; returns its ``results``."""
+  return jax.ffi.ffi_call(target, results)(
+      q, k, v, *optional_operands(bias, mask, q_lengths, kv_lengths, q_segment_ids,
+                                  kv_segment_ids),
+      *after, **attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids, **extra))
+
+
 def stage_functions(target_prefix: str, register: Callable[[], None], *,
                     workspace: Callable | None = None, extra_attributes: Callable | None = None):
   """(forward, backward, bias_grad) of an implementation whose C++ handlers
@@ -108,10 +150,8 @@ def stage_functions(target_prefix: str, register: Callable[[], None], *,
     if workspace is not None:
       results = results + (workspace(q, k, config, stage, q_segment_ids),)
     extra = extra_attributes(config) if extra_attributes is not None else {}
-    outs = jax.ffi.ffi_call(f"{target_prefix}_{stage}", results)(
-        q, k, v, *optional_operands(bias, mask, q_lengths, kv_lengths, q_segment_ids,
-                                    kv_segment_ids),
-        *after, **attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids, **extra))
+    outs = ffi_call(f"{target_prefix}_{stage}", results, q, k, v, bias, mask, q_lengths,
+                    kv_lengths, config, q_segment_ids, kv_segment_ids, *after, **extra)
     return outs[:-1] if workspace is not None else outs
 
   def forward(q, k, v, bias, mask, q_lengths, kv_lengths, config, q_segment_ids=None,

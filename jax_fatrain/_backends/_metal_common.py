@@ -18,7 +18,6 @@ The bias gradient is not a Metal kernel yet: both use the CPU backend's.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jax_fatrain._backends import _ffi
@@ -65,11 +64,9 @@ def forward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths, 
   dp = padded_dim(d, name)
   bias, mask = score_operand(q, bias, mask, k.shape[config.seq_axis])
   qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, dp)
-  call = jax.ffi.ffi_call(
-      target, (_ffi.result(qp.shape, q.dtype, q), _ffi.lse_result(q, config)))
-  o, lse = call(qp, kp, vp, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                                    q_segment_ids, kv_segment_ids),
-                **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
+  o, lse = _ffi.ffi_call(target, (_ffi.result(qp.shape, q.dtype, q), _ffi.lse_result(q, config)),
+                         qp, kp, vp, bias, mask, q_lengths, kv_lengths, config, q_segment_ids,
+                         kv_segment_ids)
   return o[..., :d], lse
 
 
@@ -80,14 +77,10 @@ def backward(target: str, name: str, q, k, v, bias, mask, q_lengths, kv_lengths,
   dp = padded_dim(d, name)
   bias, mask = score_operand(q, bias, mask, k.shape[config.seq_axis])
   qp, kp, vp, op, dop = (pad(x, dp) for x in (q, k, v, o, d_o))
-  call = jax.ffi.ffi_call(
-      target,
-      (_ffi.result(qp.shape, q.dtype, q), _ffi.result(kp.shape, k.dtype, k),
-       _ffi.result(vp.shape, v.dtype, v)))
-  dq, dk, dv = call(qp, kp, vp, *_ffi.optional_operands(bias, mask, q_lengths, kv_lengths,
-                                                        q_segment_ids, kv_segment_ids),
-                    op, lse, dop,
-                    **_ffi.attributes(config, bias, mask, q_lengths, kv_lengths, q_segment_ids))
+  results = (_ffi.result(qp.shape, q.dtype, q), _ffi.result(kp.shape, k.dtype, k),
+             _ffi.result(vp.shape, v.dtype, v))
+  dq, dk, dv = _ffi.ffi_call(target, results, qp, kp, vp, bias, mask, q_lengths, kv_lengths,
+                             config, q_segment_ids, kv_segment_ids, op, lse, dop)
   return dq[..., :d], dk[..., :d], dv[..., :d]
 
 

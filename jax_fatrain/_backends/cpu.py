@@ -10,27 +10,13 @@ from __future__ import annotations
 from jax_fatrain._backends import _ffi
 from jax_fatrain._registry import Implementation
 
-try:
-  from jax_fatrain import _cpu_ffi
-except ImportError as e:  # pragma: no cover - only on a broken install
-  _cpu_ffi = None
-  IMPORT_ERROR = f"the CPU extension failed to import: {e}"
-else:
-  IMPORT_ERROR = None
+# Only a broken install lacks it.
+_EXTENSION = _ffi.Extension("_cpu_ffi", "cpu", "cpu",
+                            lambda e: f"the CPU extension failed to import: {e}")
+IMPORT_ERROR = _EXTENSION.import_error
+_extension, _register_targets = _EXTENSION.get, _EXTENSION.register_targets
 
 MAX_HEAD_DIM = 256
-
-_registered: set = set()
-
-
-def _extension():
-  if _cpu_ffi is None:
-    raise RuntimeError(f"implementation 'cpu' is not available: {IMPORT_ERROR}")
-  return _cpu_ffi
-
-
-def _register_targets() -> None:
-  _ffi.register_targets(_extension(), "cpu", _registered)
 
 
 def selected_isa() -> str:

@@ -15,30 +15,16 @@ from __future__ import annotations
 from jax_fatrain._backends import _ffi, _metal_common
 from jax_fatrain._registry import Implementation
 
-try:
-  from jax_fatrain import _metal_emulated_ffi
-except ImportError as e:  # not built (FATRAIN_METAL_EMULATOR=OFF) or broken
-  _metal_emulated_ffi = None
-  IMPORT_ERROR = f"the MSL emulator extension is not built ({e})"
-else:
-  IMPORT_ERROR = None
+# Missing when not built (JAX_FATRAIN_METAL_EMULATOR=OFF) or broken.
+_EXTENSION = _ffi.Extension("_metal_emulated_ffi", "metal_emulated", "cpu",
+                            lambda e: f"the MSL emulator extension is not built ({e})")
+IMPORT_ERROR = _EXTENSION.import_error
+_extension, _register_targets = _EXTENSION.get, _EXTENSION.register_targets
 
 MAX_HEAD_DIM = _metal_common.MAX_HEAD_DIM
 
 _FORWARD = "jax_fatrain_metal_emulated_forward"
 _BACKWARD = "jax_fatrain_metal_emulated_backward"
-
-_registered: set = set()
-
-
-def _extension():
-  if _metal_emulated_ffi is None:
-    raise RuntimeError(f"implementation 'metal_emulated' is not available: {IMPORT_ERROR}")
-  return _metal_emulated_ffi
-
-
-def _register_targets() -> None:
-  _ffi.register_targets(_extension(), "cpu", _registered)
 
 
 def selftest() -> tuple[int, str]:

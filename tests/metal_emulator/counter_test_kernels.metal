@@ -1,6 +1,6 @@
 // Small kernels with known values of the MSL emulator's cost counters
-// (jax_fatrain.metal_profile.COUNTERS), checked by tests/test_metal_profile.py
-// through a standalone build (jax_fatrain._msl_standalone).
+// (jax_fatrain.emulator.profile.COUNTERS), checked by tests/test_metal_profile.py
+// through a standalone build (jax_fatrain.emulator.msl_standalone).
 #include <metal_stdlib>
 using namespace metal;
 

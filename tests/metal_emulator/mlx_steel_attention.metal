@@ -1,7 +1,7 @@
 // MLX's steel attention forward (the `attention` kernel template of
 // mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h), instantiated
 // for the variants jax_fatrain compares its own forward against. MLX's
-// headers are not part of this repository: jax_fatrain/_mlx_reference.py
+// headers are not part of this repository: jax_fatrain/emulator/mlx_reference.py
 // fetches them from the pinned mlx-metal wheel and passes their root as an
 // include directory; the MSL emulator then runs MLX's kernel unmodified.
 //
@@ -17,7 +17,7 @@
 #include "mlx/backend/metal/kernels/utils.h"
 #include "mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h"
 
-// The buffer layout jax_fatrain/_mlx_reference.py writes (ctypes) must be the
+// The buffer layout jax_fatrain/emulator/mlx_reference.py writes (ctypes) must be the
 // one these headers declare.
 static_assert(sizeof(mlx::steel::AttnParams) == 152, "AttnParams layout changed");
 static_assert(sizeof(mlx::steel::AttnMaskParams) == 24, "AttnMaskParams layout changed");

@@ -1,11 +1,11 @@
 // MLX's steel GEMM (the `gemm` kernel template of
 // mlx/backend/metal/kernels/steel/gemm/kernels/steel_gemm_fused.h), instantiated
 // under the host names mlx-metal 0.32.4 gives it, for the tile configurations its
-// host chooses (jax_fatrain/_mlx_reference.py, mlx_gemm_tiles):
+// host chooses (jax_fatrain/emulator/mlx_reference.py, mlx_gemm_tiles):
 //   steel_gemm_fused_<nn|nt|tn|tt>_<in dtype>_<out dtype>_bm<BM>_bn<BN>_bk<BK>_wm<WM>_wn<WN>
-// MLX's headers are not part of this repository: jax_fatrain/_mlx_reference.py
+// MLX's headers are not part of this repository: jax_fatrain/emulator/mlx_reference.py
 // fetches them from the pinned mlx-metal wheel; the MSL emulator runs the
-// kernel unmodified. Used to calibrate jax_fatrain.metal_model against
+// kernel unmodified. Used to calibrate jax_fatrain.emulator.model against
 // published MLX GEMM timings.
 #include "mlx/backend/metal/kernels/utils.h"
 #include "mlx/backend/metal/kernels/steel/gemm/gemm.h"

@@ -1,6 +1,6 @@
 // MSL language features the emulator supports for library-style kernel code
 // (MLX's steel headers use all of them). Built at run time by
-// tests/test_mlx_reference.py through jax_fatrain/_msl_standalone.py; each
+// tests/test_mlx_reference.py through jax_fatrain/emulator/msl_standalone.py; each
 // kernel writes values the test checks.
 #include <metal_math>
 #include <metal_simdgroup>

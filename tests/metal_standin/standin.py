@@ -45,8 +45,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from jax_fatrain._msl_standalone import _hash as _digest  # pylint: disable=protected-access
-from jax_fatrain._msl_standalone import cache_root
+from jax_fatrain.emulator.msl_standalone import _hash as _digest  # pylint: disable=protected-access
+from jax_fatrain.emulator.msl_standalone import cache_root
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -48,6 +48,15 @@ Binding buffer(int index, Role role) {
   return b;
 }
 
+// The operands both backward tile kernels (dQ, dK/dV) read, bound in this order.
+void bind_backward_inputs(Dispatch* d) {
+  for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
+                      {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
+                      {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta}}) {
+    d->bindings.push_back(buffer(i, r));
+  }
+}
+
 AttnParams make_params(const Problem& p) {
   AttnParams a{};
   a.b = int32_t(p.batch);
@@ -357,12 +366,9 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
     Dispatch k;
     k.kernel = variant(op, p);
     add_common(p, p.q_len % dkdv_bq == 0, p.kv_len % abi::bwd_block_kv(d, es, fused) == 0, &k);
-    for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
-                        {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
-                        {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
-                        {FATRAIN_BUF_DK, Role::kDK}, {FATRAIN_BUF_DV, Role::kDV}}) {
-      k.bindings.push_back(buffer(i, r));
-    }
+    bind_backward_inputs(&k);
+    k.bindings.push_back(buffer(FATRAIN_BUF_DK, Role::kDK));
+    k.bindings.push_back(buffer(FATRAIN_BUF_DV, Role::kDV));
     set_size(k.threadgroup, kSimdgroupWidth, abi::bwd_dkdv_threads(d, es, fused) / kSimdgroupWidth,
              1);
     return k;
@@ -397,12 +403,8 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
   Dispatch dq;
   dq.kernel = variant("bwd_dq", p);
   add_common(p, p.q_len % dq_bq == 0, p.kv_len % dq_bk == 0, &dq);
-  for (auto [i, r] : {std::pair{FATRAIN_BUF_Q, Role::kQ}, {FATRAIN_BUF_K, Role::kK},
-                      {FATRAIN_BUF_V, Role::kV}, {FATRAIN_BUF_L, Role::kL},
-                      {FATRAIN_BUF_DO, Role::kDO}, {FATRAIN_BUF_DELTA, Role::kDelta},
-                      {FATRAIN_BUF_DQ, Role::kDQ}}) {
-    dq.bindings.push_back(buffer(i, r));
-  }
+  bind_backward_inputs(&dq);
+  dq.bindings.push_back(buffer(FATRAIN_BUF_DQ, Role::kDQ));
   dq.threadgroup_memory_length = mask_tile_length(p, dq_bq, dq_bk);
   set_size(dq.grid, ceil_div(p.q_len, dq_bq), p.q_heads, p.batch);
   set_size(dq.threadgroup, kSimdgroupWidth, abi::kThreadgroupThreads / kSimdgroupWidth, 1);

@@ -1,6 +1,6 @@
 // C entry points of a standalone emulator library: a .metal file translated by
 // msl_prepass.py, compiled together with runtime.cc and this file into a
-// shared library that Python loads with ctypes (jax_fatrain/_msl_standalone.py).
+// shared library that Python loads with ctypes (jax_fatrain/emulator/msl_standalone.py).
 // Kernels register themselves when the library loads; a dispatch names one.
 
 #include <algorithm>

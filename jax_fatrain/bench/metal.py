@@ -1,8 +1,8 @@
 """Our Metal kernels against MLX's steel attention, counted by the MSL emulator.
 
 ``python -m jax_fatrain.benchmark --metal-model [--json FILE] [--plot FILE]``
-first calibrates :mod:`jax_fatrain.metal_model` on published MLX timings
-(:mod:`jax_fatrain.metal_calibration`: MLX's steel GEMM and attention on
+first calibrates :mod:`jax_fatrain.emulator.model` on published MLX timings
+(:mod:`jax_fatrain.emulator.calibration`: MLX's steel GEMM and attention on
 named Macs, their counters from the emulator; ``--calibration fresh``
 re-emulates them, the default uses the counters stored with the data) and
 prints measured, modelled and leave-one-out error per point. Then it runs, in
@@ -10,7 +10,7 @@ one process and on the same problems, our forward and forward+backward
 (``implementation="metal_emulated"``, whatever dispatches the plan makes) and
 MLX's steel attention forward (the kernel MLX 0.32.4 dispatches at each head
 dim), all through the MSL emulator with cost counters recording
-(:mod:`jax_fatrain.metal_profile`). Nothing is timed on this machine: the
+(:mod:`jax_fatrain.emulator.profile`). Nothing is timed on this machine: the
 calibrated model turns the counts into times on named Apple GPUs, with the
 calibration's median leave-one-out error as the band. Those times are a
 MODEL, not measurements.
@@ -54,9 +54,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from jax_fatrain import metal_model
+from jax_fatrain.emulator import model as metal_model
 
-MODEL_NOTE = ("modelled_seconds: jax_fatrain.metal_model calibrated on published MLX timings "
+MODEL_NOTE = ("modelled_seconds: jax_fatrain.emulator.model calibrated on published MLX timings "
               "(a model over emulator counters), not measurements; modelled_band: +- the "
               "calibration's median leave-one-out error")
 
@@ -226,10 +226,10 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
 
 def _profile():
   try:
-    return importlib.import_module("jax_fatrain.metal_profile")
+    return importlib.import_module("jax_fatrain.emulator.profile")
   except ImportError as e:
     raise Unavailable(
-        "the emulator's counters API (jax_fatrain.metal_profile) is not available in this "
+        "the emulator's counters API (jax_fatrain.emulator.profile) is not available in this "
         f"build: {e}") from e
 
 
@@ -252,7 +252,7 @@ def run_ours(p: Problem, sample, passes: Sequence[str]) -> tuple[list[dict], lis
   return fwd, bwd, seconds
 
 
-_MLX_MODULES = ("jax_fatrain.metal_reference", "jax_fatrain._mlx_reference")
+_MLX_MODULES = ("jax_fatrain.emulator.mlx_reference",)
 
 
 def mlx_runner() -> tuple[Any, str | None]:
@@ -412,7 +412,7 @@ def calibration_records(result: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def build_calibration_table(records: Sequence[Mapping[str, Any]]):
   """(header, rows): measured, modelled and leave-one-out error per calibration point."""
-  from jax_fatrain import metal_calibration  # pylint: disable=import-outside-toplevel
+  from jax_fatrain.emulator import calibration as metal_calibration  # pylint: disable=import-outside-toplevel
   header = ["chip", "kernel", "problem", "dtype", "measured ms", "modelled ms", "LOO error"]
   rows = [[r["chip"], r["kernel"].replace("mlx_steel_", ""), metal_calibration.label(r),
            r["dtype"], f"{r['measured_seconds'] * 1e3:.3f}", f"{r['modelled_seconds'] * 1e3:.3f}",
@@ -621,7 +621,7 @@ def main(args) -> list[dict[str, Any]]:
   if args.plot:
     _matplotlib()
   t0 = time.perf_counter()
-  from jax_fatrain import metal_calibration  # pylint: disable=import-outside-toplevel
+  from jax_fatrain.emulator import calibration as metal_calibration  # pylint: disable=import-outside-toplevel
   result = metal_calibration.calibrate(
       fresh=fresh, log=lambda s: print(s, file=sys.stderr, flush=True))
   calib = calibration_records(result)

@@ -1,12 +1,12 @@
-"""Calibration of :mod:`jax_fatrain.metal_model` against published MLX timings.
+"""Calibration of :mod:`jax_fatrain.emulator.model` against published MLX timings.
 
-``jax_fatrain/data/metal_calibration.json`` holds published wall-clock times
+``jax_fatrain/emulator/calibration.json`` holds published wall-clock times
 of MLX's steel GEMM and steel attention forward on named Macs (each with its
 source address and the quoted row), and the emulator's counters for each
 point's dispatch (stored, so that tests and quick runs need no emulation;
-``python -m jax_fatrain.metal_calibration --store`` recomputes them). MLX's
+``python -m jax_fatrain.emulator.calibration --store`` recomputes them). MLX's
 kernels run from the pinned mlx-metal wheel through the emulator
-(:mod:`jax_fatrain._mlx_reference`), each point on a sample of its
+(:mod:`jax_fatrain.emulator.mlx_reference`), each point on a sample of its
 threadgroups; for very large grids on a smaller copy along the batch or M
 axis (every threadgroup of those grids does the same work, so the counters
 scale with the threadgroup count, recorded in ``emulated``).
@@ -29,9 +29,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jax_fatrain import metal_model
+from jax_fatrain.emulator import model as metal_model
 
-DATA = Path(__file__).resolve().parent / "data" / "metal_calibration.json"
+DATA = Path(__file__).resolve().with_name("calibration.json")
 
 # Emulation of a point: threadgroups sampled per dispatch, and the largest
 # batch / M the emulator allocates (the counters are scaled to the real grid).
@@ -71,7 +71,7 @@ def compulsory_bytes(pt: Mapping[str, Any]) -> int:
 
 def _scale(record: dict[str, Any], factor: float, axis: int) -> dict[str, Any]:
   """The counters of a grid ``factor`` times larger along ``axis`` (1: y, 2: z)."""
-  from jax_fatrain import metal_profile  # pylint: disable=import-outside-toplevel
+  from jax_fatrain.emulator import profile as metal_profile  # pylint: disable=import-outside-toplevel
   out = dict(record)
   for name in metal_profile.COUNTERS:
     if name not in ("peak_tg_bytes", "threads_per_threadgroup", "races",
@@ -88,7 +88,7 @@ def _scale(record: dict[str, Any], factor: float, axis: int) -> dict[str, Any]:
 def emulate(pt: Mapping[str, Any], sample: int = SAMPLE) -> list[dict[str, Any]]:
   """The point's dispatch record(s), MLX's kernel run by the emulator."""
   import ml_dtypes  # pylint: disable=import-outside-toplevel
-  from jax_fatrain import _mlx_reference as mlx  # pylint: disable=import-outside-toplevel
+  from jax_fatrain.emulator import mlx_reference as mlx  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   dt = {"bfloat16": ml_dtypes.bfloat16}.get(pt["dtype"], pt["dtype"])
   gpu = metal_model.gpu(pt["chip"])
@@ -212,7 +212,7 @@ def store(path: Path | str = DATA, sample: int = SAMPLE) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m jax_fatrain.metal_calibration",
+  ap = argparse.ArgumentParser(prog="python -m jax_fatrain.emulator.calibration",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--store", action="store_true",
                   help="re-emulate every point and store its counters in the data file")

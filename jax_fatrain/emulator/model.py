@@ -1,11 +1,11 @@
 """A cost model of Metal dispatches on named Apple GPUs, calibrated on published timings.
 
 This is a MODEL, not a measurement. It turns the cost counters the MSL emulator
-records for one dispatch (:mod:`jax_fatrain.metal_profile`) into a predicted
+records for one dispatch (:mod:`jax_fatrain.emulator.profile`) into a predicted
 time on an Apple GPU. Its structure and per-core rates come from public
 sources (each number below says where from, or that it is an assumption);
 four global factors are fitted to published MLX timings on real Macs
-(:mod:`jax_fatrain.metal_calibration`, ``jax_fatrain/data/metal_calibration.json``),
+(:mod:`jax_fatrain.emulator.calibration`, ``jax_fatrain/emulator/calibration.json``),
 and the fit's leave-one-out error is the model's stated error.
 
 Per dispatch, on GPU ``g``:
@@ -252,7 +252,7 @@ def resident_per_core(counters: Mapping[str, Any]) -> int:
 
 
 def _wave_lines(counters: Mapping[str, Any], wave: float) -> float:
-  from jax_fatrain import metal_profile  # pylint: disable=import-outside-toplevel
+  from jax_fatrain.emulator import profile as metal_profile  # pylint: disable=import-outside-toplevel
   if not counters.get("grid"):
     return 0.0
   return metal_profile.wave_lines(dict(counters), int(wave))

@@ -9,7 +9,7 @@ directory into the cache (``$JAX_FATRAIN_CACHE``, default
 the wheel instead (offline use; the hash is checked the same way). Nothing of
 MLX is stored in this repository: ``tests/metal_emulator/mlx_steel_attention
 .metal`` only includes MLX's header and instantiates its ``attention``
-template, and ``jax_fatrain._msl_standalone`` compiles it for the emulator.
+template, and ``jax_fatrain.emulator.msl_standalone`` compiles it for the emulator.
 
 ``mlx_attention_forward`` fills MLX's parameter structs and grid as MLX's
 host code does for its steel (non-NAX) kernel and returns O; ``mlx_gemm``
@@ -43,7 +43,7 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (registers the bfloat16 numpy dtype)
 import numpy as np
 
-from jax_fatrain import _msl_standalone
+from jax_fatrain.emulator import msl_standalone
 
 __all__ = ["MLX_METAL_VERSION", "MLX_METAL_SHA256", "MlxUnavailable", "fetch_mlx_kernels",
            "mlx_attention_forward", "mlx_gemm", "mlx_gemm_kernel_name", "mlx_gemm_tiles",
@@ -53,7 +53,7 @@ MLX_METAL_VERSION = "0.32.4"
 MLX_METAL_WHEEL = f"mlx_metal-{MLX_METAL_VERSION}-py3-none-macosx_14_0_arm64.whl"
 MLX_METAL_SHA256 = "8019b2db622599267d66cc168b2f0dbf5af929790a6c3b3913e00eabc42a7947"
 _KERNELS_IN_WHEEL = "mlx/include/mlx/backend/metal/kernels/"
-_INSTANTIATIONS = (Path(__file__).resolve().parent.parent / "tests" / "metal_emulator" /
+_INSTANTIATIONS = (Path(__file__).resolve().parents[2] / "tests" / "metal_emulator" /
                    "mlx_steel_attention.metal")
 _GEMM_INSTANTIATIONS = _INSTANTIATIONS.with_name("mlx_steel_gemm.metal")
 
@@ -110,7 +110,7 @@ def fetch_mlx_kernels() -> Path:
   Downloads and unpacks the pinned mlx-metal wheel on first use; raises
   MlxUnavailable with the reason when that is impossible.
   """
-  root = _msl_standalone.cache_root() / f"mlx-metal-{MLX_METAL_VERSION}"
+  root = msl_standalone.cache_root() / f"mlx-metal-{MLX_METAL_VERSION}"
   marker = root / ".sha256"
   if marker.is_file() and marker.read_text().strip() == MLX_METAL_SHA256:
     return root / "include"
@@ -200,11 +200,11 @@ assert ctypes.sizeof(_AttnParams) == 152 and ctypes.sizeof(_AttnMaskParams) == 2
 
 def _library(kernel: str, instantiations: Path = _INSTANTIATIONS):
   if not instantiations.is_file():
-    raise _msl_standalone.BuildError(
+    raise msl_standalone.BuildError(
         f"running MLX's kernel needs a source checkout of jax_fatrain ({instantiations} "
         f"not found)")
   include = fetch_mlx_kernels()
-  return _msl_standalone.build_library(instantiations, include_dirs=[include], kernels=[kernel])
+  return msl_standalone.build_library(instantiations, include_dirs=[include], kernels=[kernel])
 
 
 def _element_strides(a: np.ndarray) -> tuple[int, ...]:
@@ -226,7 +226,7 @@ def mlx_attention_forward(q, k, v, *, scale: float, causal: bool = False, mask=N
   (natural log, float32).
 
   ``counters``, if given, receives the dispatch's record in the format of
-  :mod:`jax_fatrain.metal_profile` (counters, ``race_reports``,
+  :mod:`jax_fatrain.emulator.profile` (counters, ``race_reports``,
   ``sampled_fraction``, ...). ``sample`` (a fraction of the threadgroups, or
   at most that many) runs only part of the grid, spread over query tiles: for
   counting only, O is then incomplete. ``ultra``: the kernel MLX picks on an

@@ -4,7 +4,7 @@ The ``metal_emulated`` implementation runs the unmodified Metal kernels on the
 CPU. Inside :func:`record`, every dispatch it executes also counts what decides
 its cost on an Apple GPU, and the block yields one dict per dispatch::
 
-  from jax_fatrain import metal_profile
+  from jax_fatrain.emulator import profile as metal_profile
 
   with metal_profile.record() as launches:
     out = jax_fatrain.dot_product_attention(q, k, v, implementation="metal_emulated")

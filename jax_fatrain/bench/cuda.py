@@ -1,9 +1,9 @@
 """Side-by-side throughput on one NVIDIA GPU: jax_fatrain ``cuda`` against
 ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``.
 
-    python -m jax_fatrain.benchmark_cuda [--quick] [--masked-only] [--no-xla] [--repeat N]
-                                         [--part K/N] [--json FILE] [--plot FILE]
-    python -m jax_fatrain.benchmark_cuda --packed [--repeat N] [--json FILE]
+    python -m jax_fatrain.benchmark --cuda [--quick] [--masked-only] [--no-xla] [--repeat N]
+                                           [--part K/N] [--json FILE] [--plot FILE]
+    python -m jax_fatrain.benchmark --cuda --packed [--repeat N] [--json FILE]
 
 Configurations (docs/cuda.md has a measured table): bf16, 16k tokens per
 batch, D in {64, 128, 256} with 2048 / D heads, T in {1k, 4k, 8k}, causal off/on;
@@ -343,7 +343,8 @@ def cuda_unavailable_reason() -> str | None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m jax_fatrain.benchmark --cuda",
+                               description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="a few representative rows")
   ap.add_argument("--masked-only", action="store_true",
                   help="only the boolean-mask and additive-bias rows")
@@ -366,7 +367,7 @@ def main(argv=None):
   # the references and print "err" for ours.
   why = cuda_unavailable_reason()
   if why is not None:
-    print(f"benchmark_cuda: cannot run: {why}", file=sys.stderr)
+    print(f"benchmark --cuda: cannot run: {why}", file=sys.stderr)
     return 2
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   if args.packed:

@@ -2,7 +2,7 @@
 
 The ``metal_emulated`` extension compiles the package's own kernels when the
 package is built. A kernel whose source only exists at run time (MLX's steel
-attention, fetched for comparison by ``jax_fatrain._mlx_reference``) goes
+attention, fetched for comparison by ``jax_fatrain.emulator.mlx_reference``) goes
 through the same emulator here: ``cpp/metal/emulator/msl_prepass.py``
 enforces the emulator's source rules (with clang++, when there is one, also
 the address-space rule) and translates the .metal file, the C++ compiler builds a shared library from the
@@ -33,7 +33,7 @@ import numpy as np
 
 __all__ = ["BuildError", "EmulatorError", "EmulatorLibrary", "build_library", "cache_root"]
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-narrowing",
           "-Wno-unknown-pragmas", "-Wno-attributes", "-w")
 _ABI_VERSION = 2
@@ -162,7 +162,7 @@ class EmulatorLibrary:
     barrier not reached by all threads, threadgroup-memory race, ...).
 
     With ``count`` (or ``sample``) returns the dispatch's record in the format
-    of :mod:`jax_fatrain.metal_profile` (``kernel``, ``grid``, ``threadgroup``,
+    of :mod:`jax_fatrain.emulator.profile` (``kernel``, ``grid``, ``threadgroup``,
     ``threadgroup_memory_length``, the counters, ``race_reports``,
     ``sampled_fraction``); races are then counted, not raised. ``sample``: a
     fraction in (0, 1] of the threadgroups, or an int, at most that many (the
@@ -171,7 +171,7 @@ class EmulatorLibrary:
     if kernel not in self.kernel_names:
       raise EmulatorError(f"{self.path.name} has no kernel {kernel!r} "
                           f"(it has {', '.join(self.kernel_names)})")
-    from jax_fatrain import metal_profile  # pylint: disable=import-outside-toplevel
+    from jax_fatrain.emulator import profile as metal_profile  # pylint: disable=import-outside-toplevel
     fraction, max_threadgroups = metal_profile._sample_args(sample)  # pylint: disable=protected-access
     count = count or sample is not None
     keep = []

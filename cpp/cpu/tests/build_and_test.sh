@@ -3,6 +3,8 @@
 # CMake build uses) and runs the suite once per ISA the machine supports.
 #   cpp/cpu/tests/build_and_test.sh          build + test every ISA
 #   cpp/cpu/tests/build_and_test.sh bench    build + benchmark (2 threads)
+# FATRAIN_TEST_CXXFLAGS adds compile and link flags and FATRAIN_TEST_ISAS
+# chooses the ISAs to test (tools/sanitize.sh: the sanitizers).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 src="$here/.."
@@ -10,6 +12,8 @@ out="${FATRAIN_TEST_BUILD_DIR:-${TMPDIR:-/tmp}/fatrain_cpu_test_build}"
 mkdir -p "$out"
 CXX="${CXX:-g++}"
 common=(-std=c++17 -O3 -ffp-contract=fast -fPIC -Wall -Wextra -Wno-unused-parameter -I"$src/..")
+extra=(${FATRAIN_TEST_CXXFLAGS:-})
+common+=("${extra[@]}")
 isa_avx2=(-mavx2 -mfma -mf16c)
 isa_avx512=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16 -mprefer-vector-width=512)
 
@@ -25,7 +29,7 @@ if [[ "$(uname -m)" == "x86_64" ]]; then
 fi
 "$CXX" "${common[@]}" -c "$here/test_attention_cpu.cc" -o "$out/test_attention_cpu.o" &
 wait
-"$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread
+"$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread "${extra[@]}"
 
 if [[ "${1:-}" == "bench" ]]; then
   shift
@@ -37,7 +41,7 @@ fi
 
 status=0
 # A variant the CPU lacks is ignored by the dispatcher (the best one runs).
-for isa in avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline; do
+for isa in ${FATRAIN_TEST_ISAS:-avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline}; do
   echo "=== JAX_FATRAIN_CPU_ISA=$isa"
   JAX_FATRAIN_CPU_ISA=$isa "$out/test_attention_cpu" "$@" || status=1
 done

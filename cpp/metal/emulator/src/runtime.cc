@@ -663,7 +663,14 @@ struct FiberCache {
   ~FiberCache() {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     for (Fiber& f : fibers) {
-      if (f.stack != nullptr) munmap(f.stack, kStackBytes + page);
+      if (f.stack == nullptr) continue;
+#if defined(MSL_EMU_ASAN)
+      // The red zones left on the stack would outlive the mapping: memory
+      // mapped later at these addresses (by an allocator ASan does not see)
+      // would read as poisoned.
+      ASAN_UNPOISON_MEMORY_REGION(f.stack + page, kStackBytes);
+#endif
+      munmap(f.stack, kStackBytes + page);
     }
   }
 };

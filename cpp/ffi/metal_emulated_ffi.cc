@@ -75,6 +75,9 @@ ffi::Error Run(const char* target, const mp::Problem& p, const mp::Plan& plan,
                const mp::RoleBuffers& roles, ffi::ThreadPool& pool) {
   fatrain::metal_ffi::PoisonHostOutputs(roles);
   msl::emu::RoleMemory m;
+  static_assert(sizeof(m.data) / sizeof(m.data[0]) == mp::RoleBuffers::kRoles &&
+                    sizeof(m.size) / sizeof(m.size[0]) == mp::RoleBuffers::kRoles,
+                "RoleMemory must hold every role of RoleBuffers");
   for (int r = 0; r < mp::RoleBuffers::kRoles; ++r) {
     m.data[r] = roles.data[r];
     m.size[r] = roles.size[r];

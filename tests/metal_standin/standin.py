@@ -236,9 +236,18 @@ def build(plant: str | None = None, *, verbose: bool = False) -> Path:
       raise BuildError(f"planted bug {plant!r}: its text no longer occurs once in {rel}")
     host_sources[rel] = host_sources[rel].replace(old, new)
 
-  gflags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-w"]
+  # $JAX_FATRAIN_SANITIZE (e.g. "address,undefined", tools/sanitize.sh) builds
+  # every object with those sanitizers and links the runtimes of CXX (g++'s
+  # libasan/libubsan, which also serve clang 14's instrumentation); Python
+  # must preload libasan.
+  sanitize = []
+  if os.environ.get("JAX_FATRAIN_SANITIZE"):
+    sanitize = [f"-fsanitize={os.environ['JAX_FATRAIN_SANITIZE']}", "-fno-sanitize-recover=all",
+                "-fno-omit-frame-pointer", "-g"]
+  gflags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-w"] + sanitize
   cflags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-fblocks", "-w",
-            "-include", str(STUBS / "apple_prelude.h"), "-isystem", str(STUBS), "-isystem", str(mcpp)]
+            "-include", str(STUBS / "apple_prelude.h"), "-isystem", str(STUBS), "-isystem", str(mcpp)
+            ] + sanitize
   host_inc = ["-I", str(ROOT / "cpp"), "-I", str(ROOT / "cpp" / "ffi"),
               "-I", str(ROOT / "jax_fatrain" / "metal")]
   emu_inc = ["-I", str(EMULATOR / "include")]
@@ -290,7 +299,8 @@ def build(plant: str | None = None, *, verbose: bool = False) -> Path:
   if not ext.is_file():
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".tmp{os.getpid()}{suffix}"
-    _run([cxx, "-shared", "-o", str(tmp)] + [str(o) for o in objects] + ["-lpthread", "-ldl"],
+    _run([cxx, "-shared", "-o", str(tmp)] + [str(o) for o in objects] + ["-lpthread", "-ldl"]
+         + sanitize[:1],
          "linking the stand-in extension")
     os.replace(tmp, ext)
   return ext

@@ -5,7 +5,8 @@
 #   cpp/cpu/tests/build_and_test.sh bench    build + benchmark (2 threads)
 # A cross compiler in CXX builds for its target (the x86-64 ISAs only for
 # x86-64) and FATRAIN_TEST_RUNNER runs the binary (e.g. qemu-aarch64, see
-# tools/arm64_check.sh).
+# tools/arm64_check.sh). FATRAIN_TEST_CXXFLAGS adds compile and link flags and
+# FATRAIN_TEST_ISAS chooses the ISAs to test (tools/sanitize.sh: the sanitizers).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 src="$here/.."
@@ -13,6 +14,8 @@ out="${FATRAIN_TEST_BUILD_DIR:-${TMPDIR:-/tmp}/fatrain_cpu_test_build}"
 mkdir -p "$out"
 CXX="${CXX:-g++}"
 common=(-std=c++17 -O3 -ffp-contract=fast -fPIC -Wall -Wextra -Wno-unused-parameter -I"$src/..")
+extra=(${FATRAIN_TEST_CXXFLAGS:-})
+common+=("${extra[@]}")
 isa_avx2=(-mavx2 -mfma -mf16c)
 isa_avx512=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16 -mprefer-vector-width=512)
 
@@ -29,8 +32,9 @@ if ((x86_64)); then
   objs+=("$out/isa_avx2.o" "$out/isa_avx2_bf16_emulated.o" "$out/isa_avx512.o")
 fi
 "$CXX" "${common[@]}" -c "$here/test_attention_cpu.cc" -o "$out/test_attention_cpu.o" &
-wait
-"$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread
+# Wait for each compile by itself, so that one that fails stops the script here.
+for job in $(jobs -p); do wait "$job"; done
+"$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread "${extra[@]}"
 
 if [[ "${1:-}" == "bench" ]]; then
   shift
@@ -44,6 +48,7 @@ status=0
 # A variant the CPU lacks is ignored by the dispatcher (the best one runs).
 isas=(baseline)
 ((x86_64)) && isas=(avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline)
+[[ -n "${FATRAIN_TEST_ISAS:-}" ]] && read -r -a isas <<<"$FATRAIN_TEST_ISAS"
 for isa in "${isas[@]}"; do
   echo "=== JAX_FATRAIN_CPU_ISA=$isa"
   JAX_FATRAIN_CPU_ISA=$isa ${FATRAIN_TEST_RUNNER:-} "$out/test_attention_cpu" "$@" || status=1

@@ -7,14 +7,17 @@
 #include <vector>
 
 #include "metal/plan/plan.h"
+#include "metal/plan/role_buffers.h"
 #include "msl_emulator/runtime.h"
 
 namespace msl::emu {
 
 // Memory for each plan role (indexed by int(Role)); size in bytes.
 struct RoleMemory {
-  void* data[16] = {};
-  size_t size[16] = {};
+  // As many roles as the hosts' RoleBuffers, which are copied in whole.
+  static constexpr int kRoles = fatrain::metal_plan::RoleBuffers::kRoles;
+  void* data[kRoles] = {};
+  size_t size[kRoles] = {};
   void set(fatrain::metal_plan::Role role, void* d, size_t s) {
     data[int(role)] = d;
     size[int(role)] = s;

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -473,14 +472,7 @@ def main(argv: Sequence[str] | None = None, *,
           f"(compile {run.compile_time:.1f} s); memory: compiled step "
           f"{_mib(run.step_bytes)}, device peak {_mib(run.peak_bytes)}")
   if len(runs) == 2:
-    a, b = np.asarray(runs[0].losses), np.asarray(runs[1].losses)
-    result["max_abs_loss_diff"] = float(np.max(np.abs(a - b)))
-    result["rel_loss_diff_end"] = float(abs(a[-1] - b[-1]) / abs(b[-1]))
-    result["step_time_ratio"] = runs[0].mean_step_time / runs[1].mean_step_time
-    print(f"loss curves: max |ours - reference| = {result['max_abs_loss_diff']:.3g}, "
-          f"relative difference at the end = {result['rel_loss_diff_end']:.3g}")
-    print(f"step time: ours / reference = {result['step_time_ratio']:.3f} "
-          f"(reference is {1 / result['step_time_ratio']:.2f}x the time of ours)")
+    _demo.compare_runs(runs[0], runs[1], result)
 
   attention_step: dict[str, float] = {}
   if args.timing_reps > 0:
@@ -505,13 +497,7 @@ def main(argv: Sequence[str] | None = None, *,
     plot_runs = [_demo.RunResult(r.name, r.losses,
                                  [r.compile_time + r.step_times[0]] + r.step_times[1:],
                                  float("nan"), r.model) for r in runs]
-    try:
-      _demo.write_plot(args.plot, plot_runs, attention_step, title)
-    except ImportError as e:
-      print(f"\nno plot: {e} (pip install matplotlib, or the 'demo' extra)")
-    else:
-      result["plot"] = os.path.abspath(args.plot)
-      print(f"\nplot: {result['plot']}")
+    _demo.plot_or_explain(args.plot, plot_runs, attention_step, title, result)
   result["wall_time"] = time.perf_counter() - t_start
   # On a shared machine the wall time depends on the other jobs; the CPU time
   # this process used (all threads) does much less.

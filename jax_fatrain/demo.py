@@ -449,6 +449,32 @@ def write_plot(path: str, runs: Sequence[RunResult], attention_step: dict[str, f
 # ---------------------------------------------------------------------------
 
 
+def compare_runs(ours: RunResult, reference: RunResult, result: dict[str, Any]) -> None:
+  """Records and prints how far the two loss curves are apart and the step-time
+  ratio (keys max_abs_loss_diff, rel_loss_diff_end, step_time_ratio)."""
+  a, b = np.asarray(ours.losses), np.asarray(reference.losses)
+  result["max_abs_loss_diff"] = float(np.max(np.abs(a - b)))
+  result["rel_loss_diff_end"] = float(abs(a[-1] - b[-1]) / abs(b[-1]))
+  result["step_time_ratio"] = ours.mean_step_time / reference.mean_step_time
+  print(f"loss curves: max |ours - reference| = {result['max_abs_loss_diff']:.3g}, "
+        f"relative difference at the end = {result['rel_loss_diff_end']:.3g}")
+  print(f"step time: ours / reference = {result['step_time_ratio']:.3f} "
+        f"(reference is {1 / result['step_time_ratio']:.2f}x the time of ours)")
+
+
+def plot_or_explain(path: str, runs: Sequence[RunResult], attention_step: dict[str, float],
+                    title: str, result: dict[str, Any]) -> None:
+  """write_plot, recording the path in result["plot"]; without matplotlib, says
+  how to get it instead of failing the run."""
+  try:
+    write_plot(path, runs, attention_step, title)
+  except ImportError as e:
+    print(f"\nno plot: {e} (pip install matplotlib, or the 'demo' extra)")
+  else:
+    result["plot"] = os.path.abspath(path)
+    print(f"\nplot: {result['plot']}")
+
+
 def _layers(n: int) -> str:
   return f"{n} layer" + ("" if n == 1 else "s")
 
@@ -584,14 +610,7 @@ def main(argv: Sequence[str] | None = None, *,
           f"{run.valid_loss:.4f}, mean step {run.mean_step_time * 1e3:.1f} ms "
           f"(first step incl. compile {run.step_times[0]:.2f} s)")
   if len(runs) == 2:
-    a, b = np.asarray(runs[0].losses), np.asarray(runs[1].losses)
-    result["max_abs_loss_diff"] = float(np.max(np.abs(a - b)))
-    result["rel_loss_diff_end"] = float(abs(a[-1] - b[-1]) / abs(b[-1]))
-    result["step_time_ratio"] = runs[0].mean_step_time / runs[1].mean_step_time
-    print(f"loss curves: max |ours - reference| = {result['max_abs_loss_diff']:.3g}, "
-          f"relative difference at the end = {result['rel_loss_diff_end']:.3g}")
-    print(f"step time: ours / reference = {result['step_time_ratio']:.3f} "
-          f"(reference is {1 / result['step_time_ratio']:.2f}x the time of ours)")
+    compare_runs(runs[0], runs[1], result)
 
   # Attention alone, at the model's shapes: one call per layer and step.
   attention_step: dict[str, float] = {}
@@ -623,13 +642,7 @@ def main(argv: Sequence[str] | None = None, *,
     title = (f"jax_fatrain demo: implementation {impl_name!r} vs jax.nn "
              f"(XLA)\n{sizes}" if len(runs) == 2 else
              f"jax_fatrain demo: implementation {impl_name!r}\n{sizes}")
-    try:
-      write_plot(args.plot, runs, attention_step, title)
-    except ImportError as e:
-      print(f"\nno plot: {e} (pip install matplotlib, or the 'demo' extra)")
-    else:
-      result["plot"] = os.path.abspath(args.plot)
-      print(f"\nplot: {result['plot']}")
+    plot_or_explain(args.plot, runs, attention_step, title, result)
 
   if args.sample_chars > 0:
     sample = generate(runs[0].model, data, args.prompt, args.sample_chars,

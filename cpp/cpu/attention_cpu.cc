@@ -3,8 +3,9 @@
 // attention_cpu_impl.h, compiled once per ISA into fatrain::cpu::<isa>.
 //
 // ISA choice (made once per process): on x86-64, avx512_bf16 when the CPU has
-// avx512f+bw+vl+dq and avx512_bf16 (the avx512 kernels, with bf16 problems
-// multiplied as bf16 pairs by vdpbf16ps), else avx512, else avx2 when it has
+// avx512f+bw+vl+dq and avx512_bf16 and runs vdpbf16ps at full rate (AMD; see
+// bf16_dot_pays) (the avx512 kernels, with bf16 problems multiplied as bf16
+// pairs by vdpbf16ps), else avx512, else avx2 when it has
 // avx2+fma+f16c, else baseline; other architectures use baseline (NEON on
 // arm64). The environment variable JAX_FATRAIN_CPU_ISA selects a different
 // variant for testing, but only one the CPU supports: baseline, avx2, avx512,
@@ -37,6 +38,7 @@ namespace fatrain::cpu {
   const char* attention_bias_grad(const AttentionProblem&, const BiasGradOperands&,       \
                                   const ParallelFor&);                                     \
   double fma_loop(int64_t iters);                                                          \
+  double bf16_dot_loop(int64_t iters);                                                     \
   const char* vector_isa();                                                                \
   }
 FATRAIN_DECLARE_ISA(baseline)
@@ -86,10 +88,24 @@ bool cpu_supports(Isa isa) {
 #endif
 }
 
+// Whether vdpbf16ps multiplies faster than float32 FMAs here. AMD's cores
+// (Zen 4, Zen 5) issue it at the FMA's rate, so its 4 FLOPs a lane give twice
+// the float32 peak; Intel's issue one every two cycles (an Emerald Rapids
+// Xeon: 0.5x its float32 FMA rate, `test_attention_cpu bench`), so there
+// bf16 problems run faster converted to float32 once while packing.
+bool bf16_dot_pays() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
 Isa detect_isa() {
   Isa best = Isa::kBaseline;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16})
-    if (cpu_supports(isa)) best = isa;
+    if (cpu_supports(isa) && (isa != Isa::kAvx512Bf16 || bf16_dot_pays())) best = isa;
   if (const char* env = std::getenv("JAX_FATRAIN_CPU_ISA")) {
     for (const IsaName& n : kIsaNames)
       if (std::strcmp(env, n.name) == 0 && cpu_supports(n.isa)) best = n.isa;
@@ -284,17 +300,17 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
 
 namespace {
 double fma_loop(int64_t iters) { FATRAIN_DISPATCH(fma_loop, iters) }
-}  // namespace
+double bf16_dot_loop(int64_t iters) { FATRAIN_DISPATCH(bf16_dot_loop, iters) }
 
-const char* selected_vector_isa() { FATRAIN_DISPATCH(vector_isa) }
-
-double fma_peak_gflops(int threads, double seconds) {
+// GFLOP/s of `loop` (FLOPs done by `iters` rounds) on `threads` threads
+// (0: one per hardware thread), each running about `seconds`.
+double loop_peak_gflops(double (*loop)(int64_t), int threads, double seconds) {
   if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
   // Calibrate on one thread, then run every thread for about `seconds`.
   int64_t iters = 1 << 16;
   for (;;) {
     auto t0 = std::chrono::steady_clock::now();
-    fma_loop(iters);
+    loop(iters);
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (dt > 0.02 || iters > (int64_t(1) << 40)) {
       iters = std::max<int64_t>(iters, int64_t(double(iters) * seconds / std::max(dt, 1e-9)));
@@ -305,12 +321,24 @@ double fma_peak_gflops(int threads, double seconds) {
   std::vector<double> flops(threads);
   std::vector<std::thread> workers;
   auto t0 = std::chrono::steady_clock::now();
-  for (int t = 0; t < threads; ++t) workers.emplace_back([&, t] { flops[t] = fma_loop(iters); });
+  for (int t = 0; t < threads; ++t) workers.emplace_back([&, t] { flops[t] = loop(iters); });
   for (auto& w : workers) w.join();
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   double total = 0;
   for (double f : flops) total += f;
   return total / dt / 1e9;
+}
+}  // namespace
+
+const char* selected_vector_isa() { FATRAIN_DISPATCH(vector_isa) }
+
+double fma_peak_gflops(int threads, double seconds) {
+  return loop_peak_gflops(fma_loop, threads, seconds);
+}
+
+double bf16_dot_peak_gflops(int threads, double seconds) {
+  if (!bf16_dot(current_isa()) || current_isa() == Isa::kAvx2Bf16Emulated) return 0.0;
+  return loop_peak_gflops(bf16_dot_loop, threads, seconds);
 }
 
 }  // namespace fatrain::cpu

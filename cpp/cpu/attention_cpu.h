@@ -69,6 +69,11 @@ const char* selected_vector_isa();
 // vector FMAs for about `seconds`. What the benchmark compares kernels with.
 double fma_peak_gflops(int threads, double seconds);
 
+// The same for bfloat16 pair dot products (vdpbf16ps, 4 FLOPs per lane), the
+// instruction the avx512_bf16 kernels multiply bfloat16 problems with; 0 where
+// the selected kernels do not run it natively.
+double bf16_dot_peak_gflops(int threads, double seconds);
+
 // Tile sizes of every pass: query rows and keys per tile.
 constexpr int64_t kTileQ = 64;
 constexpr int64_t kTileK = 64;

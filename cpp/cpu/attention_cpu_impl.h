@@ -93,6 +93,7 @@ constexpr int64_t BK = kTileK;
 
 typedef float vf __attribute__((vector_size(W * 4), may_alias));
 typedef int32_t vi __attribute__((vector_size(W * 4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(W * 4), may_alias));
 typedef float vfu __attribute__((vector_size(W * 4), may_alias, aligned(4)));
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -218,10 +219,19 @@ static inline uint32_t bf16_bits(float f) {
 }
 // The word of elements (lo, hi).
 static inline uint32_t bf16_pair(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+// bf16_bits of every lane.
+static inline __attribute__((always_inline)) vu vbf16_bits(vf f) {
+  vu u;
+  memcpy(&u, &f, sizeof(u));
+  const vu nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+}
 
 // 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
 // a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
-// ~5e-9, overall ~1 ulp-ish). x = -inf and x < -126.5 give exactly 0.
+// ~5e-9, overall ~1 ulp-ish). x = -inf gives exactly 0, and so does any
+// x < -126.5 (x < -149 with AVX-512, whose results in between are subnormal).
 // NaN gives NaN: a NaN score (NaN or Inf in q, k or bias) must reach the
 // outputs as it does in jax.nn, not vanish as a zero probability. The clamps
 // are written so that a NaN compares false and passes through.
@@ -235,6 +245,23 @@ constexpr float kC7 = 1.525273380405984e-05f;
 constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
 
 static inline __attribute__((always_inline)) vf vexp2(vf x) {
+#if defined(__AVX512F__)
+  // AVX-512: round with vrndscaleps and apply 2^r with vscalefps, which
+  // underflows x < -149 to +0 and keeps NaN: 11 vector operations instead of
+  // 16, the same polynomial, and the same results where 2^x is a normal float.
+  const vf xc = x < bc(-150.0f) ? bc(-150.0f) : x;
+  const vf r = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = xc - r;
+  vf p = bc(kC7);
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  return _mm512_scalef_ps(p, r);
+#else
   const vf lo = bc(-127.0f), hi = bc(127.0f);
   vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
@@ -253,6 +280,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   vf s;
   memcpy(&s, &bits, sizeof(s));
   return p * s;
+#endif
 }
 
 static inline float sexp2(float x) {
@@ -459,9 +487,12 @@ static inline int64_t carve_size(int64_t n) { return round_up(n > 0 ? n : 1, 16)
 // ---------------------------------------------------------------------------
 constexpr int64_t kScoreSumChunk = 16;
 
-// K counts Pk elements (pairs for bf16), lda and ldb too.
+// K counts Pk elements (pairs for bf16), the strides too. Element (i, k) of
+// A is A[i * sa + k * sk]: sk = 1 for A stored by rows (the usual case),
+// sa = 1 for A stored by columns (A is the transpose of a row-major tile, read
+// in place instead of being transposed first).
 template <int M, int N, bool kScores, class Pk>
-static void mk(int64_t K, const Pk* __restrict A, int64_t lda, const Pk* __restrict B,
+static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const Pk* __restrict B,
                int64_t ldb, float* __restrict C, int64_t ldc) {
   using L = Lanes<Pk>;
   using V = typename L::V;
@@ -486,7 +517,7 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t lda, const Pk* __restr
       for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
-        V a = L::bcast(A[i * lda + k]);
+        V a = L::bcast(A[i * sa + k * sk]);
 #pragma GCC unroll 8
         for (int j = 0; j < N; ++j) c[i][j] = L::madd(c[i][j], a, b[j]);
       }
@@ -503,60 +534,67 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t lda, const Pk* __restr
 }
 
 template <int R, int N, bool kScores, class Pk>
-static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t lda, const Pk* B,
-                               int64_t ldb, float* C, int64_t ldc) {
+static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      mk<R, N, kScores, Pk>(K, A, lda, B, ldb, C, ldc);
+      mk<R, N, kScores, Pk>(K, A, sa, sk, B, ldb, C, ldc);
     else
-      mk_rows_rem<R - 1, N, kScores, Pk>(r, K, A, lda, B, ldb, C, ldc);
+      mk_rows_rem<R - 1, N, kScores, Pk>(r, K, A, sa, sk, B, ldb, C, ldc);
   }
 }
 
 template <int N, bool kScores, class Pk>
-static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t lda, const Pk* B, int64_t ldb,
-                      float* C, int64_t ldc) {
+static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t sa, int64_t sk, const Pk* B,
+                      int64_t ldb, float* C, int64_t ldc) {
   int64_t i = 0;
   for (; i + kMR <= M; i += kMR)
-    mk<kMR, N, kScores, Pk>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    mk<kMR, N, kScores, Pk>(K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
   if (i < M)
-    mk_rows_rem<kMR - 1, N, kScores, Pk>(M - i, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    mk_rows_rem<kMR - 1, N, kScores, Pk>(M - i, K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
 }
 
 template <int R, bool kScores, class Pk>
-static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t lda,
-                                 const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t sa,
+                                 int64_t sk, const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      gemm_cols<R, kScores, Pk>(M, K, A, lda, B, ldb, C, ldc);
+      gemm_cols<R, kScores, Pk>(M, K, A, sa, sk, B, ldb, C, ldc);
     else
-      gemm_cols_rem<R - 1, kScores, Pk>(r, M, K, A, lda, B, ldb, C, ldc);
+      gemm_cols_rem<R - 1, kScores, Pk>(r, M, K, A, sa, sk, B, ldb, C, ldc);
   }
 }
 
 template <bool kScores, class Pk>
-static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda, const Pk* B,
-                 int64_t ldb, float* C, int64_t ldc) {
+static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                 const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   int64_t nv = N / W, j = 0;
   for (; j + kNR <= nv; j += kNR)
-    gemm_cols<kNR, kScores, Pk>(M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols<kNR, kScores, Pk>(M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
   if (j < nv)
-    gemm_cols_rem<kNR - 1, kScores, Pk>(nv - j, M, K, A, lda, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols_rem<kNR - 1, kScores, Pk>(nv - j, M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
 }
 
-// C[M x N] = A[M x K] . B[K x N], K the head dim (see above).
+// C[M x N] = A[M x K] . B[K x N], K the head dim (see above), A by rows.
 template <class Pk>
 static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<true, Pk>(M, N, K, A, lda, B, ldb, C, ldc);
+  gemm<true, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
 }
 
-// C[M x N] += A[M x K] . B[K x N].
+// C[M x N] += A[M x K] . B[K x N], A by rows.
 template <class Pk>
 static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
                             const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<false, Pk>(M, N, K, A, lda, B, ldb, C, ldc);
+  gemm<false, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+}
+
+// C[M x N] += A[M x K] . B[K x N], A by columns: element (i, k) at At[k * ldat + i].
+template <class Pk>
+static inline void acc_gemm_at(int64_t M, int64_t N, int64_t K, const Pk* At, int64_t ldat,
+                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<false, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc);
 }
 
 // A computed f32 tile (rows x ld, n real columns) as the A operand of a
@@ -577,6 +615,34 @@ inline const uint32_t* a_tile<uint32_t>(const float* t, int64_t rows, int64_t ld
     uint32_t* w = words + r * ldw;
     for (int64_t p = 0; p < full; ++p) w[p] = bf16_pair(row[2 * p], row[2 * p + 1]);
     if (n % 2) w[full] = bf16_pair(row[n - 1], 0.0f);
+  }
+  return words;
+}
+
+// A computed f32 tile (rows x ld, n computed columns) as an operand summed
+// over its rows (the B operand Pᵀ of Oᵀ += Vᵀ Pᵀ, the A operand dSᵀ of
+// dQ += dS K read by columns): itself for f32; for bf16, words of rounded row
+// pairs, words[u * ld + c] = (t[2u][c], t[2u + 1][c]), an odd last row paired
+// with 0.
+template <class Pk>
+static inline const Pk* row_pair_tile(const float* t, int64_t rows, int64_t ld, int64_t n,
+                                      Pk* words);
+template <>
+inline const float* row_pair_tile<float>(const float* t, int64_t, int64_t, int64_t, float*) {
+  return t;
+}
+template <>
+inline const uint32_t* row_pair_tile<uint32_t>(const float* t, int64_t rows, int64_t ldt,
+                                               int64_t n, uint32_t* words) {
+  const vf zero = {};
+  for (int64_t u = 0; u < (rows + 1) / 2; ++u) {
+    const float* lo = t + 2 * u * ldt;
+    const float* hi = lo + ldt;
+    const bool has_hi = 2 * u + 1 < rows;
+    for (int64_t c = 0; c < n; c += W) {
+      const vu w = vbf16_bits(ld(lo + c)) | (vbf16_bits(has_hi ? ld(hi + c) : zero) << 16);
+      memcpy(words + u * ldt + c, &w, sizeof(w));
+    }
   }
   return words;
 }
@@ -940,12 +1006,13 @@ static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, uin
 struct FwdState {
   Geo g;
   const ForwardOperands* op;
-  float* KT;  // [B*KH][ntk][D][BK]
-  float* V;   // [B*KH][Sp][Dp]
-  // With bf16 pairs (words): Kᵀ [B*KH][ntk][ceil(D/2)][BK] and V pairs along
-  // keys [B*KH][Sp/2][Dp] instead, K and V going through one f32 head in V.
+  float* K;  // [B*KH][Sp][Dp] rows
+  float* V;  // [B*KH][Sp][Dp] rows
+  // With bf16 pairs (words): K with pairs along D [B*KH][Sp][Dp / 2] and V
+  // with pairs along keys [B*KH][Sp / 2][Dp], both in K's space; V's space is
+  // the f32 packing scratch.
   bool words;
-  uint32_t* KTw;
+  uint32_t* Kw;
   uint32_t* Vw;
   int fail;
 };
@@ -953,132 +1020,148 @@ struct FwdState {
 static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
+  const int64_t head = idx * g.Sp * g.Dp;
   if (s.words) {
-    float* rows = s.V + idx * g.Sp * g.Dp;
+    float* rows = s.V + head;
     pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dp, rows);
-    pack_pair_transposed(rows, g.Sp, g.D, g.Dp, BK, s.KTw + idx * g.Sp * ((g.D + 1) / 2));
+    pack_pair_rows(rows, g.Sp, g.Dp, s.Kw + head / 2);
     pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, rows);
-    pack_pair_interleaved(rows, g.Sp, g.Dp, s.Vw + idx * g.Sp * g.Dp / 2);
+    pack_pair_interleaved(rows, g.Sp, g.Dp, s.Vw + head / 2);
     return;
   }
-  float* vdst = s.V + idx * g.Sp * g.Dp;
-  pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, vdst);
-  // Kᵀ blocked by BK, straight from the source rows.
-  float* kt = s.KT + idx * g.Sp * g.D;
-  float row[kMaxHeadDim];
-  for (int64_t j = 0; j < g.Sp; ++j) {
-    if (j < g.S)
-      load_row(row_ptr(s.op->k, b, j, h), s.op->k.dtype, g.D, row);
-    else
-      for (int64_t d = 0; d < g.D; ++d) row[d] = 0.0f;
-    float* o = kt + (j / BK) * g.D * BK + (j % BK);
-    for (int64_t d = 0; d < g.D; ++d) o[d * BK] = row[d];
-  }
+  pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dp, s.K + head);
+  pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, s.V + head);
 }
 
+// One query tile of one head. The tile is computed key-major, Sᵀ = K Qᵀ
+// (a key per row, the BQ queries along the vectors), so that every query's
+// softmax statistics (running max m, sum l, rescale factor) are vectors of
+// queries updated element-wise, with no reduction across vector lanes; the
+// output accumulates as Oᵀ += Vᵀ Pᵀ (Vᵀ read in place from V's rows) and is
+// transposed once when the item writes O.
 template <class Pk>
 static void fwd_item(FwdState& s, int64_t idx) {
   constexpr int64_t kP = Lanes<Pk>::kPair;
+  constexpr int64_t kQV = BQ / W;  // query vectors per tile row
   const Geo& g = s.g;
   const ForwardOperands& op = *s.op;
-  int64_t qt = g.ntq - 1 - idx / (g.B * g.N);
-  int64_t bn = idx % (g.B * g.N);
+  // Items run head by head, so the threads share one head's K and V in cache,
+  // and within a head from the last query tile down: under causality the
+  // largest items go first and the smallest fill in at the end.
+  int64_t bn = idx / g.ntq;
+  int64_t qt = g.ntq - 1 - idx % g.ntq;
   int64_t b = bn / g.N, n = bn % g.N, kh = n / g.G;
-  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W), nqv = ncq / W;
   int64_t Dp = g.Dp, D = g.D, Dk = (D + kP - 1) / kP;
-  // Pk scratch for the Q rows and P as product operands (bf16 pairs only).
-  const int64_t pk_floats = kP == 1 ? 0 : (BQ * Dp + BQ * BK) / 2;
-  float* buf = falloc(BQ * Dp * 2 + BQ * BK + 2 * BQ + BK + pk_floats);
+  // Qᵀ [Dk][BQ] (Pk), Oᵀ [Dp][BQ], Sᵀ [BK][BQ], m, l, alpha, the max used by
+  // the exponentials and a bias row [BQ] each, Pᵀ pairs [BK / 2][BQ] (bf16).
+  float* buf = falloc(2 * Dp * BQ + BK * BQ + 5 * BQ + (kP == 1 ? 0 : BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
   }
-  float* Qt = buf;
-  float* Ob = Qt + BQ * Dp;
-  float* Sb = Ob + BQ * Dp;
-  float* mrow = Sb + BQ * BK;
+  Pk* QT = reinterpret_cast<Pk*>(buf);
+  float* OT = buf + Dp * BQ;
+  float* St = OT + Dp * BQ;
+  float* mrow = St + BK * BQ;
   float* lrow = mrow + BQ;
-  float* brow = lrow + BQ;
-  Pk* Qw = reinterpret_cast<Pk*>(brow + BK);  // [BQ][Dp / 2] (bf16 pairs only)
-  Pk* Pw = Qw + BQ * Dp / 2;                   // [BQ][BK / 2] (bf16 pairs only)
-  for (int64_t r = 0; r < ni; ++r) load_row(row_ptr(op.q, b, i0 + r, n), op.q.dtype, D, Qt + r * Dp);
-  if constexpr (kP == 2) {  // the pairs read the zero padding past D
-    for (int64_t r = 0; r < ni; ++r)
-      for (int64_t d = D; d < Dp; ++d) Qt[r * Dp + d] = 0.0f;
+  float* alpha = lrow + BQ;
+  float* mexp = alpha + BQ;
+  float* brow = mexp + BQ;
+  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);
+  {
+    float row[kMaxHeadDim + 1];
+    for (int64_t r = 0; r < BQ; ++r) {
+      if (r < ni)
+        load_row(row_ptr(op.q, b, i0 + r, n), op.q.dtype, D, row);
+      else
+        for (int64_t d = 0; d < D; ++d) row[d] = 0.0f;
+      row[D] = 0.0f;  // the pair of an odd D's last element
+      for (int64_t p = 0; p < Dk; ++p) {
+        if constexpr (kP == 1)
+          QT[p * BQ + r] = row[p];
+        else
+          QT[p * BQ + r] = bf16_pair(row[2 * p], row[2 * p + 1]);
+      }
+    }
   }
-  const Pk* Qa = a_tile<Pk>(Qt, ni, Dp, Dp, Qw);
-  memset(Ob, 0, static_cast<size_t>(BQ * Dp) * 4);
+  memset(OT, 0, static_cast<size_t>(Dp * BQ) * 4);
   for (int64_t r = 0; r < BQ; ++r) {
     mrow[r] = -kInf;
     lrow[r] = 0.0f;
   }
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
-  const Pk* KTh;
-  const Pk* Vh;  // B operand of O += P.V: rows (f32) or key pairs (bf16)
+  const int64_t head = (b * g.KH + kh) * g.Sp * Dp;
+  // A of Sᵀ = K Qᵀ: K's rows; A of Oᵀ += Vᵀ Pᵀ: V by columns (f32 rows, or
+  // key pairs for bf16), both Dp / kP elements a row.
+  const Pk* Kh;
+  const Pk* Vh;
   if constexpr (kP == 1) {
-    KTh = s.KT + (b * g.KH + kh) * g.Sp * D;
-    Vh = s.V + (b * g.KH + kh) * g.Sp * Dp;
+    Kh = s.K + head;
+    Vh = s.V + head;
   } else {
-    KTh = s.KTw + (b * g.KH + kh) * g.Sp * Dk;
-    Vh = s.Vw + (b * g.KH + kh) * g.Sp * Dp / 2;
+    Kh = s.Kw + head / 2;
+    Vh = s.Vw + head / 2;
   }
   int64_t kt_begin, kt_end, visited = 0;
   key_tile_range(g, b, qt, &kt_begin, &kt_end);
   for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-    int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
+    int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
     if (cls == 0) continue;
     ++visited;
-    const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
-    score_gemm<Pk>(ni, nc, Dk, Qa, Dp / kP, KTh + kt * Dk * BK, BK, Sb, BK);
-    for (int64_t r = 0; r < ni; ++r) {
-      float* srow = Sb + r * BK;
-      scores.prep(srow, i0 + r, brow);
+    score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * (Dp / kP), Dp / kP, QT, BQ, St, BQ);
+    const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
+    for (int64_t r = 0; r < nj; ++r) scores.prep(St + r * BQ, j0 + r, brow);
+    // New running max per query. A query that has seen no finite score keeps
+    // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
+    // score); any NaN score makes its query's l, and so its O and L, NaN.
+    bool rescale = false;
+    for (int64_t v = 0; v < nqv; ++v) {
       vf mx = bc(-kInf);
-      for (int64_t c = 0; c < nc; c += W) mx = vmax(mx, ld(srow + c));
-      float mnew = fmaxs(mrow[r], hmax(mx));
-      if (mnew == -kInf) {
-        // Every score is -inf, or NaN (the maxima above skip NaN): a NaN
-        // makes the whole row NaN, as in jax.nn; otherwise nothing is seen yet.
-        bool nan = false;
-        for (int64_t c = 0; c < nc; ++c) nan |= srow[c] != srow[c];
-        if (!nan) {
-          for (int64_t c = 0; c < nc; ++c) srow[c] = 0.0f;
-          continue;
-        }
-        mnew = __builtin_nanf("");
-      }
-      vf vm = bc(mnew), sum = {};
-      for (int64_t c = 0; c < nc; c += W) {
-        vf p = vexp2(ld(srow + c) - vm);
-        sum += p;
-        st(srow + c, p);
-      }
-      float alpha = sexp2(mrow[r] - mnew);
-      lrow[r] = lrow[r] * alpha + hsum(sum);
-      mrow[r] = mnew;
-      if (alpha != 1.0f) {
-        float* orow = Ob + r * Dp;
-        vf va = bc(alpha);
-        for (int64_t c = 0; c < Dp; c += W) st(orow + c, ld(orow + c) * va);
+      for (int64_t r = 0; r < nj; ++r) mx = vmax(mx, ld(St + r * BQ + v * W));
+      const vf mold = ld(mrow + v * W), mnew = vmax(mold, mx);
+      const vi dead = mnew == bc(-kInf);
+      const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
+      st(mexp + v * W, dead ? bc(0.0f) : mnew);
+      st(mrow + v * W, mnew);
+      st(alpha + v * W, a);
+      for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
+    }
+    vf sum[kQV];
+    for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
+    for (int64_t r = 0; r < nj; ++r) {
+      float* srow = St + r * BQ;
+      for (int64_t v = 0; v < nqv; ++v) {
+        const vf p = vexp2(ld(srow + v * W) - ld(mexp + v * W));
+        sum[v] += p;
+        st(srow + v * W, p);
       }
     }
-    acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, Pw), BK / kP,
-                 Vh + j0 / kP * Dp, Dp, Ob, Dp);
+    for (int64_t v = 0; v < nqv; ++v)
+      st(lrow + v * W, ld(lrow + v * W) * ld(alpha + v * W) + sum[v]);
+    if (rescale) {
+      for (int64_t d = 0; d < Dp; ++d)
+        for (int64_t v = 0; v < nqv; ++v)
+          st(OT + d * BQ + v * W, ld(OT + d * BQ + v * W) * ld(alpha + v * W));
+    }
+    acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dp, Dp,
+                    row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, OT, BQ);
   }
   count_tile_visits(kTileVisitsForward, visited);
   float* lse = op.lse + (b * g.N + n) * g.T;
+  float orow[kMaxHeadDim];
   for (int64_t r = 0; r < ni; ++r) {
-    float* orow = Ob + r * Dp;
     float l = lrow[r];
     char* dst = row_ptr_mut(op.o, b, i0 + r, n);
-    // A row saw a key iff its running max left -inf (then l >= 1, or NaN when
-    // a score was NaN or +inf; NaN then reaches O and L).
-    if (mrow[r] != -kInf) {
+    // A query saw a key iff its running max left -inf (then l >= 1), or a
+    // score was NaN (then l, O and L are NaN).
+    if (mrow[r] != -kInf || l != l) {
+      for (int64_t d = 0; d < D; ++d) orow[d] = OT[d * BQ + r];
       store_row(dst, op.o.dtype, D, orow, 1.0f / l);
       lse[i0 + r] = mrow[r] * kLn2 + __builtin_logf(l);
     } else {
-      for (int64_t c = 0; c < D; ++c) orow[c] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) orow[d] = 0.0f;
       store_row(dst, op.o.dtype, D, orow, 1.0f);
       lse[i0 + r] = -kInf;
     }
@@ -1363,7 +1446,7 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   const PackView<Pk> o = pack_view<Pk>(s);
   int64_t b = idx / g.KH, kh = idx % g.KH;
   int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ * BK + BQ +
+  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ +
                       (kP == 1 ? 0 : 3 * BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
@@ -1374,9 +1457,9 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   float* dV = dK + BK * Dp;
   float* St = dV + BK * Dp;
   float* dPt = St + BK * BQ;
-  float* dS = dPt + BK * BQ;
-  float* brow = dS + BQ * BK;
-  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);  // P^T, dS^T, dS as bf16 pairs (only then)
+  float* brow = dPt + BK * BQ;
+  // Pᵀ and dSᵀ with pairs along queries, dSᵀ with pairs along keys (bf16 only).
+  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);
   Pk* dSw = Pw + BK * BQ / 2;
   Pk* dSq = dSw + BK * BQ / 2;
   memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dp) * 4);
@@ -1397,11 +1480,10 @@ static void bwd_fused(BwdState& s, int64_t idx) {
         ++visited;
         dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
                       dV);
-        // dQ[i0.., :] += dS . K, with dS (queries x keys) transposed out of dPt.
-        for (int64_t r = 0; r < ni; ++r)
-          for (int64_t c = 0; c < nj; ++c) dS[r * BK + c] = dPt[c * BQ + r];
-        acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(dS, ni, BK, nj, dSq), BK / kP,
-                     o.Kb + (idx * g.Sp + j0) / kP * Dp, Dp, dQ + (gi * g.Tp + i0) * Dp, Dp);
+        // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
+        acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
+                        BQ, o.Kb + (idx * g.Sp + j0) / kP * Dp, Dp, dQ + (gi * g.Tp + i0) * Dp,
+                        Dp);
       }
     }
     for (int64_t r = 0; r < nj; ++r) {
@@ -1589,20 +1671,18 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   s.fail = 0;
   s.words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
   void* handle = nullptr;
-  int64_t ktsz = g.B * g.KH * g.Sp * g.D, vsz = g.B * g.KH * g.Sp * g.Dp;
-  // Words: Kᵀ and V as bf16 pairs; V's f32 space is the packing scratch.
-  if (s.words) ktsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2) + vsz / 2;
+  const int64_t packsz = g.B * g.KH * g.Sp * g.Dp;  // K's and V's space each (see FwdState)
   int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
-  float* base = scratch_take(carve_size(ktsz) + carve_size(vsz) + carve_size(segsz), &handle);
+  float* base = scratch_take(2 * carve_size(packsz) + carve_size(segsz), &handle);
   const char* err = nullptr;
   if (!base) {
     err = kOom;
   } else {
     Carver c{base, 0};
-    s.KT = c.take(ktsz);
-    s.V = c.take(vsz);
-    s.KTw = reinterpret_cast<uint32_t*>(s.KT);
-    s.Vw = s.KTw + g.B * g.KH * g.Sp * ((g.D + 1) / 2);
+    s.K = c.take(packsz);
+    s.V = c.take(packsz);
+    s.Kw = reinterpret_cast<uint32_t*>(s.K);
+    s.Vw = s.Kw + packsz / 2;
     if (g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
     run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
     if (s.fail) err = kOom;
@@ -1721,6 +1801,33 @@ double fma_loop(int64_t iters) {
   volatile float sink = hsum(r0 + r1 + r2 + r3 + r4 + r5 + r6 + r7 + r8 + r9 + r10 + r11);
   (void)sink;
   return double(iters) * 12 * W * 2;
+}
+
+// Floating-point operations done by `iters` rounds of 12 independent bf16
+// pair dot products (each lane adds two products: 4 FLOPs): the bf16 peak's
+// loop, like fma_loop. Only the native vdpbf16ps kernels have it; elsewhere
+// it does nothing and returns 0 (there is no bf16 dot-product peak).
+double bf16_dot_loop(int64_t iters) {
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
+  using L = Lanes<uint32_t>;
+  vf r0 = bc(1.0f), r1 = bc(1.1f), r2 = bc(1.2f), r3 = bc(1.3f), r4 = bc(1.4f), r5 = bc(1.5f),
+     r6 = bc(1.6f), r7 = bc(1.7f), r8 = bc(1.8f), r9 = bc(1.9f), r10 = bc(2.0f), r11 = bc(2.1f);
+  const L::V a = L::bcast(bf16_pair(1e-3f, -1e-3f)), b = L::bcast(bf16_pair(0.5f, 0.25f));
+  for (int64_t it = 0; it < iters; ++it) {
+    r0 = L::madd(r0, a, b); r1 = L::madd(r1, a, b); r2 = L::madd(r2, a, b);
+    r3 = L::madd(r3, a, b); r4 = L::madd(r4, a, b); r5 = L::madd(r5, a, b);
+    r6 = L::madd(r6, a, b); r7 = L::madd(r7, a, b); r8 = L::madd(r8, a, b);
+    r9 = L::madd(r9, a, b); r10 = L::madd(r10, a, b); r11 = L::madd(r11, a, b);
+    __asm__ volatile("" : "+x"(r0), "+x"(r1), "+x"(r2), "+x"(r3), "+x"(r4), "+x"(r5),
+                     "+x"(r6), "+x"(r7), "+x"(r8), "+x"(r9), "+x"(r10), "+x"(r11));
+  }
+  volatile float sink = hsum(r0 + r1 + r2 + r3 + r4 + r5 + r6 + r7 + r8 + r9 + r10 + r11);
+  (void)sink;
+  return double(iters) * 12 * W * 4;
+#else
+  (void)iters;
+  return 0.0;
+#endif
 }
 
 // The vector instructions this translation unit was compiled for, from the

@@ -2,7 +2,7 @@
 # Builds the CPU kernels and their standalone test with g++ (the flags the
 # CMake build uses) and runs the suite once per ISA the machine supports.
 #   cpp/cpu/tests/build_and_test.sh          build + test every ISA
-#   cpp/cpu/tests/build_and_test.sh bench    build + benchmark (2 threads)
+#   cpp/cpu/tests/build_and_test.sh bench [threads reps T]  build + benchmark
 # A cross compiler in CXX builds for its target (the x86-64 ISAs only for
 # x86-64) and FATRAIN_TEST_RUNNER runs the binary (e.g. qemu-aarch64, see
 # tools/arm64_check.sh). FATRAIN_TEST_CXXFLAGS adds compile and link flags and

@@ -6,8 +6,11 @@
 //                                 force a lower one); with
 //                                 FATRAIN_EXPECT_VECTOR_ISA set, fail unless
 //                                 the kernels use those vector instructions
-//   test_attention_cpu bench [threads] [reps]
-//                                 time causal fwd/bwd at B=1 N=8 T=S=2048 D=64
+//   test_attention_cpu bench [threads] [reps] [T] [ROW]
+//                                 time fwd and fwd+bwd at B=1 N=8 T=S=T (2048),
+//                                 D=64/128, causal or not, f32 and bf16, against
+//                                 the machine's FMA and bf16 dot-product peaks
+//                                 (ROW, e.g. f32-64-causal: that row only)
 //
 // The cases, the double-precision reference and the comparisons are those of
 // cpp/testing/attention_check.h, which the CUDA kernels' check shares; here
@@ -117,61 +120,76 @@ static void test_validation() {
 // ---------------------------------------------------------------------------
 // Benchmark.
 // ---------------------------------------------------------------------------
-static double cpu_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
-static void bench(int threads, int reps) {
+// Times forward and forward+backward at B = 1, N = 8, T = S = `T` for D = 64
+// and 128, causal and not, float32 and bfloat16, and reports GFLOP/s (the
+// FlashAttention convention: forward 4 B N T S D, halved when causal;
+// forward+backward 3.5x that) against this machine's peak for the dtype's
+// products: the float32 FMA peak, or the bf16 dot-product peak where the
+// bfloat16 kernels run vdpbf16ps.
+static void bench(int threads, int reps, int64_t T, const char* only) {
   ThreadedFor tf{threads};
   ParallelFor pf = tf.pf();
-  const int64_t B = 1, N = 8, T = 2048, D = 64;
-  std::printf("bench: isa=%s threads=%d B=%lld N=%lld T=S=%lld D=%lld causal\n", selected_isa(),
-              threads, (long long)B, (long long)N, (long long)T, (long long)D);
+  const int64_t B = 1, N = 8;
+  const bool bf16_dot = bf16_dot_peak_gflops(threads, 0.01) > 0;
+  std::printf("bench: isa=%s threads=%d B=%lld N=%lld T=S=%lld, best of %d; each row against the "
+              "best peak measured between its runs (bf16: the %s peak)\n",
+              selected_isa(), threads, (long long)B, (long long)N, (long long)T, reps,
+              bf16_dot ? "bf16 dot-product" : "f32 FMA");
+  std::printf("  %-5s %4s %-6s %10s %8s %6s %10s %8s %6s %8s\n", "dtype", "D", "causal", "fwd ms",
+              "GFLOP/s", "%peak", "f+b ms", "GFLOP/s", "%peak", "peak");
   for (DType dt : {DType::kF32, DType::kBF16}) {
-    std::mt19937_64 rng(1);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    Seq q(dt, B, T, N, D, false), k(dt, B, T, N, D, false), v(dt, B, T, N, D, false);
-    Seq o(dt, B, T, N, D, false), dO(dt, B, T, N, D, false), dq(dt, B, T, N, D, false),
-        dk(dt, B, T, N, D, false), dv(dt, B, T, N, D, false);
-    for (Seq* s : {&q, &k, &v, &dO})
-      for (int64_t i = 0; i < s->buf.n; ++i) s->buf.set(i, nd(rng));
-    std::vector<float> lse(B * N * T);
-    AttentionProblem p;
-    p.batch = B; p.q_heads = N; p.kv_heads = N; p.q_len = T; p.kv_len = T; p.head_dim = D;
-    p.scale = 1.0f / 8.0f;
-    p.causal = true;
-    ForwardOperands fo;
-    fo.q = q.view(); fo.k = k.view(); fo.v = v.view(); fo.o = o.view(); fo.lse = lse.data();
-    BackwardOperands bo;
-    bo.q = q.view(); bo.k = k.view(); bo.v = v.view(); bo.o = o.view(); bo.d_o = dO.view();
-    bo.lse = lse.data(); bo.dq = dq.view(); bo.dk = dk.view(); bo.dv = dv.view();
-    double best_f = 1e9, best_b = 1e9, best_fb = 1e9, cpu_f = 1e9, cpu_b = 1e9;
-    for (int r = 0; r < reps; ++r) {
-      double c0 = cpu_seconds();
-      auto t0 = std::chrono::steady_clock::now();
-      const char* e1 = attention_forward(p, fo, pf);
-      auto t1 = std::chrono::steady_clock::now();
-      double c1 = cpu_seconds();
-      const char* e2 = attention_backward(p, bo, pf);
-      auto t2 = std::chrono::steady_clock::now();
-      double c2 = cpu_seconds();
-      cpu_f = std::min(cpu_f, c1 - c0);
-      cpu_b = std::min(cpu_b, c2 - c1);
-      if (e1 || e2) {
-        std::printf("error: %s\n", e1 ? e1 : e2);
-        return;
+    auto measure_peak = [&] {
+      return dt == DType::kBF16 && bf16_dot ? bf16_dot_peak_gflops(threads, 0.1)
+                                            : fma_peak_gflops(threads, 0.1);
+    };
+    for (int64_t D : {64, 128}) {
+      for (bool causal : {false, true}) {
+        char name[32];
+        std::snprintf(name, sizeof(name), "%s-%lld-%s", dname(dt), (long long)D,
+                      causal ? "causal" : "full");
+        if (only && std::strcmp(only, name) != 0) continue;
+        std::mt19937_64 rng(1);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        Seq q(dt, B, T, N, D, false), k(dt, B, T, N, D, false), v(dt, B, T, N, D, false);
+        Seq o(dt, B, T, N, D, false), dO(dt, B, T, N, D, false), dq(dt, B, T, N, D, false),
+            dk(dt, B, T, N, D, false), dv(dt, B, T, N, D, false);
+        for (Seq* x : {&q, &k, &v, &dO})
+          for (int64_t i = 0; i < x->buf.n; ++i) x->buf.set(i, nd(rng));
+        std::vector<float> lse(B * N * T);
+        AttentionProblem p;
+        p.batch = B; p.q_heads = N; p.kv_heads = N; p.q_len = T; p.kv_len = T;
+        p.head_dim = D;
+        p.scale = 1.0f / std::sqrt(float(D));
+        p.causal = causal;
+        ForwardOperands fo;
+        fo.q = q.view(); fo.k = k.view(); fo.v = v.view(); fo.o = o.view(); fo.lse = lse.data();
+        BackwardOperands bo;
+        bo.q = q.view(); bo.k = k.view(); bo.v = v.view(); bo.o = o.view(); bo.d_o = dO.view();
+        bo.lse = lse.data(); bo.dq = dq.view(); bo.dk = dk.view(); bo.dv = dv.view();
+        double best_f = 1e9, best_fb = 1e9, peak = 0;
+        for (int r = 0; r < reps; ++r) {
+          peak = std::max(peak, measure_peak());
+          auto t0 = std::chrono::steady_clock::now();
+          const char* e1 = attention_forward(p, fo, pf);
+          auto t1 = std::chrono::steady_clock::now();
+          const char* e2 = attention_backward(p, bo, pf);
+          auto t2 = std::chrono::steady_clock::now();
+          if (e1 || e2) {
+            std::printf("error: %s\n", e1 ? e1 : e2);
+            return;
+          }
+          best_f = std::min(best_f, std::chrono::duration<double>(t1 - t0).count());
+          best_fb = std::min(best_fb, std::chrono::duration<double>(t2 - t0).count());
+        }
+        const double flops = 4.0 * B * N * T * T * D * (causal ? 0.5 : 1.0);
+        const double gf = flops / best_f / 1e9, gfb = 3.5 * flops / best_fb / 1e9;
+        std::printf("  %-5s %4lld %-6s %10.2f %8.1f %5.0f%% %10.2f %8.1f %5.0f%% %8.1f\n",
+                    dname(dt), (long long)D, causal ? "yes" : "no", best_f * 1e3, gf,
+                    100 * gf / peak, best_fb * 1e3, gfb, 100 * gfb / peak, peak);
+        std::fflush(stdout);
       }
-      double f = std::chrono::duration<double>(t1 - t0).count();
-      double b = std::chrono::duration<double>(t2 - t1).count();
-      best_f = std::min(best_f, f);
-      best_b = std::min(best_b, b);
-      best_fb = std::min(best_fb, f + b);
     }
-    std::printf("  %-5s fwd %.4f s  bwd %.4f s  fwd+bwd %.4f s (best of %d; process CPU time "
-                "fwd %.4f bwd %.4f)\n",
-                dname(dt), best_f, best_b, best_fb, reps, cpu_f, cpu_b);
   }
 }
 
@@ -179,7 +197,8 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "bench") == 0) {
     int threads = argc > 2 ? std::atoi(argv[2]) : 2;
     int reps = argc > 3 ? std::atoi(argv[3]) : 5;
-    bench(threads, reps);
+    int64_t T = argc > 4 ? std::atoll(argv[4]) : 2048;
+    bench(threads, reps, T, argc > 5 ? argv[5] : nullptr);
     return 0;
   }
   const char* want = std::getenv("JAX_FATRAIN_CPU_ISA");

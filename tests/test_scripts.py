@@ -224,6 +224,30 @@ def test_benchmark_smoke():
       assert float(cells["err vs xla"]) < 1e-4
 
 
+def test_benchmark_rows_use_their_own_peak():
+  """bfloat16 rows are compared with the bf16 dot-product peak where our kernels run
+  vdpbf16ps, every other row with the float32 FMA peak; the extension measures the
+  bf16 peak exactly where cpu_isa() is avx512_bf16."""
+  import jax_fatrain
+  from jax_fatrain.bench import cpu as bench_cpu
+  cases = [bench_cpu.Case(T=128, D=64, causal=False, dtype=dt, mode="fwd")
+           for dt in ("float32", "bfloat16")]
+  seconds = cases[0].flops / 100e9  # 100 GFLOP/s on both rows
+  results = {(c, "ours"): bench_cpu.Measurement(seconds=seconds) for c in cases}
+  header, rows = bench_cpu.build_rows(cases, ["ours"], results, False,
+                                      {"f32 FMA": 200.0, "bf16 dot": 400.0})
+  cells = [dict(zip(header, r)) for r in rows]
+  assert [(c["ours % of peak"], c["peak"]) for c in cells] == [("50%", "f32 FMA"),
+                                                                ("25%", "bf16 dot")]
+  header, rows = bench_cpu.build_rows(cases, ["ours"], results, False,
+                                      {"f32 FMA": 200.0, "bf16 dot": None})
+  assert [dict(zip(header, r))["ours % of peak"] for r in rows] == ["50%", "50%"]
+  assert "peak" not in header
+  peaks = bench_cpu.measure_peaks()
+  assert peaks["f32 FMA"] > 0
+  assert (peaks["bf16 dot"] is not None) == (jax_fatrain.cpu_isa() == "avx512_bf16")
+
+
 def test_benchmark_memory_and_markdown(capsys):
   benchmark, _ = _bench_impls()
   result = benchmark.main([

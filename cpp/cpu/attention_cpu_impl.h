@@ -487,24 +487,31 @@ static inline int64_t carve_size(int64_t n) { return round_up(n > 0 ? n : 1, 16)
 // ---------------------------------------------------------------------------
 constexpr int64_t kScoreSumChunk = 16;
 
+// How mk sums: kSequential, C += A.B summed in order into C (accumulating
+// products); kChunks, C = A.B in chunks of kScoreSumChunk (score products);
+// kMoreChunks, C += A.B in such chunks (a score product's later K blocks).
+enum Sum { kSequential, kChunks, kMoreChunks };
+
 // K counts Pk elements (pairs for bf16), the strides too. Element (i, k) of
 // A is A[i * sa + k * sk]: sk = 1 for A stored by rows (the usual case),
 // sa = 1 for A stored by columns (A is the transpose of a row-major tile, read
 // in place instead of being transposed first).
-template <int M, int N, bool kScores, class Pk>
+template <int M, int N, Sum kSum, class Pk>
 static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const Pk* __restrict B,
                int64_t ldb, float* __restrict C, int64_t ldc) {
   using L = Lanes<Pk>;
   using V = typename L::V;
+  constexpr bool kScores = kSum != kSequential;
   const int64_t chunk = kScores ? kScoreSumChunk : (K > 0 ? K : 1);
-  if (kScores && K <= 0) {
+  if (K <= 0) {
+    if (kSum != kChunks) return;
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < N; ++j) st(C + i * ldc + j * W, vf{});
     return;
   }
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = imin(K, k0 + chunk);
-    const bool add = !kScores || k0 > 0;
+    const bool add = kSum != kChunks || k0 > 0;
     vf c[M][N];
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
@@ -533,68 +540,77 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
   }
 }
 
-template <int R, int N, bool kScores, class Pk>
+template <int R, int N, Sum kSum, class Pk>
 static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t sa, int64_t sk,
                                const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      mk<R, N, kScores, Pk>(K, A, sa, sk, B, ldb, C, ldc);
+      mk<R, N, kSum, Pk>(K, A, sa, sk, B, ldb, C, ldc);
     else
-      mk_rows_rem<R - 1, N, kScores, Pk>(r, K, A, sa, sk, B, ldb, C, ldc);
+      mk_rows_rem<R - 1, N, kSum, Pk>(r, K, A, sa, sk, B, ldb, C, ldc);
   }
 }
 
-template <int N, bool kScores, class Pk>
+template <int N, Sum kSum, class Pk>
 static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t sa, int64_t sk, const Pk* B,
                       int64_t ldb, float* C, int64_t ldc) {
   int64_t i = 0;
   for (; i + kMR <= M; i += kMR)
-    mk<kMR, N, kScores, Pk>(K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
+    mk<kMR, N, kSum, Pk>(K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
   if (i < M)
-    mk_rows_rem<kMR - 1, N, kScores, Pk>(M - i, K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
+    mk_rows_rem<kMR - 1, N, kSum, Pk>(M - i, K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
 }
 
-template <int R, bool kScores, class Pk>
+template <int R, Sum kSum, class Pk>
 static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t sa,
                                  int64_t sk, const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R > 0) {
     if (r == R)
-      gemm_cols<R, kScores, Pk>(M, K, A, sa, sk, B, ldb, C, ldc);
+      gemm_cols<R, kSum, Pk>(M, K, A, sa, sk, B, ldb, C, ldc);
     else
-      gemm_cols_rem<R - 1, kScores, Pk>(r, M, K, A, sa, sk, B, ldb, C, ldc);
+      gemm_cols_rem<R - 1, kSum, Pk>(r, M, K, A, sa, sk, B, ldb, C, ldc);
   }
 }
 
-template <bool kScores, class Pk>
+template <Sum kSum, class Pk>
 static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t sa, int64_t sk,
                  const Pk* B, int64_t ldb, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   int64_t nv = N / W, j = 0;
   for (; j + kNR <= nv; j += kNR)
-    gemm_cols<kNR, kScores, Pk>(M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols<kNR, kSum, Pk>(M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
   if (j < nv)
-    gemm_cols_rem<kNR - 1, kScores, Pk>(nv - j, M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols_rem<kNR - 1, kSum, Pk>(nv - j, M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
 }
 
 // C[M x N] = A[M x K] . B[K x N], K the head dim (see above), A by rows.
+// K past kScoreKBlock Pk elements is summed a K block at a time over all of
+// C, so that the block of B every micro-kernel call reads (K block x N, 16 KB
+// for N = 64) and C fit the L1 cache together; the chunks and their order
+// stay the same (the block is a multiple of the chunk).
+constexpr int64_t kScoreKBlock = 64;
+static_assert(kScoreKBlock % kScoreSumChunk == 0, "K blocks must end on chunk boundaries");
 template <class Pk>
 static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<true, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+  constexpr int64_t kb = kScoreKBlock;
+  gemm<kChunks, Pk>(M, N, imin(K, kb), A, lda, 1, B, ldb, C, ldc);
+  for (int64_t k0 = kb; k0 < K; k0 += kb)
+    gemm<kMoreChunks, Pk>(M, N, imin(K - k0, kb), A + k0, lda, 1, B + k0 * ldb, ldb, C, ldc);
 }
 
 // C[M x N] += A[M x K] . B[K x N], A by rows.
 template <class Pk>
 static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
                             const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<false, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+  gemm<kSequential, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
 }
 
 // C[M x N] += A[M x K] . B[K x N], A by columns: element (i, k) at At[k * ldat + i].
 template <class Pk>
 static inline void acc_gemm_at(int64_t M, int64_t N, int64_t K, const Pk* At, int64_t ldat,
                                const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<false, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc);
+  gemm<kSequential, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc);
 }
 
 // A computed f32 tile (rows x ld, n real columns) as the A operand of a
@@ -887,11 +903,18 @@ static inline void prep_row(float* s, int64_t nc, float scale, const float* brow
   if (partial) {
     if (hi > n_real - 1) hi = n_real - 1;
     if (lo > hi) {
-      for (int64_t c = 0; c < nc; ++c) s[c] = -kInf;
+      for (int64_t c = 0; c < nc; c += W) st(s + c, bc(-kInf));
       return;
     }
-    for (int64_t c = 0; c < lo && c < nc; ++c) s[c] = -kInf;
-    for (int64_t c = imax(hi + 1, 0); c < nc; ++c) s[c] = -kInf;
+    if (lo > 0 || hi < nc - 1) {
+      // Columns outside [lo, hi] become -inf, a vector at a time.
+      vi col;
+      for (int k = 0; k < W; ++k) col[k] = k;
+      const vi vlo = col * 0 + static_cast<int32_t>(imax(imin(lo, nc), -1));
+      const vi vhi = col * 0 + static_cast<int32_t>(imax(imin(hi, nc), -1));
+      for (int64_t c = 0; c < nc; c += W, col += W)
+        st(s + c, (col < vlo) | (col > vhi) ? bc(-kInf) : ld(s + c));
+    }
     int64_t a = imax(lo, 0), e = imin(hi, nc - 1);
     if (mrow) {
       for (int64_t c = a; c <= e; ++c)

@@ -179,6 +179,14 @@ NB_MODULE(_cpu_ffi, m) {
         },
         nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
         "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all).");
+  m.def("bf16_dot_peak_gflops",
+        [](int threads, double seconds) {
+          nb::gil_scoped_release release;
+          return fatrain::cpu::bf16_dot_peak_gflops(threads, seconds);
+        },
+        nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
+        "This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane; "
+        "0 where the selected kernels do not run it.");
 
   m.def("tile_visits", [](bool reset) {
     int64_t counts[fatrain::cpu::kTileVisitCounters];

@@ -24,7 +24,12 @@ them (XLA's large allocations slow the runs of whatever comes next); with
 ``--rounds R`` the grid is measured R times and each cell reports its median, and
 ``--json`` keeps every round, so the spread of a ratio across rounds shows the noise.
 The run also measures this machine's float32 FMA peak (a vector FMA loop on every
-core, from the cpu extension) and reports each implementation's share of it. The full default
+core, from the cpu extension) and, where our bfloat16 products run on ``vdpbf16ps``
+(``cpu_isa()`` = ``avx512_bf16``), its bf16 dot-product peak (the same loop on that
+instruction, 4 FLOPs a lane), each before and after the grid (the larger reading
+counts), and reports our share of the peak of the instructions that run each row:
+bfloat16 rows against the bf16 dot-product peak where they run on it, every other
+row against the FMA peak. The full default
 grid (72 rows) is long on a small machine: on 2 cores expect 15 minutes or more,
 most of it in the T=4096 rows, where XLA is the slowest (``--xla-max-seq-len 2048``
 skips XLA's cells there; ``--seq-lens``/``--head-dims``/``--dtypes`` narrow the grid).
@@ -447,14 +452,26 @@ def _rel_err(a, b) -> str:
   return f"{np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30):.1e}"
 
 
+def row_peak(case: Case, peaks: dict[str, float | None]) -> tuple[str, float | None]:
+  """The peak our kernels' products can reach on this row: ("bf16 dot", GFLOP/s) for
+  bfloat16 rows where they run on vdpbf16ps, else ("f32 FMA", GFLOP/s)."""
+  if case.dtype == "bfloat16" and peaks.get("bf16 dot"):
+    return "bf16 dot", peaks["bf16 dot"]
+  return "f32 FMA", peaks.get("f32 FMA")
+
+
 def build_rows(cases: Sequence[Case], impls: Sequence[str],
                results: dict[tuple[Case, str], Measurement], memory: bool,
-               peak: float | None = None):
+               peaks: dict[str, float | None] | None = None):
+  peaks = peaks or {}
+  show_peak = bool(peaks.get("f32 FMA")) and "ours" in impls
   header = ["T", "D", "causal", "dtype", "pass"]
   header += [f"{i} ms" for i in impls]
   header += [f"{i} GFLOP/s" for i in impls]
-  if peak and "ours" in impls:
+  if show_peak:
     header.append("ours % of peak")
+    if peaks.get("bf16 dot"):
+      header.append("peak")
   others = [i for i in impls if i != "ours"] if "ours" in impls else []
   header += [f"{o}/ours" for o in others]
   if memory:
@@ -467,9 +484,12 @@ def build_rows(cases: Sequence[Case], impls: Sequence[str],
     row = [str(c.T), str(c.D), "yes" if c.causal else "no", c.dtype, c.mode]
     row += [_fmt_ms(ms[i]) for i in impls]
     row += [_fmt_gflops(c, ms[i]) for i in impls]
-    if peak and "ours" in impls:
+    if show_peak:
       m = ms["ours"]
+      name, peak = row_peak(c, peaks)
       row.append("-" if m is None or m.seconds is None else f"{100 * c.flops / m.seconds / 1e9 / peak:.0f}%")
+      if peaks.get("bf16 dot"):
+        row.append(name)
     row += [_fmt_ratio(ms[o], ms["ours"]) for o in others]
     if memory:
       row += [_fmt_mem(ms[i]) for i in impls]
@@ -788,9 +808,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   # round, then XLA's cells last, so that XLA's large allocations never sit
   # between another implementation's runs (they slow the next runs of the
   # others). Each cell's time is the median over rounds.
-  peak = fma_peak()
-  print(f"float32 FMA peak of this machine (a vector FMA loop on every core): "
-        f"{peak:.0f} GFLOP/s" if peak else "float32 FMA peak: not measured (no cpu extension)")
+  peaks_before = measure_peaks()
   sys.stdout.flush()
   samples: dict[tuple[Case, str], list[Measurement]] = {}
   t_start = time.perf_counter()
@@ -821,7 +839,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         m = results[futures[fut]]
         m.peak_mb, m.mem_error = fut.result()
 
-  header, rows = build_rows(cases, impls, results, args.memory, peak)
+  peaks = {k: max(filter(None, (v, measure_peaks().get(k))), default=None)
+           for k, v in peaks_before.items()}
+  print(describe_peaks(peaks))
+  peak = peaks["f32 FMA"]
+  header, rows = build_rows(cases, impls, results, args.memory, peaks)
   print()
   print(format_table(header, rows, args.markdown))
   errors = [f"  {impl} {case.label()}: {m.error or m.mem_error}"
@@ -829,7 +851,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if errors:
     print("errors:\n" + "\n".join(errors))
   print(f"total time {time.perf_counter() - t_start:.0f} s")
-  record = _record(args, env, peak, cases, impls, samples, results)
+  record = _record(args, env, peaks, cases, impls, samples, results)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(record, f, indent=1)
@@ -857,16 +879,31 @@ def _median(ms: list[Measurement]) -> Measurement:
   return out
 
 
-def fma_peak() -> float | None:
-  """This machine's float32 FMA rate on all cores, from the cpu extension's loop."""
+def measure_peaks() -> dict[str, float | None]:
+  """{"f32 FMA": GFLOP/s, "bf16 dot": GFLOP/s or None} on all cores, from the cpu
+  extension's loops; the bf16 dot-product peak only where our kernels run vdpbf16ps."""
   try:
     from jax_fatrain import _cpu_ffi  # pylint: disable=import-outside-toplevel
   except ImportError:
-    return None
-  return float(_cpu_ffi.fma_peak_gflops(0, 0.3))
+    return {"f32 FMA": None, "bf16 dot": None}
+  bf16 = float(_cpu_ffi.bf16_dot_peak_gflops(0, 0.3))
+  return {"f32 FMA": float(_cpu_ffi.fma_peak_gflops(0, 0.3)), "bf16 dot": bf16 or None}
 
 
-def _record(args, env, peak, cases, impls, samples, results) -> dict:
+def describe_peaks(peaks: dict[str, float | None]) -> str:
+  if not peaks.get("f32 FMA"):
+    return "float32 FMA peak: not measured (no cpu extension)"
+  text = (f"float32 FMA peak of this machine (a vector FMA loop on every core, the larger of "
+          f"two readings, before and after the runs): {peaks['f32 FMA']:.0f} GFLOP/s")
+  if peaks.get("bf16 dot"):
+    text += (f"; bf16 dot-product peak (vdpbf16ps, 4 FLOPs a lane): {peaks['bf16 dot']:.0f} "
+             "GFLOP/s, what our bfloat16 rows are compared with")
+  else:
+    text += "; our bfloat16 rows run on FMAs and are compared with it"
+  return text
+
+
+def _record(args, env, peaks, cases, impls, samples, results) -> dict:
   """Everything measured, for --json and --plot."""
   rows = []
   for c in cases:
@@ -890,7 +927,8 @@ def _record(args, env, peak, cases, impls, samples, results) -> dict:
     rows.append(row)
   return {"command": "python -m jax_fatrain.benchmark " + " ".join(sys.argv[1:]),
           "date": time.strftime("%Y-%m-%d"), "environment": env,
-          "fma_peak_gflops": peak, "impls": list(impls), "rounds": args.rounds, "rows": rows}
+          "fma_peak_gflops": peaks["f32 FMA"], "bf16_dot_peak_gflops": peaks.get("bf16 dot"),
+          "impls": list(impls), "rounds": args.rounds, "rows": rows}
 
 
 def _plot(record: dict, path: str) -> None:
@@ -912,6 +950,9 @@ def _plot(record: dict, path: str) -> None:
     if record.get("fma_peak_gflops"):
       ax.axhline(record["fma_peak_gflops"], color="gray", linestyle="--", linewidth=0.8,
                  label="f32 FMA peak")
+    if record.get("bf16_dot_peak_gflops"):
+      ax.axhline(record["bf16_dot_peak_gflops"], color="gray", linestyle=":", linewidth=0.8,
+                 label="bf16 dot peak")
     dtype, mode, d, causal = key
     ax.set_title(f"{dtype} {mode} D={d} {'causal' if causal else 'full'}", fontsize=9)
     ax.set_xscale("log", base=2)

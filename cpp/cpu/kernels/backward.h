@@ -1,0 +1,421 @@
+// The backward passes: the shared packing (backward_common), the fused
+// single pass and the two-pass form, and the choice between them.
+//
+// Part of the CPU kernels compiled once per ISA: see attention_cpu_impl.h.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "packing.h"
+#include "scratch.h"
+#include "tile_products.h"
+#include "visibility.h"
+#include "work_items.h"
+
+namespace fatrain::cpu::FATRAIN_ISA {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Backward (and bias gradient) shared packing.
+// ---------------------------------------------------------------------------
+struct BwdState {
+  Geo g;
+  const SeqTensor *q, *k, *v, *o, *d_o;
+  const float* lse;
+  const BackwardOperands* bop;
+  const BiasGradOperands* gop;
+  bool need_transposed_q;  // QT / dOT / Kp / Vp (pass 2)
+  float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head
+  float *Kp, *Vp, *KT, *VT;              // per kv head
+  // bf16 pairs (words): the products read these instead of the f32 packs,
+  // which then only feed them and Drow (QT, dOT, KT, VT are not made).
+  // Rows with pairs along D (..w), transposed by tile (..Tw), and pairs along
+  // the sequence (..i) for the B operands of dK, dV and dQ.
+  bool words;
+  uint32_t *Qw, *dOw, *QTw, *dOTw, *Qi, *dOi;  // per q head
+  uint32_t *Kw, *Vw, *KTw, *VTw, *Ki;          // per kv head
+  int fail;
+};
+
+// The packed operands as the tile products read them. A: rows [len][lda];
+// T: transposed by tile [ntiles][Dk][tile]; B: the B operand of products
+// summed over the sequence, [len / kPair][Dp] (the f32 rows themselves).
+template <class Pk>
+struct PackView {
+  const Pk *Qa, *dOa, *QT, *dOT, *Qb, *dOb;  // per q head
+  const Pk *Ka, *Va, *KT, *VT, *Kb;          // per kv head
+  int64_t lda;  // Dp / kPair
+  int64_t Dk;   // ceil(D / kPair): K of the score products
+};
+
+template <class Pk>
+static PackView<Pk> pack_view(const BwdState& s);
+template <>
+inline PackView<float> pack_view<float>(const BwdState& s) {
+  return {s.Qp, s.dOp, s.QT, s.dOT, s.Qp, s.dOp, s.Kp, s.Vp, s.KT, s.VT, s.Kp, s.g.Dp, s.g.D};
+}
+template <>
+inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
+  return {s.Qw, s.dOw, s.QTw, s.dOTw, s.Qi, s.dOi, s.Kw, s.Vw, s.KTw, s.VTw, s.Ki,
+          s.g.Dp / 2, (s.g.D + 1) / 2};
+}
+
+static void bwd_pack(BwdState& s, int64_t idx) {
+  const Geo& g = s.g;
+  int64_t Dp = g.Dp, D = g.D;
+  if (idx < g.B * g.N) {
+    int64_t b = idx / g.N, n = idx % g.N;
+    float* Q = s.Qp + idx * g.Tp * Dp;
+    float* dO = s.dOp + idx * g.Tp * Dp;
+    pack_rows(*s.q, b, n, g.T, g.Tp, D, Dp, Q);
+    pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dp, dO);
+    if (s.words) {
+      const int64_t wsz = g.Tp * Dp / 2, tsz = g.Tp * ((D + 1) / 2);
+      pack_pair_rows(Q, g.Tp, Dp, s.Qw + idx * wsz);
+      pack_pair_rows(dO, g.Tp, Dp, s.dOw + idx * wsz);
+      pack_pair_transposed(Q, g.Tp, D, Dp, BQ, s.QTw + idx * tsz);
+      pack_pair_transposed(dO, g.Tp, D, Dp, BQ, s.dOTw + idx * tsz);
+      pack_pair_interleaved(Q, g.Tp, Dp, s.Qi + idx * wsz);
+      pack_pair_interleaved(dO, g.Tp, Dp, s.dOi + idx * wsz);
+    } else if (s.need_transposed_q) {
+      pack_transposed(Q, g.Tp, D, Dp, BQ, s.QT + idx * g.Tp * D);
+      pack_transposed(dO, g.Tp, D, Dp, BQ, s.dOT + idx * g.Tp * D);
+    }
+    float* Dr = s.Drow + idx * g.Tp;
+    float* Lb = s.Lb + idx * g.Tp;
+    const float* L = s.lse + idx * g.T;
+    float orow[kMaxHeadDim];
+    int64_t te = q_eff(g, b);
+    for (int64_t t = 0; t < g.Tp; ++t) {
+      float l = t < g.T ? L[t] : -kInf;
+      // Dead rows (L = -inf, or past the query length) get p = 0 through
+      // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads to
+      // the gradients as in jax.nn.
+      if (t >= te || l == -kInf) {
+        Dr[t] = 0.0f;
+        Lb[t] = kInf;
+        continue;
+      }
+      load_row(row_ptr(*s.o, b, t, n), s.o->dtype, D, orow);
+      const float* dr = dO + t * Dp;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc += dr[d] * orow[d];
+      Dr[t] = acc;
+      Lb[t] = l * kLog2e;
+    }
+  } else {
+    idx -= g.B * g.N;
+    int64_t b = idx / g.KH, h = idx % g.KH;
+    float* K = s.Kp + idx * g.Sp * Dp;
+    float* V = s.Vp + idx * g.Sp * Dp;
+    pack_rows(*s.k, b, h, g.S, g.Sp, D, Dp, K);
+    pack_rows(*s.v, b, h, g.S, g.Sp, D, Dp, V);
+    if (s.words) {
+      const int64_t wsz = g.Sp * Dp / 2, tsz = g.Sp * ((D + 1) / 2);
+      pack_pair_rows(K, g.Sp, Dp, s.Kw + idx * wsz);
+      pack_pair_rows(V, g.Sp, Dp, s.Vw + idx * wsz);
+      pack_pair_transposed(K, g.Sp, D, Dp, BK, s.KTw + idx * tsz);
+      pack_pair_transposed(V, g.Sp, D, Dp, BK, s.VTw + idx * tsz);
+      pack_pair_interleaved(K, g.Sp, Dp, s.Ki + idx * wsz);
+      return;
+    }
+    pack_transposed(K, g.Sp, D, Dp, BK, s.KT + idx * g.Sp * D);
+    pack_transposed(V, g.Sp, D, Dp, BK, s.VT + idx * g.Sp * D);
+  }
+}
+
+// dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
+// (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
+// clobbered. brow: scratch of BK floats.
+template <class Pk>
+static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64_t kt, int cls,
+                      int64_t te, int64_t se, float* Sb, float* dPb, float* brow) {
+  const Geo& g = s.g;
+  const PackView<Pk> o = pack_view<Pk>(s);
+  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+  int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+  int64_t qh = b * g.N + n, kvh = b * g.KH + n / g.G;
+  const int64_t Tq = (qh * g.Tp + i0) * o.lda, Tk = kvh * g.Sp * o.Dk + kt * o.Dk * BK;
+  score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
+  score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
+  const float* Lb = s.Lb + qh * g.Tp;
+  const float* Dr = s.Drow + qh * g.Tp;
+  const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
+  for (int64_t r = 0; r < ni; ++r) {
+    int64_t i = i0 + r;
+    float* srow = Sb + r * BK;
+    float* dprow = dPb + r * BK;
+    scores.prep(srow, i, brow);
+    vf vL = bc(Lb[i]), vD = bc(Dr[i]);
+    for (int64_t c = 0; c < nc; c += W) {
+      vf p = vexp2(ld(srow + c) - vL);
+      st(srow + c, p * (ld(dprow + c) - vD));
+    }
+  }
+}
+
+template <class Pk>
+static void bwd_pass1(BwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const BackwardOperands& op = *s.bop;
+  const PackView<Pk> o = pack_view<Pk>(s);
+  int64_t qt = g.ntq - 1 - idx / (g.B * g.N);
+  int64_t bn = idx % (g.B * g.N);
+  int64_t b = bn / g.N, n = bn % g.N, kvh = b * g.KH + n / g.G;
+  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(BQ * Dp + 2 * BQ * BK + BK + (kP == 1 ? 0 : BQ * BK / 2));
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* dQ = buf;
+  float* Sb = dQ + BQ * Dp;
+  float* dPb = Sb + BQ * BK;
+  float* brow = dPb + BQ * BK;
+  Pk* dSw = reinterpret_cast<Pk*>(brow + BK);  // [BQ][BK / 2] (bf16 pairs only)
+  memset(dQ, 0, static_cast<size_t>(BQ * Dp) * 4);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  int64_t kt_begin, kt_end, visited = 0;
+  key_tile_range(g, b, qt, &kt_begin, &kt_end);
+  for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
+    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+    int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
+    if (cls == 0) continue;
+    ++visited;
+    ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
+    acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
+                 o.Kb + (kvh * g.Sp + j0) / kP * Dp, Dp, dQ, Dp);
+  }
+  count_tile_visits(kTileVisitsBackwardDq, visited);
+  for (int64_t r = 0; r < ni; ++r)
+    store_row(row_ptr_mut(op.dq, b, i0 + r, n), op.dq.dtype, D, dQ + r * Dp, g.scale);
+  free(buf);
+}
+
+// One (key tile, query tile) pair of the dK/dV sums, shared by pass 2 and the
+// fused pass: S^T and dP^T (rows: the nj keys from j0; columns: query tile qt
+// of head n), turned in place into P^T and dS^T, then dV += P^T.dO and
+// dK += dS^T.Q. cls: classify()'s verdict for the pair, not 0.
+template <class Pk>
+static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64_t n, int64_t qt,
+                      int cls, int64_t j0, int64_t nj, const Pk* Kh, const Pk* Vh, int64_t te,
+                      int64_t se, float* St, float* dPt, float* brow, Pk* Pw, Pk* dSw, float* dK,
+                      float* dV) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const int64_t Dp = g.Dp, qh = b * g.N + n;
+  const int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
+  const float* Lb = s.Lb + qh * g.Tp;
+  const float* Dr = s.Drow + qh * g.Tp;
+  const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
+  score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
+  score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
+                 BQ);
+  for (int64_t r = 0; r < nj; ++r) {
+    float* srow = St + r * BQ;
+    float* dprow = dPt + r * BQ;
+    scores.prep(srow, j0 + r, brow);
+    for (int64_t c = 0; c < ncq; c += W) {
+      vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
+      st(srow + c, p);
+      st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
+    }
+  }
+  acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
+               o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
+  acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
+               o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
+}
+
+template <class Pk>
+static void bwd_pass2(BwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const BackwardOperands& op = *s.bop;
+  const PackView<Pk> o = pack_view<Pk>(s);
+  int64_t kt = idx / (g.B * g.KH);
+  int64_t bk = idx % (g.B * g.KH);
+  int64_t b = bk / g.KH, kh = bk % g.KH;
+  int64_t j0 = kt * BK, nj = imin(BK, g.S - j0);
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(2 * BK * Dp + 2 * BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ));
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* dK = buf;
+  float* dV = dK + BK * Dp;
+  float* St = dV + BK * Dp;
+  float* dPt = St + BK * BQ;
+  float* brow = dPt + BK * BQ;
+  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);  // [BK][BQ / 2] each (bf16 pairs only)
+  Pk* dSw = Pw + BK * BQ / 2;
+  memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b);
+  const Pk* Kh = o.Ka + (bk * g.Sp + j0) * o.lda;
+  const Pk* Vh = o.Va + (bk * g.Sp + j0) * o.lda;
+  int64_t qt_begin, qt_end, visited = 0;
+  query_tile_range(g, b, kt, &qt_begin, &qt_end);
+  for (int64_t gi = 0; gi < g.G; ++gi) {
+    int64_t n = kh * g.G + gi;
+    for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
+      int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
+      int64_t nc = round_up(nj, W);
+      int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
+      if (cls == 0) continue;
+      ++visited;
+      dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK, dV);
+    }
+  }
+  count_tile_visits(kTileVisitsBackwardDkDv, visited);
+  for (int64_t r = 0; r < nj; ++r) {
+    store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
+    store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
+  }
+  free(buf);
+}
+
+// One (batch, kv head) slice in a single pass: for each key tile and each
+// query tile of the slice's query heads, S, P, dP and dS are computed once and
+// feed all three gradients, five tile products in all (the two-pass form
+// recomputes S and dP for dQ: seven). dQ of the slice's G query heads stays in
+// an f32 accumulator of G x T x D floats until the end. Each slice owns its
+// dQ, dK and dV rows, so no atomics; the sums run in the two-pass order (key
+// tiles ascending for dQ; query heads, then query tiles, for dK and dV).
+template <class Pk>
+static void bwd_fused(BwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const BackwardOperands& op = *s.bop;
+  const PackView<Pk> o = pack_view<Pk>(s);
+  int64_t b = idx / g.KH, kh = idx % g.KH;
+  int64_t Dp = g.Dp, D = g.D;
+  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ +
+                      (kP == 1 ? 0 : 3 * BK * BQ / 2));
+  if (!buf) {
+    set_fail(&s.fail);
+    return;
+  }
+  float* dQ = buf;
+  float* dK = dQ + g.G * g.Tp * Dp;
+  float* dV = dK + BK * Dp;
+  float* St = dV + BK * Dp;
+  float* dPt = St + BK * BQ;
+  float* brow = dPt + BK * BQ;
+  // Pᵀ and dSᵀ with pairs along queries, dSᵀ with pairs along keys (bf16 only).
+  Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);
+  Pk* dSw = Pw + BK * BQ / 2;
+  Pk* dSq = dSw + BK * BQ / 2;
+  memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dp) * 4);
+  int64_t te = q_eff(g, b), se = kv_eff(g, b), visited = 0;
+  for (int64_t kt = 0; kt < g.ntk; ++kt) {
+    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+    const Pk* Kh = o.Ka + (idx * g.Sp + j0) * o.lda;
+    const Pk* Vh = o.Va + (idx * g.Sp + j0) * o.lda;
+    memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+    int64_t qt_begin, qt_end;
+    query_tile_range(g, b, kt, &qt_begin, &qt_end);
+    for (int64_t gi = 0; gi < g.G; ++gi) {
+      int64_t n = kh * g.G + gi;
+      for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
+        int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
+        int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
+        if (cls == 0) continue;
+        ++visited;
+        dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
+                      dV);
+        // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
+        acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
+                        BQ, o.Kb + (idx * g.Sp + j0) / kP * Dp, Dp, dQ + (gi * g.Tp + i0) * Dp,
+                        Dp);
+      }
+    }
+    for (int64_t r = 0; r < nj; ++r) {
+      store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
+      store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
+    }
+  }
+  // Each tile pair served both the dQ and the dK/dV sums of the two-pass form.
+  count_tile_visits(kTileVisitsBackwardDq, visited);
+  count_tile_visits(kTileVisitsBackwardDkDv, visited);
+  for (int64_t gi = 0; gi < g.G; ++gi) {
+    int64_t n = kh * g.G + gi;
+    for (int64_t t = 0; t < g.T; ++t)
+      store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, dQ + (gi * g.Tp + t) * Dp, g.scale);
+  }
+  free(buf);
+}
+
+// The fused single pass (five products per tile pair, one work item per
+// (batch, kv head)) or the two passes (seven, with q tiles and kv tiles as
+// items): the fused pass when its coarse items still keep the threads about
+// as busy, i.e. rounds x 5 <= items x 7 / threads.
+static bool use_fused_backward(const Geo& g, int64_t threads) {
+  int64_t items = g.B * g.KH;
+  int64_t t = imax(1, threads);
+  int64_t rounds = (items + t - 1) / t;
+  return rounds * 5 * t <= items * 7;
+}
+
+// Packs the operands (words: the bf16 pair packs instead of the f32
+// transposed ones, see BwdState).
+static const char* backward_common(BwdState& s, const ParallelFor& parallel, bool need_pass2,
+                                   bool words, void** handle) {
+  const Geo& g = s.g;
+  int64_t qsz = g.B * g.N * g.Tp * g.Dp, qtsz = g.B * g.N * g.Tp * g.D;
+  int64_t ksz = g.B * g.KH * g.Sp * g.Dp, ktsz = g.B * g.KH * g.Sp * g.D;
+  int64_t rsz = g.B * g.N * g.Tp;
+  int64_t segsz = s.g.qseg ? segment_tile_ints(g) : 0;
+  // Word packs: rows and sequence pairs hold half an f32 row pack each,
+  // transposed ones ceil(D / 2) words per row.
+  int64_t qwsz = qsz / 2, qtwsz = g.B * g.N * g.Tp * ((g.D + 1) / 2);
+  int64_t kwsz = ksz / 2, ktwsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2);
+  s.need_transposed_q = need_pass2;
+  s.words = words;
+  int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
+                  carve_size(segsz);
+  if (words)
+    total += 4 * carve_size(qwsz) + 2 * carve_size(qtwsz) + 3 * carve_size(kwsz) +
+             2 * carve_size(ktwsz);
+  else
+    total += 2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0);
+  float* base = scratch_take(total, handle);
+  if (!base) return kOom;
+  Carver c{base, 0};
+  if (s.g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
+  s.Qp = c.take(qsz);
+  s.dOp = c.take(qsz);
+  s.Drow = c.take(rsz);
+  s.Lb = c.take(rsz);
+  s.Kp = c.take(ksz);
+  s.Vp = c.take(ksz);
+  if (words) {
+    auto w = [&c](int64_t n) { return reinterpret_cast<uint32_t*>(c.take(n)); };
+    s.Qw = w(qwsz);
+    s.dOw = w(qwsz);
+    s.Qi = w(qwsz);
+    s.dOi = w(qwsz);
+    s.QTw = w(qtwsz);
+    s.dOTw = w(qtwsz);
+    s.Kw = w(kwsz);
+    s.Vw = w(kwsz);
+    s.Ki = w(kwsz);
+    s.KTw = w(ktwsz);
+    s.VTw = w(ktwsz);
+  } else {
+    s.QT = need_pass2 ? c.take(qtsz) : nullptr;
+    s.dOT = need_pass2 ? c.take(qtsz) : nullptr;
+    s.KT = c.take(ktsz);
+    s.VT = c.take(ktsz);
+  }
+  s.fail = 0;
+  run_items<BwdState, bwd_pack>(parallel, g.B * g.N + g.B * g.KH, s);
+  return s.fail ? kOom : nullptr;
+}
+
+}  // namespace
+}  // namespace fatrain::cpu::FATRAIN_ISA

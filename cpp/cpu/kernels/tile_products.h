@@ -1,0 +1,207 @@
+// The tile products: one register-blocked micro-kernel (mk) for every
+// C (+)= A . B of the passes, and the bf16 pair forms of computed tiles.
+//
+// Part of the CPU kernels compiled once per ISA: see attention_cpu_impl.h.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "vectors.h"
+
+namespace fatrain::cpu::FATRAIN_ISA {
+namespace {
+
+// ---------------------------------------------------------------------------
+// GEMM, two kinds, B row-major, N a multiple of W:
+//  - score products (S = Q.K^T, dP = dO.V^T): C = A.B over K = head dim. The
+//    products are summed in chunks of kScoreSumChunk in fresh registers, each
+//    chunk then added to C: two-level summation halves the rounding error of
+//    one long sequential f32 sum (with same-sign terms a 64-term sum loses
+//    ~3e-6 relative that way, twice jax.nn's error), and score errors are
+//    what the exponent amplifies.
+//  - accumulating products (O += P.V, dV += P^T.dO, ...): C += A.B, summed
+//    sequentially into C, which already splits long sums tile by tile.
+// Both orders are fixed, so results stay bitwise deterministic.
+// ---------------------------------------------------------------------------
+constexpr int64_t kScoreSumChunk = 16;
+
+// How mk sums: kSequential, C += A.B summed in order into C (accumulating
+// products); kChunks, C = A.B in chunks of kScoreSumChunk (score products);
+// kMoreChunks, C += A.B in such chunks (a score product's later K blocks).
+enum Sum { kSequential, kChunks, kMoreChunks };
+
+// K counts Pk elements (pairs for bf16), the strides too. Element (i, k) of
+// A is A[i * sa + k * sk]: sk = 1 for A stored by rows (the usual case),
+// sa = 1 for A stored by columns (A is the transpose of a row-major tile, read
+// in place instead of being transposed first).
+template <int M, int N, Sum kSum, class Pk>
+static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const Pk* __restrict B,
+               int64_t ldb, float* __restrict C, int64_t ldc) {
+  using L = Lanes<Pk>;
+  using V = typename L::V;
+  constexpr bool kScores = kSum != kSequential;
+  const int64_t chunk = kScores ? kScoreSumChunk : (K > 0 ? K : 1);
+  if (K <= 0) {
+    if (kSum != kChunks) return;
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) st(C + i * ldc + j * W, vf{});
+    return;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = imin(K, k0 + chunk);
+    const bool add = kSum != kChunks || k0 > 0;
+    vf c[M][N];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 8
+      for (int j = 0; j < N; ++j) c[i][j] = (add && !kScores) ? ld(C + i * ldc + j * W) : vf{};
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      V b[N];
+#pragma GCC unroll 8
+      for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        V a = L::bcast(A[i * sa + k * sk]);
+#pragma GCC unroll 8
+        for (int j = 0; j < N; ++j) c[i][j] = L::madd(c[i][j], a, b[j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 8
+      for (int j = 0; j < N; ++j) {
+        float* p = C + i * ldc + j * W;
+        st(p, (add && kScores) ? ld(p) + c[i][j] : c[i][j]);
+      }
+    }
+  }
+}
+
+template <int R, int N, Sum kSum, class Pk>
+static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  if constexpr (R > 0) {
+    if (r == R)
+      mk<R, N, kSum, Pk>(K, A, sa, sk, B, ldb, C, ldc);
+    else
+      mk_rows_rem<R - 1, N, kSum, Pk>(r, K, A, sa, sk, B, ldb, C, ldc);
+  }
+}
+
+template <int N, Sum kSum, class Pk>
+static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t sa, int64_t sk, const Pk* B,
+                      int64_t ldb, float* C, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + kMR <= M; i += kMR)
+    mk<kMR, N, kSum, Pk>(K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
+  if (i < M)
+    mk_rows_rem<kMR - 1, N, kSum, Pk>(M - i, K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
+}
+
+template <int R, Sum kSum, class Pk>
+static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t sa,
+                                 int64_t sk, const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  if constexpr (R > 0) {
+    if (r == R)
+      gemm_cols<R, kSum, Pk>(M, K, A, sa, sk, B, ldb, C, ldc);
+    else
+      gemm_cols_rem<R - 1, kSum, Pk>(r, M, K, A, sa, sk, B, ldb, C, ldc);
+  }
+}
+
+template <Sum kSum, class Pk>
+static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                 const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  int64_t nv = N / W, j = 0;
+  for (; j + kNR <= nv; j += kNR)
+    gemm_cols<kNR, kSum, Pk>(M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
+  if (j < nv)
+    gemm_cols_rem<kNR - 1, kSum, Pk>(nv - j, M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
+}
+
+// C[M x N] = A[M x K] . B[K x N], K the head dim (see above), A by rows.
+// K past kScoreKBlock Pk elements is summed a K block at a time over all of
+// C, so that the block of B every micro-kernel call reads (K block x N, 16 KB
+// for N = 64) and C fit the L1 cache together; the chunks and their order
+// stay the same (the block is a multiple of the chunk).
+constexpr int64_t kScoreKBlock = 64;
+static_assert(kScoreKBlock % kScoreSumChunk == 0, "K blocks must end on chunk boundaries");
+template <class Pk>
+static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
+                              const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  constexpr int64_t kb = kScoreKBlock;
+  gemm<kChunks, Pk>(M, N, imin(K, kb), A, lda, 1, B, ldb, C, ldc);
+  for (int64_t k0 = kb; k0 < K; k0 += kb)
+    gemm<kMoreChunks, Pk>(M, N, imin(K - k0, kb), A + k0, lda, 1, B + k0 * ldb, ldb, C, ldc);
+}
+
+// C[M x N] += A[M x K] . B[K x N], A by rows.
+template <class Pk>
+static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
+                            const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<kSequential, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+}
+
+// C[M x N] += A[M x K] . B[K x N], A by columns: element (i, k) at At[k * ldat + i].
+template <class Pk>
+static inline void acc_gemm_at(int64_t M, int64_t N, int64_t K, const Pk* At, int64_t ldat,
+                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  gemm<kSequential, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc);
+}
+
+// A computed f32 tile (rows x ld, n real columns) as the A operand of a
+// product over its columns: itself for f32; for bf16, words of rounded
+// column pairs (ld / 2 per row), a column n paired with 0.
+template <class Pk>
+static inline const Pk* a_tile(const float* t, int64_t rows, int64_t ld, int64_t n, Pk* words);
+template <>
+inline const float* a_tile<float>(const float* t, int64_t, int64_t, int64_t, float*) {
+  return t;
+}
+template <>
+inline const uint32_t* a_tile<uint32_t>(const float* t, int64_t rows, int64_t ld, int64_t n,
+                                        uint32_t* words) {
+  const int64_t full = n / 2, ldw = ld / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = t + r * ld;
+    uint32_t* w = words + r * ldw;
+    for (int64_t p = 0; p < full; ++p) w[p] = bf16_pair(row[2 * p], row[2 * p + 1]);
+    if (n % 2) w[full] = bf16_pair(row[n - 1], 0.0f);
+  }
+  return words;
+}
+
+// A computed f32 tile (rows x ld, n computed columns) as an operand summed
+// over its rows (the B operand Pᵀ of Oᵀ += Vᵀ Pᵀ, the A operand dSᵀ of
+// dQ += dS K read by columns): itself for f32; for bf16, words of rounded row
+// pairs, words[u * ld + c] = (t[2u][c], t[2u + 1][c]), an odd last row paired
+// with 0.
+template <class Pk>
+static inline const Pk* row_pair_tile(const float* t, int64_t rows, int64_t ld, int64_t n,
+                                      Pk* words);
+template <>
+inline const float* row_pair_tile<float>(const float* t, int64_t, int64_t, int64_t, float*) {
+  return t;
+}
+template <>
+inline const uint32_t* row_pair_tile<uint32_t>(const float* t, int64_t rows, int64_t ldt,
+                                               int64_t n, uint32_t* words) {
+  const vf zero = {};
+  for (int64_t u = 0; u < (rows + 1) / 2; ++u) {
+    const float* lo = t + 2 * u * ldt;
+    const float* hi = lo + ldt;
+    const bool has_hi = 2 * u + 1 < rows;
+    for (int64_t c = 0; c < n; c += W) {
+      const vu w = vbf16_bits(ld(lo + c)) | (vbf16_bits(has_hi ? ld(hi + c) : zero) << 16);
+      memcpy(words + u * ldt + c, &w, sizeof(w));
+    }
+  }
+  return words;
+}
+
+}  // namespace
+}  // namespace fatrain::cpu::FATRAIN_ISA

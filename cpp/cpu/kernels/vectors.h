@@ -1,0 +1,387 @@
+// Vector types and the ISA's register blocking, the bf16 operand format
+// (Lanes), exp2, and element conversions between dtypes and float32 rows.
+//
+// Part of the CPU kernels compiled once per ISA: see attention_cpu_impl.h.
+#pragma once
+
+#ifndef FATRAIN_ISA
+#error "define FATRAIN_ISA before including attention_cpu_impl.h"
+#endif
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "../attention_cpu.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#if defined(__F16C__)
+#define FATRAIN_HAVE_F16C 1
+#endif
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+namespace fatrain::cpu::FATRAIN_ISA {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Vector width and register blocking per ISA.
+// ---------------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per vector
+#ifdef FATRAIN_MR
+constexpr int kMR = FATRAIN_MR;
+constexpr int kNR = FATRAIN_NR;
+#else
+constexpr int kMR = 4;  // micro-kernel rows
+constexpr int kNR = 4;  // micro-kernel vectors per row (16 zmm accumulators)
+#endif
+#elif defined(__AVX2__)
+constexpr int W = 8;
+#ifdef FATRAIN_MR
+constexpr int kMR = FATRAIN_MR;
+constexpr int kNR = FATRAIN_NR;
+#else
+constexpr int kMR = 3;
+constexpr int kNR = 4;  // 12 ymm accumulators; 64-wide tiles split into two 4-vector blocks
+#endif
+#elif defined(__aarch64__)
+constexpr int W = 4;
+constexpr int kMR = 6;
+constexpr int kNR = 4;  // 24 of 32 NEON registers
+#else
+constexpr int W = 4;
+constexpr int kMR = 4;
+constexpr int kNR = 2;  // SSE2: 8 of 16 xmm registers
+#endif
+
+// Tile sizes: multiples of W (<= 16) so GEMM widths are whole vectors.
+constexpr int64_t BQ = kTileQ;
+constexpr int64_t BK = kTileK;
+
+typedef float vf __attribute__((vector_size(W * 4), may_alias));
+typedef int32_t vi __attribute__((vector_size(W * 4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(W * 4), may_alias));
+typedef float vfu __attribute__((vector_size(W * 4), may_alias, aligned(4)));
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInf = __builtin_inff();
+
+static inline __attribute__((always_inline)) vf ld(const float* p) {
+  return *reinterpret_cast<const vfu*>(p);
+}
+static inline __attribute__((always_inline)) void st(float* p, vf v) {
+  *reinterpret_cast<vfu*>(p) = v;
+}
+static inline __attribute__((always_inline)) vf bc(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#elif defined(__SSE2__)
+  return _mm_set1_ps(x);
+#elif defined(__ARM_NEON)
+  return vdupq_n_f32(x);
+#else
+  vf v = {};
+  return v + x;
+#endif
+}
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
+  return a > b ? a : b;
+}
+static inline __attribute__((always_inline)) vf vmin(vf a, vf b) {
+  return a < b ? a : b;
+}
+static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t round_up(int64_t a, int64_t m) { return (a + m - 1) / m * m; }
+static inline float fmaxs(float a, float b) { return a > b ? a : b; }
+
+static inline uint32_t f2u(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float u2f(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---------------------------------------------------------------------------
+// Operand formats of the tile products.
+// ---------------------------------------------------------------------------
+// Packed operands are float32 (one float per element, products are f32 FMAs)
+// or, for bfloat16 problems where the TU has a bf16 dot product, bf16 pairs:
+// one 32-bit word holds elements k (low half) and k + 1 (high half) of the
+// summed dimension, and one instruction adds both products of a pair of words
+// to an f32 lane (avx512_bf16's vdpbf16ps): twice the f32 FMA rate where it
+// issues at the FMA's rate (AMD; see bf16_dot_pays in attention_cpu.cc). The tile
+// products take their operands as Pk = float or Pk = uint32_t (Lanes below);
+// P and dS, computed in f32, are rounded to bf16 pairs before their products
+// (a_tile), as GPU kernels and jax.nn's bf16 path round them.
+//
+// FATRAIN_BF16_DOT: 1 = the native instruction (avx512 TU, used only where
+// the CPU reports avx512_bf16); 2 = an emulation with the same data flow for
+// machines without it (the avx2_bf16_emulated TU, a test instrument that is
+// chosen only through JAX_FATRAIN_CPU_ISA); unset = no bf16 path.
+#if defined(FATRAIN_BF16_DOT)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+template <class Pk>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using V = vf;
+  static constexpr int64_t kPair = 1;  // elements per Pk
+  static inline __attribute__((always_inline)) V load(const float* p) { return ld(p); }
+  static inline __attribute__((always_inline)) V bcast(float x) { return bc(x); }
+  static inline __attribute__((always_inline)) vf madd(vf c, V a, V b) { return c + a * b; }
+};
+
+template <>
+struct Lanes<uint32_t> {
+  using V = vi;
+  static constexpr int64_t kPair = 2;
+  static inline __attribute__((always_inline)) V load(const uint32_t* p) {
+    V v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static inline __attribute__((always_inline)) V bcast(uint32_t x) {
+    V v = {};
+    return v + static_cast<int32_t>(x);
+  }
+  // c + a.hi * b.hi + a.lo * b.lo per lane, in that order (Intel's order for
+  // vdpbf16ps; the products of two bf16 are exact in f32). The emulation
+  // keeps subnormals, which the instruction flushes to zero.
+  static inline __attribute__((always_inline)) vf madd(vf c, V a, V b) {
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
+    return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(c),
+                                                 reinterpret_cast<__m512bh>(a),
+                                                 reinterpret_cast<__m512bh>(b)));
+#else
+    const V hi = bcast(0xffff0000u);
+    vf a_hi, a_lo, b_hi, b_lo;
+    V t;
+    t = a & hi; memcpy(&a_hi, &t, sizeof(t));
+    t = a << 16; memcpy(&a_lo, &t, sizeof(t));
+    t = b & hi; memcpy(&b_hi, &t, sizeof(t));
+    t = b << 16; memcpy(&b_lo, &t, sizeof(t));
+    c = c + a_hi * b_hi;
+    return c + a_lo * b_lo;
+#endif
+  }
+};
+
+// Round-to-nearest-even bf16 bits of f (NaN stays a quiet NaN).
+static inline uint32_t bf16_bits(float f) {
+  uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+// The word of elements (lo, hi).
+static inline uint32_t bf16_pair(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+// bf16_bits of every lane.
+static inline __attribute__((always_inline)) vu vbf16_bits(vf f) {
+  vu u;
+  memcpy(&u, &f, sizeof(u));
+  const vu nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+}
+
+// 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
+// a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
+// ~5e-9, overall ~1 ulp-ish). x = -inf gives exactly 0, and so does any
+// x < -126.5 (x < -149 with AVX-512, whose results in between are subnormal).
+// NaN gives NaN: a NaN score (NaN or Inf in q, k or bias) must reach the
+// outputs as it does in jax.nn, not vanish as a zero probability. The clamps
+// are written so that a NaN compares false and passes through.
+constexpr float kC1 = 0.6931471805599453f;
+constexpr float kC2 = 0.2402265069591007f;
+constexpr float kC3 = 0.05550410866482158f;
+constexpr float kC4 = 0.009618129107628477f;
+constexpr float kC5 = 0.0013333558146428443f;
+constexpr float kC6 = 0.00015403530393381606f;
+constexpr float kC7 = 1.525273380405984e-05f;
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+
+static inline __attribute__((always_inline)) vf vexp2(vf x) {
+#if defined(__AVX512F__)
+  // AVX-512: round with vrndscaleps and apply 2^r with vscalefps, which
+  // underflows x < -149 to +0 and keeps NaN: 11 vector operations instead of
+  // 16, the same polynomial, and the same results where 2^x is a normal float.
+  const vf xc = x < bc(-150.0f) ? bc(-150.0f) : x;
+  const vf r = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = xc - r;
+  vf p = bc(kC7);
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  return _mm512_scalef_ps(p, r);
+#else
+  const vf lo = bc(-127.0f), hi = bc(127.0f);
+  vf xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  vf r = (xc + kRound) - kRound;
+  vf f = xc - r;
+  vf p = bc(kC7);
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  vi n = __builtin_convertvector(r, vi);
+  vi bits = (n + 127) << 23;  // n = -127 -> +0.0
+  vf s;
+  memcpy(&s, &bits, sizeof(s));
+  return p * s;
+#endif
+}
+
+static inline float sexp2(float x) {
+  if (x != x) return x;  // NaN
+  float xc = x > -127.0f ? x : -127.0f;
+  xc = xc < 127.0f ? xc : 127.0f;
+  float r = (xc + kRound) - kRound;
+  float f = xc - r;
+  float p = kC7;
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  int32_t n = static_cast<int32_t>(r);
+  return p * u2f(static_cast<uint32_t>(n + 127) << 23);
+}
+
+static inline float hmax(vf v) {
+  float m = v[0];
+  for (int k = 1; k < W; ++k) m = fmaxs(m, v[k]);
+  return m;
+}
+static inline float hsum(vf v) {
+  float s = v[0];
+  for (int k = 1; k < W; ++k) s += v[k];
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Element conversions (round-to-nearest-even when narrowing).
+// ---------------------------------------------------------------------------
+static inline float bf16_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+static inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return u2f(sign | 0x7f800000u | (m << 13));
+  if (e == 0) return u2f(sign | f2u(static_cast<float>(m) * 5.9604644775390625e-8f));
+  return u2f(sign | ((e + 112u) << 23) | (m << 13));
+}
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x = f2u(f);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (ax < 0x38800000u) {
+    // Subnormal half: in [0.5, 1) a float's ulp is 2^-24, the half's subnormal
+    // step, so the float addition does the round-to-nearest-even.
+    float t = u2f(ax) + 0.5f;
+    return static_cast<uint16_t>(sign | (f2u(t) - 0x3f000000u));
+  }
+  uint32_t odd = (ax >> 13) & 1u;
+  ax += 0xc8000fffu + odd;
+  return static_cast<uint16_t>(sign | (ax >> 13));
+}
+
+// Converts n elements of dtype dt at src into floats.
+static inline void load_row(const void* src, DType dt, int64_t n, float* dst) {
+  if (dt == DType::kF32) {
+    memcpy(dst, src, static_cast<size_t>(n) * 4);
+  } else if (dt == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t k = 0; k < n; ++k) dst[k] = u2f(static_cast<uint32_t>(s[k]) << 16);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    int64_t k = 0;
+#if defined(FATRAIN_HAVE_F16C)
+    for (; k + 8 <= n; k += 8) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+      _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; k < n; ++k) dst[k] = f16_to_f32(s[k]);
+  }
+}
+
+// Writes n floats (times mul) as dtype dt.
+static inline void store_row(void* dst, DType dt, int64_t n, const float* src, float mul) {
+  if (dt == DType::kF32) {
+    float* d = static_cast<float*>(dst);
+    for (int64_t k = 0; k < n; ++k) d[k] = src[k] * mul;
+  } else if (dt == DType::kBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t k = 0; k < n; ++k) {
+      uint32_t u = f2u(src[k] * mul);
+      uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      if ((u & 0x7fffffffu) > 0x7f800000u) r = (u >> 16) | 0x40u;
+      d[k] = static_cast<uint16_t>(r);
+    }
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    int64_t k = 0;
+#if defined(FATRAIN_HAVE_F16C)
+    __m256 m8 = _mm256_set1_ps(mul);
+    for (; k + 8 <= n; k += 8) {
+      __m256 x = _mm256_mul_ps(_mm256_loadu_ps(src + k), m8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k),
+                       _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; k < n; ++k) d[k] = f32_to_f16(src[k] * mul);
+  }
+}
+
+static inline float load_elem(const void* p, DType dt, int64_t idx) {
+  if (dt == DType::kF32) return static_cast<const float*>(p)[idx];
+  if (dt == DType::kBF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[idx]);
+  return f16_to_f32(static_cast<const uint16_t*>(p)[idx]);
+}
+
+static inline int64_t dtype_size(DType dt) { return dt == DType::kF32 ? 4 : 2; }
+
+static inline const char* row_ptr(const SeqTensor& x, int64_t b, int64_t t, int64_t h) {
+  return static_cast<const char*>(x.data) +
+         (b * x.batch_stride + t * x.seq_stride + h * x.head_stride) * dtype_size(x.dtype);
+}
+static inline char* row_ptr_mut(const SeqTensor& x, int64_t b, int64_t t, int64_t h) {
+  return static_cast<char*>(x.data) +
+         (b * x.batch_stride + t * x.seq_stride + h * x.head_stride) * dtype_size(x.dtype);
+}
+
+}  // namespace
+}  // namespace fatrain::cpu::FATRAIN_ISA

@@ -34,7 +34,7 @@ struct ParallelFor {
               void* context) = nullptr;
   void* self = nullptr;
   // Number of worker threads: sizes per-thread scratch and picks the
-  // backward's form (attention_cpu_impl.h: use_fused_backward).
+  // backward's form (kernels/backward.h: use_fused_backward).
   int64_t num_threads = 1;
 };
 ParallelFor serial_parallel_for();

@@ -62,7 +62,7 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   s.fail = 0;
   s.words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
   void* handle = nullptr;
-  const int64_t packsz = g.B * g.KH * g.Sp * g.Dp;  // K's and V's space each (see FwdState)
+  const int64_t packsz = g.B * g.KH * g.Sp * g.Dr;  // K's and V's space each (see FwdState)
   int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
   float* base = scratch_take(2 * carve_size(packsz) + carve_size(segsz), &handle);
   const char* err = nullptr;

@@ -41,12 +41,12 @@ struct BwdState {
 
 // The packed operands as the tile products read them. A: rows [len][lda];
 // T: transposed by tile [ntiles][Dk][tile]; B: the B operand of products
-// summed over the sequence, [len / kPair][Dp] (the f32 rows themselves).
+// summed over the sequence, [len / kPair][Dr] (the f32 rows themselves).
 template <class Pk>
 struct PackView {
   const Pk *Qa, *dOa, *QT, *dOT, *Qb, *dOb;  // per q head
   const Pk *Ka, *Va, *KT, *VT, *Kb;          // per kv head
-  int64_t lda;  // Dp / kPair
+  int64_t lda;  // Dr (f32 rows) or Dp / 2 (bf16 pairs along D)
   int64_t Dk;   // ceil(D / kPair): K of the score products
 };
 
@@ -54,7 +54,7 @@ template <class Pk>
 static PackView<Pk> pack_view(const BwdState& s);
 template <>
 inline PackView<float> pack_view<float>(const BwdState& s) {
-  return {s.Qp, s.dOp, s.QT, s.dOT, s.Qp, s.dOp, s.Kp, s.Vp, s.KT, s.VT, s.Kp, s.g.Dp, s.g.D};
+  return {s.Qp, s.dOp, s.QT, s.dOT, s.Qp, s.dOp, s.Kp, s.Vp, s.KT, s.VT, s.Kp, s.g.Dr, s.g.D};
 }
 template <>
 inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
@@ -64,26 +64,26 @@ inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
 
 static void bwd_pack(BwdState& s, int64_t idx) {
   const Geo& g = s.g;
-  int64_t Dp = g.Dp, D = g.D;
+  int64_t Dp = g.Dp, Dr = g.Dr, D = g.D;
   if (idx < g.B * g.N) {
     int64_t b = idx / g.N, n = idx % g.N;
-    float* Q = s.Qp + idx * g.Tp * Dp;
-    float* dO = s.dOp + idx * g.Tp * Dp;
-    pack_rows(*s.q, b, n, g.T, g.Tp, D, Dp, Q);
-    pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dp, dO);
+    float* Q = s.Qp + idx * g.Tp * Dr;
+    float* dO = s.dOp + idx * g.Tp * Dr;
+    pack_rows(*s.q, b, n, g.T, g.Tp, D, Dr, Q);
+    pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dr, dO);
     if (s.words) {
-      const int64_t wsz = g.Tp * Dp / 2, tsz = g.Tp * ((D + 1) / 2);
-      pack_pair_rows(Q, g.Tp, Dp, s.Qw + idx * wsz);
-      pack_pair_rows(dO, g.Tp, Dp, s.dOw + idx * wsz);
-      pack_pair_transposed(Q, g.Tp, D, Dp, BQ, s.QTw + idx * tsz);
-      pack_pair_transposed(dO, g.Tp, D, Dp, BQ, s.dOTw + idx * tsz);
-      pack_pair_interleaved(Q, g.Tp, Dp, s.Qi + idx * wsz);
-      pack_pair_interleaved(dO, g.Tp, Dp, s.dOi + idx * wsz);
+      const int64_t wsz = g.Tp * Dp / 2, isz = g.Tp * Dr / 2, tsz = g.Tp * ((D + 1) / 2);
+      pack_pair_rows(Q, g.Tp, Dp, Dr, s.Qw + idx * wsz);
+      pack_pair_rows(dO, g.Tp, Dp, Dr, s.dOw + idx * wsz);
+      pack_pair_transposed(Q, g.Tp, D, Dr, BQ, s.QTw + idx * tsz);
+      pack_pair_transposed(dO, g.Tp, D, Dr, BQ, s.dOTw + idx * tsz);
+      pack_pair_interleaved(Q, g.Tp, Dp, Dr, s.Qi + idx * isz);
+      pack_pair_interleaved(dO, g.Tp, Dp, Dr, s.dOi + idx * isz);
     } else if (s.need_transposed_q) {
-      pack_transposed(Q, g.Tp, D, Dp, BQ, s.QT + idx * g.Tp * D);
-      pack_transposed(dO, g.Tp, D, Dp, BQ, s.dOT + idx * g.Tp * D);
+      pack_transposed(Q, g.Tp, D, Dr, BQ, s.QT + idx * g.Tp * D);
+      pack_transposed(dO, g.Tp, D, Dr, BQ, s.dOT + idx * g.Tp * D);
     }
-    float* Dr = s.Drow + idx * g.Tp;
+    float* drow = s.Drow + idx * g.Tp;
     float* Lb = s.Lb + idx * g.Tp;
     const float* L = s.lse + idx * g.T;
     float orow[kMaxHeadDim];
@@ -94,35 +94,35 @@ static void bwd_pack(BwdState& s, int64_t idx) {
       // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads to
       // the gradients as in jax.nn.
       if (t >= te || l == -kInf) {
-        Dr[t] = 0.0f;
+        drow[t] = 0.0f;
         Lb[t] = kInf;
         continue;
       }
       load_row(row_ptr(*s.o, b, t, n), s.o->dtype, D, orow);
-      const float* dr = dO + t * Dp;
+      const float* dr = dO + t * Dr;
       float acc = 0.0f;
       for (int64_t d = 0; d < D; ++d) acc += dr[d] * orow[d];
-      Dr[t] = acc;
+      drow[t] = acc;
       Lb[t] = l * kLog2e;
     }
   } else {
     idx -= g.B * g.N;
     int64_t b = idx / g.KH, h = idx % g.KH;
-    float* K = s.Kp + idx * g.Sp * Dp;
-    float* V = s.Vp + idx * g.Sp * Dp;
-    pack_rows(*s.k, b, h, g.S, g.Sp, D, Dp, K);
-    pack_rows(*s.v, b, h, g.S, g.Sp, D, Dp, V);
+    float* K = s.Kp + idx * g.Sp * Dr;
+    float* V = s.Vp + idx * g.Sp * Dr;
+    pack_rows(*s.k, b, h, g.S, g.Sp, D, Dr, K);
+    pack_rows(*s.v, b, h, g.S, g.Sp, D, Dr, V);
     if (s.words) {
-      const int64_t wsz = g.Sp * Dp / 2, tsz = g.Sp * ((D + 1) / 2);
-      pack_pair_rows(K, g.Sp, Dp, s.Kw + idx * wsz);
-      pack_pair_rows(V, g.Sp, Dp, s.Vw + idx * wsz);
-      pack_pair_transposed(K, g.Sp, D, Dp, BK, s.KTw + idx * tsz);
-      pack_pair_transposed(V, g.Sp, D, Dp, BK, s.VTw + idx * tsz);
-      pack_pair_interleaved(K, g.Sp, Dp, s.Ki + idx * wsz);
+      const int64_t wsz = g.Sp * Dp / 2, isz = g.Sp * Dr / 2, tsz = g.Sp * ((D + 1) / 2);
+      pack_pair_rows(K, g.Sp, Dp, Dr, s.Kw + idx * wsz);
+      pack_pair_rows(V, g.Sp, Dp, Dr, s.Vw + idx * wsz);
+      pack_pair_transposed(K, g.Sp, D, Dr, BK, s.KTw + idx * tsz);
+      pack_pair_transposed(V, g.Sp, D, Dr, BK, s.VTw + idx * tsz);
+      pack_pair_interleaved(K, g.Sp, Dp, Dr, s.Ki + idx * isz);
       return;
     }
-    pack_transposed(K, g.Sp, D, Dp, BK, s.KT + idx * g.Sp * D);
-    pack_transposed(V, g.Sp, D, Dp, BK, s.VT + idx * g.Sp * D);
+    pack_transposed(K, g.Sp, D, Dr, BK, s.KT + idx * g.Sp * D);
+    pack_transposed(V, g.Sp, D, Dr, BK, s.VT + idx * g.Sp * D);
   }
 }
 
@@ -141,14 +141,14 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
   score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
   const float* Lb = s.Lb + qh * g.Tp;
-  const float* Dr = s.Drow + qh * g.Tp;
+  const float* drow = s.Drow + qh * g.Tp;
   const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
   for (int64_t r = 0; r < ni; ++r) {
     int64_t i = i0 + r;
     float* srow = Sb + r * BK;
     float* dprow = dPb + r * BK;
     scores.prep(srow, i, brow);
-    vf vL = bc(Lb[i]), vD = bc(Dr[i]);
+    vf vL = bc(Lb[i]), vD = bc(drow[i]);
     for (int64_t c = 0; c < nc; c += W) {
       vf p = vexp2(ld(srow + c) - vL);
       st(srow + c, p * (ld(dprow + c) - vD));
@@ -166,18 +166,18 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
   int64_t bn = idx % (g.B * g.N);
   int64_t b = bn / g.N, n = bn % g.N, kvh = b * g.KH + n / g.G;
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
-  int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(BQ * Dp + 2 * BQ * BK + BK + (kP == 1 ? 0 : BQ * BK / 2));
+  int64_t Dp = g.Dp, Dr = g.Dr, D = g.D;
+  float* buf = falloc(BQ * Dr + 2 * BQ * BK + BK + (kP == 1 ? 0 : BQ * BK / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
   }
   float* dQ = buf;
-  float* Sb = dQ + BQ * Dp;
+  float* Sb = dQ + BQ * Dr;
   float* dPb = Sb + BQ * BK;
   float* brow = dPb + BQ * BK;
   Pk* dSw = reinterpret_cast<Pk*>(brow + BK);  // [BQ][BK / 2] (bf16 pairs only)
-  memset(dQ, 0, static_cast<size_t>(BQ * Dp) * 4);
+  memset(dQ, 0, static_cast<size_t>(BQ * Dr) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
   int64_t kt_begin, kt_end, visited = 0;
   key_tile_range(g, b, qt, &kt_begin, &kt_end);
@@ -188,11 +188,11 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     ++visited;
     ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
     acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
-                 o.Kb + (kvh * g.Sp + j0) / kP * Dp, Dp, dQ, Dp);
+                 o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr);
   }
   count_tile_visits(kTileVisitsBackwardDq, visited);
   for (int64_t r = 0; r < ni; ++r)
-    store_row(row_ptr_mut(op.dq, b, i0 + r, n), op.dq.dtype, D, dQ + r * Dp, g.scale);
+    store_row(row_ptr_mut(op.dq, b, i0 + r, n), op.dq.dtype, D, dQ + r * Dr, g.scale);
   free(buf);
 }
 
@@ -207,10 +207,10 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
                       float* dV) {
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
-  const int64_t Dp = g.Dp, qh = b * g.N + n;
+  const int64_t Dp = g.Dp, Dr = g.Dr, qh = b * g.N + n;
   const int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
   const float* Lb = s.Lb + qh * g.Tp;
-  const float* Dr = s.Drow + qh * g.Tp;
+  const float* drow = s.Drow + qh * g.Tp;
   const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
   score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
   score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
@@ -222,13 +222,13 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
     for (int64_t c = 0; c < ncq; c += W) {
       vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
       st(srow + c, p);
-      st(dprow + c, p * (ld(dprow + c) - ld(Dr + i0 + c)));
+      st(dprow + c, p * (ld(dprow + c) - ld(drow + i0 + c)));
     }
   }
   acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
-               o.dOb + (qh * g.Tp + i0) / kP * Dp, Dp, dV, Dp);
+               o.dOb + (qh * g.Tp + i0) / kP * Dr, Dr, dV, Dr);
   acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
-               o.Qb + (qh * g.Tp + i0) / kP * Dp, Dp, dK, Dp);
+               o.Qb + (qh * g.Tp + i0) / kP * Dr, Dr, dK, Dr);
 }
 
 template <class Pk>
@@ -241,20 +241,20 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   int64_t bk = idx % (g.B * g.KH);
   int64_t b = bk / g.KH, kh = bk % g.KH;
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0);
-  int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(2 * BK * Dp + 2 * BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ));
+  int64_t Dr = g.Dr, D = g.D;
+  float* buf = falloc(2 * BK * Dr + 2 * BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ));
   if (!buf) {
     set_fail(&s.fail);
     return;
   }
   float* dK = buf;
-  float* dV = dK + BK * Dp;
-  float* St = dV + BK * Dp;
+  float* dV = dK + BK * Dr;
+  float* St = dV + BK * Dr;
   float* dPt = St + BK * BQ;
   float* brow = dPt + BK * BQ;
   Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);  // [BK][BQ / 2] each (bf16 pairs only)
   Pk* dSw = Pw + BK * BQ / 2;
-  memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+  memset(dK, 0, static_cast<size_t>(2 * BK * Dr) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
   const Pk* Kh = o.Ka + (bk * g.Sp + j0) * o.lda;
   const Pk* Vh = o.Va + (bk * g.Sp + j0) * o.lda;
@@ -273,8 +273,8 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   }
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
   for (int64_t r = 0; r < nj; ++r) {
-    store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
-    store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
+    store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dr, g.scale);
+    store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dr, 1.0f);
   }
   free(buf);
 }
@@ -293,30 +293,30 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   const BackwardOperands& op = *s.bop;
   const PackView<Pk> o = pack_view<Pk>(s);
   int64_t b = idx / g.KH, kh = idx % g.KH;
-  int64_t Dp = g.Dp, D = g.D;
-  float* buf = falloc(g.G * g.Tp * Dp + 2 * BK * Dp + 2 * BK * BQ + BQ +
+  int64_t Dp = g.Dp, Dr = g.Dr, D = g.D;
+  float* buf = falloc(g.G * g.Tp * Dr + 2 * BK * Dr + 2 * BK * BQ + BQ +
                       (kP == 1 ? 0 : 3 * BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
   }
   float* dQ = buf;
-  float* dK = dQ + g.G * g.Tp * Dp;
-  float* dV = dK + BK * Dp;
-  float* St = dV + BK * Dp;
+  float* dK = dQ + g.G * g.Tp * Dr;
+  float* dV = dK + BK * Dr;
+  float* St = dV + BK * Dr;
   float* dPt = St + BK * BQ;
   float* brow = dPt + BK * BQ;
   // Pᵀ and dSᵀ with pairs along queries, dSᵀ with pairs along keys (bf16 only).
   Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);
   Pk* dSw = Pw + BK * BQ / 2;
   Pk* dSq = dSw + BK * BQ / 2;
-  memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dp) * 4);
+  memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dr) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b), visited = 0;
   for (int64_t kt = 0; kt < g.ntk; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
     const Pk* Kh = o.Ka + (idx * g.Sp + j0) * o.lda;
     const Pk* Vh = o.Va + (idx * g.Sp + j0) * o.lda;
-    memset(dK, 0, static_cast<size_t>(2 * BK * Dp) * 4);
+    memset(dK, 0, static_cast<size_t>(2 * BK * Dr) * 4);
     int64_t qt_begin, qt_end;
     query_tile_range(g, b, kt, &qt_begin, &qt_end);
     for (int64_t gi = 0; gi < g.G; ++gi) {
@@ -330,13 +330,13 @@ static void bwd_fused(BwdState& s, int64_t idx) {
                       dV);
         // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
         acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
-                        BQ, o.Kb + (idx * g.Sp + j0) / kP * Dp, Dp, dQ + (gi * g.Tp + i0) * Dp,
-                        Dp);
+                        BQ, o.Kb + (idx * g.Sp + j0) / kP * Dr, Dr, dQ + (gi * g.Tp + i0) * Dr,
+                        Dr);
       }
     }
     for (int64_t r = 0; r < nj; ++r) {
-      store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dp, g.scale);
-      store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dp, 1.0f);
+      store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dr, g.scale);
+      store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dr, 1.0f);
     }
   }
   // Each tile pair served both the dQ and the dK/dV sums of the two-pass form.
@@ -345,7 +345,7 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi;
     for (int64_t t = 0; t < g.T; ++t)
-      store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, dQ + (gi * g.Tp + t) * Dp, g.scale);
+      store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, dQ + (gi * g.Tp + t) * Dr, g.scale);
   }
   free(buf);
 }
@@ -366,11 +366,11 @@ static bool use_fused_backward(const Geo& g, int64_t threads) {
 static const char* backward_common(BwdState& s, const ParallelFor& parallel, bool need_pass2,
                                    bool words, void** handle) {
   const Geo& g = s.g;
-  int64_t qsz = g.B * g.N * g.Tp * g.Dp, qtsz = g.B * g.N * g.Tp * g.D;
-  int64_t ksz = g.B * g.KH * g.Sp * g.Dp, ktsz = g.B * g.KH * g.Sp * g.D;
+  int64_t qsz = g.B * g.N * g.Tp * g.Dr, qtsz = g.B * g.N * g.Tp * g.D;
+  int64_t ksz = g.B * g.KH * g.Sp * g.Dr, ktsz = g.B * g.KH * g.Sp * g.D;
   int64_t rsz = g.B * g.N * g.Tp;
   int64_t segsz = s.g.qseg ? segment_tile_ints(g) : 0;
-  // Word packs: rows and sequence pairs hold half an f32 row pack each,
+  // Word packs: rows and sequence pairs hold at most half an f32 row pack each,
   // transposed ones ceil(D / 2) words per row.
   int64_t qwsz = qsz / 2, qtwsz = g.B * g.N * g.Tp * ((g.D + 1) / 2);
   int64_t kwsz = ksz / 2, ktwsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2);

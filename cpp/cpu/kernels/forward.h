@@ -23,10 +23,10 @@ namespace {
 struct FwdState {
   Geo g;
   const ForwardOperands* op;
-  float* K;  // [B*KH][Sp][Dp] rows
-  float* V;  // [B*KH][Sp][Dp] rows
+  float* K;  // [B*KH][Sp][Dr] rows
+  float* V;  // [B*KH][Sp][Dr] rows
   // With bf16 pairs (words): K with pairs along D [B*KH][Sp][Dp / 2] and V
-  // with pairs along keys [B*KH][Sp / 2][Dp], both in K's space; V's space is
+  // with pairs along keys [B*KH][Sp / 2][Dr], both in K's space; V's space is
   // the f32 packing scratch.
   bool words;
   uint32_t* Kw;
@@ -37,17 +37,17 @@ struct FwdState {
 static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
-  const int64_t head = idx * g.Sp * g.Dp;
+  const int64_t head = idx * g.Sp * g.Dr;
   if (s.words) {
     float* rows = s.V + head;
-    pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dp, rows);
-    pack_pair_rows(rows, g.Sp, g.Dp, s.Kw + head / 2);
-    pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, rows);
-    pack_pair_interleaved(rows, g.Sp, g.Dp, s.Vw + head / 2);
+    pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_pair_rows(rows, g.Sp, g.Dp, g.Dr, s.Kw + head / 2);
+    pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_pair_interleaved(rows, g.Sp, g.Dp, g.Dr, s.Vw + head / 2);
     return;
   }
-  pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dp, s.K + head);
-  pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dp, s.V + head);
+  pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, s.K + head);
+  pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, s.V + head);
 }
 
 // One query tile of one head. The tile is computed key-major, Sᵀ = K Qᵀ
@@ -69,7 +69,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
   int64_t qt = g.ntq - 1 - idx % g.ntq;
   int64_t b = bn / g.N, n = bn % g.N, kh = n / g.G;
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W), nqv = ncq / W;
-  int64_t Dp = g.Dp, D = g.D, Dk = (D + kP - 1) / kP;
+  int64_t Dp = g.Dp, Dr = g.Dr, D = g.D, Dk = (D + kP - 1) / kP;
   // Qᵀ [Dk][BQ] (Pk), Oᵀ [Dp][BQ], Sᵀ [BK][BQ], m, l, alpha, the max used by
   // the exponentials and a bias row [BQ] each, Pᵀ pairs [BK / 2][BQ] (bf16).
   float* buf = falloc(2 * Dp * BQ + BK * BQ + 5 * BQ + (kP == 1 ? 0 : BK * BQ / 2));
@@ -108,9 +108,10 @@ static void fwd_item(FwdState& s, int64_t idx) {
     lrow[r] = 0.0f;
   }
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
-  const int64_t head = (b * g.KH + kh) * g.Sp * Dp;
-  // A of Sᵀ = K Qᵀ: K's rows; A of Oᵀ += Vᵀ Pᵀ: V by columns (f32 rows, or
-  // key pairs for bf16), both Dp / kP elements a row.
+  const int64_t head = (b * g.KH + kh) * g.Sp * Dr;
+  // A of Sᵀ = K Qᵀ: K's rows (ldk elements a row); A of Oᵀ += Vᵀ Pᵀ: V by
+  // columns (f32 rows, or key pairs for bf16), Dr elements a row.
+  const int64_t ldk = kP == 1 ? Dr : Dp / 2;
   const Pk* Kh;
   const Pk* Vh;
   if constexpr (kP == 1) {
@@ -127,7 +128,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
     int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
     if (cls == 0) continue;
     ++visited;
-    score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * (Dp / kP), Dp / kP, QT, BQ, St, BQ);
+    score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, QT, BQ, St, BQ);
     const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
     for (int64_t r = 0; r < nj; ++r) scores.prep(St + r * BQ, j0 + r, brow);
     // New running max per query. A query that has seen no finite score keeps
@@ -162,7 +163,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
         for (int64_t v = 0; v < nqv; ++v)
           st(OT + d * BQ + v * W, ld(OT + d * BQ + v * W) * ld(alpha + v * W));
     }
-    acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dp, Dp,
+    acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
                     row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, OT, BQ);
   }
   count_tile_visits(kTileVisitsForward, visited);

@@ -16,51 +16,55 @@ namespace {
 // ---------------------------------------------------------------------------
 // Packing.
 // ---------------------------------------------------------------------------
-// Row-major f32 copy [Lp, Dp] of head h of x, zero padded.
+// Row-major f32 copy [Lp][ld] of head h of x, zero padded.
 static void pack_rows(const SeqTensor& x, int64_t b, int64_t h, int64_t L, int64_t Lp, int64_t D,
-                      int64_t Dp, float* dst) {
+                      int64_t ld, float* dst) {
   for (int64_t t = 0; t < L; ++t) {
-    float* d = dst + t * Dp;
+    float* d = dst + t * ld;
     load_row(row_ptr(x, b, t, h), x.dtype, D, d);
-    for (int64_t k = D; k < Dp; ++k) d[k] = 0.0f;
+    for (int64_t k = D; k < ld; ++k) d[k] = 0.0f;
   }
-  memset(dst + L * Dp, 0, static_cast<size_t>((Lp - L) * Dp) * 4);
+  memset(dst + L * ld, 0, static_cast<size_t>((Lp - L) * ld) * 4);
 }
 // Transposed copy blocked by tile: dst[blk][d][c] = rows[blk*bt + c][d].
-static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t Dp, int64_t bt,
+static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ld, int64_t bt,
                             float* dst) {
   for (int64_t blk = 0; blk < Lp / bt; ++blk) {
     float* o = dst + blk * D * bt;
-    const float* r = rows + blk * bt * Dp;
+    const float* r = rows + blk * bt * ld;
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t c = 0; c < bt; ++c) o[d * bt + c] = r[c * Dp + d];
+      for (int64_t c = 0; c < bt; ++c) o[d * bt + c] = r[c * ld + d];
   }
 }
 
-// bf16 pair packs (Lanes<uint32_t>), from f32 row packs [Lp, Dp] whose values
+// bf16 pair packs (Lanes<uint32_t>), from f32 row packs [Lp][ld] whose values
 // are bf16 (so the rounding is exact). Dp and Lp are even; padding stays 0.
 // Rows, pairs along D: dst[t][p] = (rows[t][2p], rows[t][2p+1]), Dp/2 words a row.
-static void pack_pair_rows(const float* rows, int64_t Lp, int64_t Dp, uint32_t* dst) {
-  for (int64_t i = 0; i < Lp * Dp / 2; ++i) dst[i] = bf16_pair(rows[2 * i], rows[2 * i + 1]);
+static void pack_pair_rows(const float* rows, int64_t Lp, int64_t Dp, int64_t ld, uint32_t* dst) {
+  for (int64_t t = 0; t < Lp; ++t)
+    for (int64_t p = 0; p < Dp / 2; ++p)
+      dst[t * Dp / 2 + p] = bf16_pair(rows[t * ld + 2 * p], rows[t * ld + 2 * p + 1]);
 }
 // Transposed by tile, pairs along D: dst[blk][p][c] = (rows[blk*bt + c][2p], ..[2p+1]),
 // p < Dk = ceil(D / 2).
-static void pack_pair_transposed(const float* rows, int64_t Lp, int64_t D, int64_t Dp, int64_t bt,
+static void pack_pair_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ld, int64_t bt,
                                  uint32_t* dst) {
   const int64_t Dk = (D + 1) / 2;
   for (int64_t blk = 0; blk < Lp / bt; ++blk) {
     uint32_t* o = dst + blk * Dk * bt;
-    const float* r = rows + blk * bt * Dp;
+    const float* r = rows + blk * bt * ld;
     for (int64_t p = 0; p < Dk; ++p)
-      for (int64_t c = 0; c < bt; ++c) o[p * bt + c] = bf16_pair(r[c * Dp + 2 * p], r[c * Dp + 2 * p + 1]);
+      for (int64_t c = 0; c < bt; ++c) o[p * bt + c] = bf16_pair(r[c * ld + 2 * p], r[c * ld + 2 * p + 1]);
   }
 }
-// Pairs along the sequence: dst[u][d] = (rows[2u][d], rows[2u+1][d]), the B
-// operand of the products summed over keys or queries (O, dV, dK, dQ).
-static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, uint32_t* dst) {
+// Pairs along the sequence: dst[u][d] = (rows[2u][d], rows[2u+1][d]), d < Dp,
+// ld words a row like the f32 rows: the B operand of the products summed over
+// keys or queries (O, dV, dK, dQ).
+static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, int64_t ld,
+                                  uint32_t* dst) {
   for (int64_t u = 0; u < Lp / 2; ++u)
     for (int64_t d = 0; d < Dp; ++d)
-      dst[u * Dp + d] = bf16_pair(rows[2 * u * Dp + d], rows[(2 * u + 1) * Dp + d]);
+      dst[u * ld + d] = bf16_pair(rows[2 * u * ld + d], rows[(2 * u + 1) * ld + d]);
 }
 
 }  // namespace

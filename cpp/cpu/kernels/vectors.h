@@ -222,7 +222,9 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   // underflows x < -149 to +0 and keeps NaN: 11 vector operations instead of
   // 16, the same polynomial, and the same results where 2^x is a normal float.
   const vf xc = x < bc(-150.0f) ? bc(-150.0f) : x;
-  const vf r = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // (The merge-masked forms with a full mask are the same instructions; the
+  // unmasked intrinsics trip GCC 12's uninitialized-value warning.)
+  const vf r = _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = xc - r;
   vf p = bc(kC7);
   p = p * f + kC6;
@@ -232,7 +234,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   p = p * f + kC2;
   p = p * f + kC1;
   p = p * f + 1.0f;
-  return _mm512_scalef_ps(p, r);
+  return _mm512_mask_scalef_ps(p, 0xffff, p, r);
 #else
   const vf lo = bc(-127.0f), hi = bc(127.0f);
   vf xc = x < lo ? lo : x;

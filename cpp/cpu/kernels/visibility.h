@@ -18,7 +18,11 @@ namespace {
 // Problem geometry and visibility.
 // ---------------------------------------------------------------------------
 struct Geo {
-  int64_t B, N, KH, G, T, S, D, Dp, Tp, Sp, ntq, ntk;
+  // Dp: the head dim padded to whole vectors (the width the products compute);
+  // Dr: the row stride of packed f32 rows, sequence-pair rows and row
+  // accumulators, Dp plus 16 where Dp floats are a multiple of 512 bytes,
+  // so that consecutive rows do not fall into the same L1 sets.
+  int64_t B, N, KH, G, T, S, D, Dp, Dr, Tp, Sp, ntq, ntk;
   float scale;
   bool causal;
   int64_t wl, wr;
@@ -48,6 +52,7 @@ static void make_geo(const AttentionProblem& p, Geo& g) {
   g.S = p.kv_len;
   g.D = p.head_dim;
   g.Dp = round_up(g.D, W);
+  g.Dr = g.Dp % 128 == 0 ? g.Dp + 16 : g.Dp;
   g.Tp = round_up(g.T, BQ);
   g.Sp = round_up(g.S, BK);
   g.ntq = g.Tp / BQ;

@@ -134,11 +134,15 @@ static void fwd_item(FwdState& s, int64_t idx) {
     // New running max per query. A query that has seen no finite score keeps
     // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
     // score); any NaN score makes its query's l, and so its O and L, NaN.
+    // The tile's max per query: rows outer, so that the query vectors are
+    // independent chains of maxima.
+    vf mx[kQV];
+    for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
+    for (int64_t r = 0; r < nj; ++r)
+      for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], ld(St + r * BQ + v * W));
     bool rescale = false;
     for (int64_t v = 0; v < nqv; ++v) {
-      vf mx = bc(-kInf);
-      for (int64_t r = 0; r < nj; ++r) mx = vmax(mx, ld(St + r * BQ + v * W));
-      const vf mold = ld(mrow + v * W), mnew = vmax(mold, mx);
+      const vf mold = ld(mrow + v * W), mnew = vmax(mold, mx[v]);
       const vi dead = mnew == bc(-kInf);
       const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
       st(mexp + v * W, dead ? bc(0.0f) : mnew);

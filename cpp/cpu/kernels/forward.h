@@ -130,7 +130,12 @@ static void fwd_item(FwdState& s, int64_t idx) {
     ++visited;
     score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, QT, BQ, St, BQ);
     const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
-    for (int64_t r = 0; r < nj; ++r) scores.prep(St + r * BQ, j0 + r, brow);
+    // Base-2 scores are c s: prep applies c (and masks, bias) a row at a time,
+    // or, for plain tiles, the max and the exponentials apply it as they read.
+    const bool plain = scores.plain();
+    if (!plain)
+      for (int64_t r = 0; r < nj; ++r) scores.prep(St + r * BQ, j0 + r, brow);
+    const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
     // New running max per query. A query that has seen no finite score keeps
     // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
     // score); any NaN score makes its query's l, and so its O and L, NaN.
@@ -142,7 +147,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
       for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], ld(St + r * BQ + v * W));
     bool rescale = false;
     for (int64_t v = 0; v < nqv; ++v) {
-      const vf mold = ld(mrow + v * W), mnew = vmax(mold, mx[v]);
+      const vf mold = ld(mrow + v * W), mnew = vmax(mold, mx[v] * vc);
       const vi dead = mnew == bc(-kInf);
       const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
       st(mexp + v * W, dead ? bc(0.0f) : mnew);
@@ -155,7 +160,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
     for (int64_t r = 0; r < nj; ++r) {
       float* srow = St + r * BQ;
       for (int64_t v = 0; v < nqv; ++v) {
-        const vf p = vexp2(ld(srow + v * W) - ld(mexp + v * W));
+        const vf p = vexp2(ld(srow + v * W) * vc - ld(mexp + v * W));
         sum[v] += p;
         st(srow + v * W, p);
       }

@@ -232,11 +232,12 @@ static inline void bias_gather(const Geo& g, int64_t base, int64_t stride, int64
 static inline void prep_row(float* s, int64_t nc, float scale, const float* brow, bool partial,
                             int64_t lo, int64_t hi, const uint8_t* mrow, int64_t mstride,
                             int64_t n_real, const int32_t* seg_cols, int32_t seg_row) {
-  vf vs = bc(scale), vl = bc(kLog2e);
   if (brow) {
+    const vf vs = bc(scale), vl = bc(kLog2e);
     for (int64_t c = 0; c < nc; c += W) st(s + c, (ld(s + c) * vs + ld(brow + c)) * vl);
   } else {
-    for (int64_t c = 0; c < nc; c += W) st(s + c, (ld(s + c) * vs) * vl);
+    const vf vc = bc(scale * kLog2e);
+    for (int64_t c = 0; c < nc; c += W) st(s + c, ld(s + c) * vc);
   }
   if (partial) {
     if (hi > n_real - 1) hi = n_real - 1;
@@ -287,6 +288,13 @@ struct TileScores {
         seg_cols(g_.qseg == nullptr ? nullptr
                  : kQueryMajor      ? g_.kvseg + b_ * g_.S + col0_
                                     : g_.qseg + b_ * g_.T + col0_) {}
+
+  // Whether the tile's scores need no work a row at a time: all visible, no
+  // bias, and a positive scale, so the forward's softmax can scale the raw
+  // dot products itself (by exp2_scale(), the factor prep applies) as it reads
+  // them. (The backward always calls prep: its two forms must round alike.)
+  bool plain() const { return !partial && g.bias == nullptr && g.scale > 0.0f; }
+  float exp2_scale() const { return g.scale * kLog2e; }
 
   // Row `row` (a query, or a key) of raw dot products in srow [nc] becomes
   // base-2 scores with -inf where masked; brow [nc] is scratch for its bias.

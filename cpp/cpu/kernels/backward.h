@@ -143,14 +143,17 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   const float* Lb = s.Lb + qh * g.Tp;
   const float* drow = s.Drow + qh * g.Tp;
   const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
+  // Plain tiles: the exponentials apply the scale (see TileScores::plain).
+  const bool plain = scores.plain() && ni % W == 0;
+  const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
   for (int64_t r = 0; r < ni; ++r) {
     int64_t i = i0 + r;
     float* srow = Sb + r * BK;
     float* dprow = dPb + r * BK;
-    scores.prep(srow, i, brow);
+    if (!plain) scores.prep(srow, i, brow);
     vf vL = bc(Lb[i]), vD = bc(drow[i]);
     for (int64_t c = 0; c < nc; c += W) {
-      vf p = vexp2(ld(srow + c) - vL);
+      vf p = vexp2(ld(srow + c) * vc - vL);
       st(srow + c, p * (ld(dprow + c) - vD));
     }
   }
@@ -215,12 +218,15 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
   score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
   score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
                  BQ);
+  // Plain tiles: the exponentials apply the scale (see TileScores::plain).
+  const bool plain = scores.plain() && nj % W == 0;
+  const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
   for (int64_t r = 0; r < nj; ++r) {
     float* srow = St + r * BQ;
     float* dprow = dPt + r * BQ;
-    scores.prep(srow, j0 + r, brow);
+    if (!plain) scores.prep(srow, j0 + r, brow);
     for (int64_t c = 0; c < ncq; c += W) {
-      vf p = vexp2(ld(srow + c) - ld(Lb + i0 + c));
+      vf p = vexp2(ld(srow + c) * vc - ld(Lb + i0 + c));
       st(srow + c, p);
       st(dprow + c, p * (ld(dprow + c) - ld(drow + i0 + c)));
     }

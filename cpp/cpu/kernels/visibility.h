@@ -290,10 +290,14 @@ struct TileScores {
                                     : g_.qseg + b_ * g_.T + col0_) {}
 
   // Whether the tile's scores need no work a row at a time: all visible, no
-  // bias, and a positive scale, so the forward's softmax can scale the raw
-  // dot products itself (by exp2_scale(), the factor prep applies) as it reads
-  // them. (The backward always calls prep: its two forms must round alike.)
-  bool plain() const { return !partial && g.bias == nullptr && g.scale > 0.0f; }
+  // bias, a positive scale, and whole vectors of columns, so the softmax can
+  // scale the raw dot products itself (by exp2_scale(), the factor prep
+  // applies) as it reads them. The backward's two forms see a tile pair with
+  // rows and columns swapped; they also ask for whole vectors of rows, so
+  // that both take the same path and round alike.
+  bool plain() const {
+    return !partial && ncols == nc && g.bias == nullptr && g.scale > 0.0f;
+  }
   float exp2_scale() const { return g.scale * kLog2e; }
 
   // Row `row` (a query, or a key) of raw dot products in srow [nc] becomes

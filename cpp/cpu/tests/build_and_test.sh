@@ -2,7 +2,8 @@
 # Builds the CPU kernels and their standalone test with g++ (the flags the
 # CMake build uses) and runs the suite once per ISA the machine supports.
 #   cpp/cpu/tests/build_and_test.sh          build + test every ISA
-#   cpp/cpu/tests/build_and_test.sh bench [threads reps T]  build + benchmark
+#   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
+#   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
 # A cross compiler in CXX builds for its target (the x86-64 ISAs only for
 # x86-64) and FATRAIN_TEST_RUNNER runs the binary (e.g. qemu-aarch64, see
 # tools/arm64_check.sh). FATRAIN_TEST_CXXFLAGS adds compile and link flags and
@@ -35,6 +36,14 @@ fi
 # Wait for each compile by itself, so that one that fails stops the script here.
 for job in $(jobs -p); do wait "$job"; done
 "$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread "${extra[@]}"
+
+if [[ "${1:-}" == "tiles" ]]; then
+  ((x86_64)) || { echo "tiles: the tile benchmark is built for the AVX-512 kernels (x86-64)"; exit 2; }
+  "$CXX" "${common[@]}" "${isa_avx512[@]}" -o "$out/bench_tile_products" \
+    "$here/bench_tile_products.cc" "${objs[@]}" -pthread "${extra[@]}"
+  ${FATRAIN_TEST_RUNNER:-} "$out/bench_tile_products"
+  exit 0
+fi
 
 if [[ "${1:-}" == "bench" ]]; then
   shift

@@ -190,6 +190,23 @@ def _records():
           metal_benchmark.summarize("mlx", "fwd", P, mlx, gpus)]
 
 
+def test_fused_backward_dram_bytes_count_the_accumulators_the_reduce_reads():
+  """The fused kernel's and the reduce's compulsory DRAM bytes count the dQ
+  accumulator bytes the reduce reads (causal splits leave rows unwritten and
+  unread), not nsplit x T x D floats."""
+  p = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True)
+  tensor, rows, split = 1024 * 64 * 2, 1024 * 4, 1024 * 64 * 4
+  accum_read = 8.5 * split  # what 16 causal splits of 64 keys write: rows 64 s .. T
+  fused = _dispatch("flash_attn_train_bwd_dkdv_dq_bf16_d64", 5e6, 1e8, 1e6, total=16)
+  reduce = _dispatch("flash_attn_train_bwd_dq_reduce_bf16", 0, accum_read, 1e5, total=32)
+  r = metal_benchmark.summarize("ours", "fwd+bwd", p, [fused, reduce], ["M1"])
+  assert [d["dram_bytes"] for d in r["dispatches"]] == [
+      6 * tensor + 2 * rows + accum_read, tensor + accum_read]
+  # Without a reduce dispatch to read them from: every split's rows.
+  assert metal_benchmark.compulsory_bytes(fused["kernel"], p, fused["grid"]) == (
+      6 * tensor + 2 * rows + 16 * split)
+
+
 def test_summarize_fields():
   ours, full, mlx = _records()
   assert ours["flops"] == 4 * 1024 * 1024 * 64

@@ -137,6 +137,24 @@ def test_counters_of_an_aligned_problem(dtype, head_dim):
   assert k["compute_d"]["device_bytes_read"] >= 2 * x_bytes  # O and dO
 
 
+def test_causal_fused_backward_moves_only_the_accumulator_rows_its_splits_see():
+  """Causal, 4 key tiles of 64 keys (bf16, D = 64), one split per tile: split
+  s's keys are invisible to the rows above 64 s, so the fused kernel stores
+  only rows 64 s .. n of its accumulator and the reduce reads only those
+  (n - 64 s rows per split), not n rows of every split."""
+  n, d = 256, 64
+  k = _by_kernel(metal_profile.run_problem(seq_len=n, head_dim=d, causal=True, backward=True))
+  for launch in k.values():
+    _check_launch(launch)
+  nsplit = k["dkdv_dq"]["grid"][0]
+  assert nsplit == n // 64
+  written = sum(n - 64 * s for s in range(nsplit)) * d * 4
+  assert k["dq_reduce"]["device_bytes_read"] == written
+  x_bytes = n * d * 2
+  assert k["dkdv_dq"]["device_bytes_written"] == 2 * x_bytes + written  # dK, dV, accumulators
+  assert k["dq_reduce"]["device_bytes_written"] == x_bytes
+
+
 def test_causal_forward_skips_invisible_blocks():
   n, d = 64, 64
   (fwd,) = metal_profile.run_problem(seq_len=n, head_dim=d, causal=True)

@@ -103,31 +103,35 @@ class Problem:
     return f"T={self.seq_len} D={self.head_dim} {'causal' if self.causal else 'full'}{docs}"
 
 
-def compulsory_bytes(kernel: str, p: Problem, grid: Sequence[int] | None = None) -> int | None:
+def compulsory_bytes(kernel: str, p: Problem, grid: Sequence[int] | None = None,
+                     accum_bytes: float | None = None) -> float | None:
   """Bytes a dispatch must move to or from DRAM at least once (its operands).
 
   From the kernel's role, which its name says: our forward reads Q, K, V and
   writes O and the float32 logsumexp L; compute-D reads O and dO and writes
   float32 Delta; dQ reads Q, K, V, dO, L, Delta and writes dQ; dK/dV reads the
   same and writes dK and dV; the fused dK/dV/dQ kernel reads the same, writes
-  dK, dV and its nsplit (= grid x) float32 dQ accumulators; the dQ reduce reads
-  the accumulators (nsplit from the plan's rule, not in its grid: ``grid`` of
-  the fused dispatch is needed, else one split is assumed) and writes dQ;
-  MLX's attention forward reads Q, K, V and writes O. None for a kernel of
-  unknown role (the model then has no DRAM term).
+  dK, dV and its float32 dQ accumulators; the dQ reduce reads the
+  accumulators and writes dQ; MLX's attention forward reads Q, K, V and
+  writes O. The accumulator bytes are ``accum_bytes`` (what the fused kernel
+  writes and the reduce reads: causal splits leave the rows above their
+  first key unwritten and unread); without it, every split's T x D floats,
+  nsplit = ``grid`` x of the fused dispatch (else one split). None for a
+  kernel of unknown role (the model then has no DRAM term).
   """
   tensor = p.batch * p.heads * p.seq_len * p.head_dim * p.itemsize
   rows = p.batch * p.heads * p.seq_len * 4  # one float32 per query row
-  accum = p.batch * p.heads * p.seq_len * p.head_dim * 4  # one float32 dQ split
-  nsplit = int(grid[0]) if grid is not None else 1
+  if accum_bytes is None:
+    nsplit = int(grid[0]) if grid is not None else 1
+    accum_bytes = nsplit * p.batch * p.heads * p.seq_len * p.head_dim * 4
   if kernel.startswith("flash_attn_train_fwd"):
     return 4 * tensor + rows
   if kernel.startswith("flash_attn_train_bwd_compute_d"):
     return 2 * tensor + rows
   if kernel.startswith("flash_attn_train_bwd_dkdv_dq"):
-    return 6 * tensor + 2 * rows + nsplit * accum
+    return 6 * tensor + 2 * rows + accum_bytes
   if kernel.startswith("flash_attn_train_bwd_dq_reduce"):
-    return tensor + nsplit * accum
+    return tensor + accum_bytes
   if kernel.startswith("flash_attn_train_bwd_dq"):
     return 5 * tensor + 2 * rows
   if kernel.startswith("flash_attn_train_bwd_dkdv"):
@@ -152,14 +156,20 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
   if not dispatches:
     raise ValueError(f"{impl} {pass_} {p.label()}: no dispatch was recorded")
   ds = []
-  # The reduce reads as many accumulator splits as the fused kernel has threadgroups along x.
+  # The fused backward's dQ accumulators: the reduce reads each element the
+  # fused kernel wrote once and nothing else, so its counted reads (scaled to
+  # its grid when sampled) are the accumulator bytes both dispatches move.
   fused_grid = next((d.get("grid") for d in dispatches
                      if str(d.get("kernel", "")).startswith("flash_attn_train_bwd_dkdv_dq")), None)
+  accum_bytes = next((float(d["device_bytes_read"]) for d in dispatches
+                      if str(d.get("kernel", "")).startswith("flash_attn_train_bwd_dq_reduce")
+                      and d.get("device_bytes_read") is not None), None)
   for d in dispatches:
     d = dict(d)
     if d.get("dram_bytes") is None:
       kernel = str(d.get("kernel", ""))
-      cb = compulsory_bytes(kernel, p, d.get("grid") if "_dkdv_dq_" in kernel else fused_grid)
+      cb = compulsory_bytes(kernel, p, d.get("grid") if "_dkdv_dq_" in kernel else fused_grid,
+                            accum_bytes)
       if cb is not None:
         d["dram_bytes"] = cb
     est = {g: metal_model.dispatch_time(d, g, p.dtype, calibration.fitted) for g in gpus}

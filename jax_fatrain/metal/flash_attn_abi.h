@@ -219,9 +219,25 @@ static_assert(sizeof(WindowParams) == 8, "WindowParams must be 8 bytes");
 // The fused backward's dQ accumulators (buffer FATRAIN_BUF_DQ_ACCUM): nsplit
 // splits of B x H_q x rows x D floats, rows = dq_accum_rows(qL).
 struct DqAccumParams {
-  int nsplit;  // = the fused kernel's grid x
+  int nsplit;           // = the fused kernel's grid x
   int rows;
+  int causal_block_kv;  // causal: the fused kernel's key tile (see dq_split_first_row); else 0
+  int pad_;
 };
-static_assert(sizeof(DqAccumParams) == 8, "DqAccumParams must be 8 bytes");
+static_assert(sizeof(DqAccumParams) == 16, "DqAccumParams must be 16 bytes");
+
+// The first accumulator row that split s writes: with causal_block_kv > 0
+// (causal problems), the first key of split s is s * causal_block_kv (its
+// first key tile, pass 0 of the fused kernel's walk; later passes take later
+// tiles) and query i sees key j only if j <= i + ql_off, so no key of the
+// split is visible to the rows above first key - ql_off: the fused kernel
+// leaves them unwritten and the reduce does not read them. Rounded down to
+// kDqAccumRowAlign (= kBwdReduceRows), so that a reduce block is wholly in or
+// out; non-decreasing in s, so the splits a row block sums are a prefix.
+FATRAIN_ABI_FN int dq_split_first_row(int split, int causal_block_kv, int ql_off) {
+  const int first = split * causal_block_kv - ql_off;
+  return first <= 0 ? 0 : first / kDqAccumRowAlign * kDqAccumRowAlign;
+}
+static_assert(kDqAccumRowAlign % kBwdReduceRows == 0, "a reduce block is wholly in or out of a split");
 
 FATRAIN_ABI_END

@@ -361,7 +361,9 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 // 1, ... (each split gets the p-th tile from alternate ends, which evens out
 // causal work), and additionally accumulates dQ / scale = dS K into its own
 // float32 accumulator split s (FATRAIN_BUF_DQ_ACCUM): the first visit of a
-// row tile stores, later visits add, and rows the split never sees get zeros.
+// row tile stores, later visits add, and rows the split never sees get zeros
+// (causal: except those above dq_split_first_row, which it neither writes nor
+// the reduce reads).
 // No other threadgroup touches split s and the visiting order is fixed, so
 // the sums are bitwise reproducible; flash_attn_train_bwd_dq_reduce adds the
 // splits in split order.
@@ -471,6 +473,7 @@ struct DkdvRegs<T, N, false> {};
 struct DkdvDqAccum {
   device float* acc;  // split s, batch b, query head 0 of the kv head's group
   int rows;
+  int first_row;      // dq_split_first_row: the rows above it are neither written nor read
 };
 struct DkdvNoDq {};
 
@@ -970,13 +973,15 @@ inline void dkdv_run(
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   if constexpr (kFusedDq) {
-    // Rows no key tile of the split sees (causal: those above its first
-    // tile) are zeros for the reduce.
+    // Rows no key tile of the split sees are zeros for the reduce, from
+    // dq.first_row on: causal problems' rows above it stay unwritten (the
+    // reduce skips them; no key of the split is visible there, so the
+    // visited rows [w_lo, w_hi) start at or below it).
     if (w_lo < w_hi) {
-      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, 0, w_lo, sg);
+      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, dq.first_row, w_lo, sg);
       dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, w_hi, dq.rows, sg);
     } else {
-      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, 0, dq.rows, sg);
+      dkdv_zero_rows<D, BQ, NSG, Sh::kDqFrags>(dq, gqa, dq.first_row, dq.rows, sg);
     }
   }
 }
@@ -1051,6 +1056,7 @@ flash_attn_train_bwd_dkdv_dq(
   dq.acc = dq_accum + ((long(split) * params->b + int(tid.z)) * params->h +
                        long(tid.y) * params->gqa_factor) * rows * D;
   dq.rows = rows;
+  dq.first_row = dq_split_first_row(split, accum->causal_block_kv, params->ql_off);
   const DkdvConstants fcs = {align_Q,    align_K,       has_mask,       do_causal,
                              has_window, has_q_lengths, has_kv_lengths, has_segments};
   dkdv_run<T, D, MaskT, kBoolMask, true>(
@@ -1059,7 +1065,8 @@ flash_attn_train_bwd_dkdv_dq(
       simd_gid, simd_lid);
 }
 
-// dQ = scale * (sum of the accumulator splits in split order), in Q's dtype.
+// dQ = scale * (sum of the accumulator splits in split order), in Q's dtype;
+// a block of rows sums the splits that wrote it (dq_split_first_row).
 // Grid (ceil(qL / kBwdReduceRows), H_q, B), kBwdReduceThreads threads; thread
 // t moves the 4-element vectors t, t + kBwdReduceThreads, ... of the rows
 // (coalesced 16-byte loads per split, one 8- or 16-byte store).
@@ -1084,11 +1091,19 @@ flash_attn_train_bwd_dq_reduce(
   const device float* src = dq_accum + ((long(b) * params->h + h) * accum->rows + row0) * d;
   device T* dst = dQ + long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
   const float scale = params->scale;
+  // The splits that wrote this block: those whose first row is at or above
+  // row0 (all of them unless causal), a prefix of the split order.
+  int n_src = 0;
+  while (n_src < nsplit &&
+         dq_split_first_row(n_src, accum->causal_block_kv, params->ql_off) <= row0) {
+    ++n_src;
+  }
   for (int v = int(tix); v < n_rows * d4; v += kBwdReduceThreads) {
     const int r = v / d4;
     const long off = long(r) * d + (v - r * d4) * 4;
-    float4 sum = *((const device float4*)(src + off));
-    for (int s = 1; s < nsplit; ++s) sum += *((const device float4*)(src + s * split_stride + off));
+    float4 sum = float4(0.0f);
+    if (n_src > 0) sum = *((const device float4*)(src + off));
+    for (int s = 1; s < n_src; ++s) sum += *((const device float4*)(src + s * split_stride + off));
     *((device V4*)(dst + long(row0 + r) * params->q_strides[2] + (v - r * d4) * 4)) =
         V4(T(sum.x * scale), T(sum.y * scale), T(sum.z * scale), T(sum.w * scale));
   }

@@ -381,6 +381,7 @@ std::string plan_backward(const Problem& p, Plan* plan, const BackwardOptions& o
     abi::DqAccumParams acc{};
     acc.nsplit = nsplit;
     acc.rows = abi::dq_accum_rows(int(p.q_len));
+    acc.causal_block_kv = p.causal ? abi::bwd_block_kv(d, es, /*fused=*/true) : 0;
     Dispatch fused = dkdv_dispatch("bwd_dkdv_dq", true);
     fused.bindings.push_back(buffer(FATRAIN_BUF_DQ_ACCUM, Role::kDQAccum));
     fused.bindings.push_back(bytes_binding(FATRAIN_BUF_DQ_ACCUM_PARAMS, acc));

@@ -120,7 +120,9 @@ using metal_abi::WindowParams;
 // first-visit stores the splits together move 8 x T x D bytes per key tile
 // and per query head whatever nsplit is (a split's first tile stores its
 // rows, later tiles add to them); nsplit sets only the bytes the reduce reads
-// (nsplit x T x D x 4) and the threadgroups that share the work. With fewer
+// (nsplit x T x D x 4; causal: about half, as a split's rows above its first
+// key are neither written nor read, abi::dq_split_first_row) and the
+// threadgroups that share the work. With fewer
 // threadgroups than two per core, a core runs 8 simdgroups instead of 16 and
 // the compute-bound fused kernel slows by up to 2x, against a reduce that
 // costs 0.18-0.28x the forward at 64 splits (T = 4096, D = 64, one head,

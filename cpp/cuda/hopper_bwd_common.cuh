@@ -169,9 +169,7 @@ __device__ __forceinline__ void issue_st_dpt(float (&st)[NQ / 2], float (&dpt)[N
 // the loads wait behind a wgmma instead of in front of the FFMAs that use
 // them; indexed by query like the shared array. The index arithmetic folds
 // to a constant once the callers' loops are unrolled, as in
-// hide_outside_intervals. A thread's two columns of each group of 8 are
-// neighbours, so each pair is one 8-byte load (`shared` 8-byte aligned, q_w0
-// even).
+// hide_outside_intervals.
 template <int NQ>
 struct ThreadRowStats {
   float v[NQ / 4];
@@ -180,9 +178,8 @@ struct ThreadRowStats {
     first = q_w0 + acc_col(0, lane, 0);
 #pragma unroll
     for (int j = 0; j < NQ / 8; ++j) {
-      const float2 x = *reinterpret_cast<const float2*>(shared + first + 8 * j);
-      v[2 * j] = x.x;
-      v[2 * j + 1] = x.y;
+      v[2 * j] = shared[first + 8 * j];
+      v[2 * j + 1] = shared[first + 8 * j + 1];
     }
   }
   __device__ __forceinline__ float operator[](int q) const {

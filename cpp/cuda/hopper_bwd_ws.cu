@@ -491,23 +491,17 @@ __global__ void __launch_bounds__(kNT, 1)
       // and dV += Pᵀ dO go ahead while dPᵀ computes.
       issue_st_dpt<E, D, kBK, BQ, BQ>(st, dpt, sK, sV, c * 64, cQ, cdO);
       // L, and below D, are read into registers while the products run
-      // (ThreadRowStats), except L at 80-row steps: there Sᵀ, dPᵀ, dK and dV
-      // leave no room for it across this wait (ptxas spills).
-      constexpr bool kLInRegisters = BQ != kBQHead128;
+      // (ThreadRowStats), so that the exponent's FFMAs do not wait for them.
       ThreadRowStats<BQ> row_l, row_d;
-      if constexpr (kLInRegisters) row_l.load(cL, 0, lane);
+      row_l.load(cL, 0, lane);
       wgmma_wait<1>();
       fence_regs(st);
       const bool one_seg = hm.one_segment(p, b, i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16);
       const bool full_tile =
           hm.tile_in_bounds<EB>(i0, i0 + BQ, j0 + key_w0, j0 + key_w0 + 16) && one_seg;
       if constexpr (EB > 0) mbar_wait(bar.scores_full(), g & 1);
-      auto compute_pt_from = [&](const auto& lse_rows) {
-        compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, lse_rows, i0, j0, key_w0, 0, lane,
-                                         full_tile, one_seg, smem_ptr(sScore));
-      };
-      if constexpr (kLInRegisters) compute_pt_from(row_l);
-      else compute_pt_from(cL);
+      compute_pt<EB, L::kScoreRow, BQ>(st, hm, p.scale_log2, row_l, i0, j0, key_w0, 0, lane,
+                                       full_tile, one_seg, smem_ptr(sScore));
       if constexpr (EB > 0) mbar_arrive(bar.scores_empty());
 
       // dSᵀ; in atomic mode also into this step's dSᵀ buffer, once both

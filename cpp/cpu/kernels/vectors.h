@@ -100,7 +100,6 @@ static inline __attribute__((always_inline)) vf vmin(vf a, vf b) {
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t a, int64_t m) { return (a + m - 1) / m * m; }
-static inline float fmaxs(float a, float b) { return a > b ? a : b; }
 
 static inline uint32_t f2u(float f) {
   uint32_t u;
@@ -216,6 +215,19 @@ constexpr float kC6 = 0.00015403530393381606f;
 constexpr float kC7 = 1.525273380405984e-05f;
 constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
 
+// 2^f for f in [-0.5, 0.5]: the polynomial of vexp2.
+static inline __attribute__((always_inline)) vf exp2_poly(vf f) {
+  vf p = bc(kC7);
+  p = p * f + kC6;
+  p = p * f + kC5;
+  p = p * f + kC4;
+  p = p * f + kC3;
+  p = p * f + kC2;
+  p = p * f + kC1;
+  p = p * f + 1.0f;
+  return p;
+}
+
 static inline __attribute__((always_inline)) vf vexp2(vf x) {
 #if defined(__AVX512F__)
   // AVX-512: round with vrndscaleps and apply 2^r with vscalefps, which
@@ -226,14 +238,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   // unmasked intrinsics trip GCC 12's uninitialized-value warning.)
   const vf r = _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = xc - r;
-  vf p = bc(kC7);
-  p = p * f + kC6;
-  p = p * f + kC5;
-  p = p * f + kC4;
-  p = p * f + kC3;
-  p = p * f + kC2;
-  p = p * f + kC1;
-  p = p * f + 1.0f;
+  const vf p = exp2_poly(f);
   return _mm512_mask_scalef_ps(p, 0xffff, p, r);
 #else
   const vf lo = bc(-127.0f), hi = bc(127.0f);
@@ -241,14 +246,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   xc = xc > hi ? hi : xc;
   vf r = (xc + kRound) - kRound;
   vf f = xc - r;
-  vf p = bc(kC7);
-  p = p * f + kC6;
-  p = p * f + kC5;
-  p = p * f + kC4;
-  p = p * f + kC3;
-  p = p * f + kC2;
-  p = p * f + kC1;
-  p = p * f + 1.0f;
+  const vf p = exp2_poly(f);
   vi n = __builtin_convertvector(r, vi);
   vi bits = (n + 127) << 23;  // n = -127 -> +0.0
   vf s;
@@ -257,29 +255,6 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
 #endif
 }
 
-static inline float sexp2(float x) {
-  if (x != x) return x;  // NaN
-  float xc = x > -127.0f ? x : -127.0f;
-  xc = xc < 127.0f ? xc : 127.0f;
-  float r = (xc + kRound) - kRound;
-  float f = xc - r;
-  float p = kC7;
-  p = p * f + kC6;
-  p = p * f + kC5;
-  p = p * f + kC4;
-  p = p * f + kC3;
-  p = p * f + kC2;
-  p = p * f + kC1;
-  p = p * f + 1.0f;
-  int32_t n = static_cast<int32_t>(r);
-  return p * u2f(static_cast<uint32_t>(n + 127) << 23);
-}
-
-static inline float hmax(vf v) {
-  float m = v[0];
-  for (int k = 1; k < W; ++k) m = fmaxs(m, v[k]);
-  return m;
-}
 static inline float hsum(vf v) {
   float s = v[0];
   for (int k = 1; k < W; ++k) s += v[k];

@@ -131,11 +131,13 @@ static void bench(int threads, int reps, int64_t T, const char* only) {
   ThreadedFor tf{threads};
   ParallelFor pf = tf.pf();
   const int64_t B = 1, N = 8;
-  const bool bf16_dot = bf16_dot_peak_gflops(threads, 0.01) > 0;
-  std::printf("bench: isa=%s threads=%d B=%lld N=%lld T=S=%lld, best of %d; each row against the "
+  const double bf16_peak = bf16_dot_peak_gflops(threads, 0.3);
+  const bool bf16_dot = bf16_peak > 0;
+  std::printf("bench: isa=%s threads=%d B=%lld N=%lld T=S=%lld, best of %d; peaks: f32 FMA %.1f, "
+              "bf16 dot %.1f GFLOP/s (0: the kernels do not run vdpbf16ps); each row against the "
               "best peak measured between its runs (bf16: the %s peak)\n",
               selected_isa(), threads, (long long)B, (long long)N, (long long)T, reps,
-              bf16_dot ? "bf16 dot-product" : "f32 FMA");
+              fma_peak_gflops(threads, 0.3), bf16_peak, bf16_dot ? "bf16 dot-product" : "f32 FMA");
   std::printf("  %-5s %4s %-6s %10s %8s %6s %10s %8s %6s %8s\n", "dtype", "D", "causal", "fwd ms",
               "GFLOP/s", "%peak", "f+b ms", "GFLOP/s", "%peak", "peak");
   for (DType dt : {DType::kF32, DType::kBF16}) {

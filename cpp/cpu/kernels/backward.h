@@ -26,8 +26,7 @@ struct BwdState {
   const float* lse;
   const BackwardOperands* bop;
   const BiasGradOperands* gop;
-  bool need_transposed_q;  // QT / dOT / Kp / Vp (pass 2)
-  float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head
+  float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head (QT, dOT: null unless pass 2 may run)
   float *Kp, *Vp, *KT, *VT;              // per kv head
   // bf16 pairs (words): the products read these instead of the f32 packs,
   // which then only feed them and Drow (QT, dOT, KT, VT are not made).
@@ -62,27 +61,34 @@ inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
           s.g.Dp / 2, (s.g.D + 1) / 2};
 }
 
+// The product forms of one head's packed f32 rows [L][Dr] (see BwdState):
+// with words, pairs along D (w), transposed pairs (tw) and pairs along the
+// sequence (iw, none when null); else the f32 copy transposed by tile (t,
+// none when null).
+static void pack_head_forms(const BwdState& s, const float* rows, int64_t L, int64_t tile,
+                            int64_t idx, uint32_t* w, uint32_t* tw, uint32_t* iw, float* t) {
+  const Geo& g = s.g;
+  if (s.words) {
+    pack_pair_rows(rows, L, g.Dp, g.Dr, w + idx * L * g.Dp / 2);
+    pack_pair_transposed(rows, L, g.D, g.Dr, tile, tw + idx * L * ((g.D + 1) / 2));
+    if (iw) pack_pair_interleaved(rows, L, g.Dp, g.Dr, iw + idx * L * g.Dr / 2);
+  } else if (t) {
+    pack_transposed(rows, L, g.D, g.Dr, tile, t + idx * L * g.D);
+  }
+}
+
 static void bwd_pack(BwdState& s, int64_t idx) {
   const Geo& g = s.g;
-  int64_t Dp = g.Dp, Dr = g.Dr, D = g.D;
+  int64_t Dr = g.Dr, D = g.D;
   if (idx < g.B * g.N) {
     int64_t b = idx / g.N, n = idx % g.N;
     float* Q = s.Qp + idx * g.Tp * Dr;
     float* dO = s.dOp + idx * g.Tp * Dr;
     pack_rows(*s.q, b, n, g.T, g.Tp, D, Dr, Q);
     pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dr, dO);
-    if (s.words) {
-      const int64_t wsz = g.Tp * Dp / 2, isz = g.Tp * Dr / 2, tsz = g.Tp * ((D + 1) / 2);
-      pack_pair_rows(Q, g.Tp, Dp, Dr, s.Qw + idx * wsz);
-      pack_pair_rows(dO, g.Tp, Dp, Dr, s.dOw + idx * wsz);
-      pack_pair_transposed(Q, g.Tp, D, Dr, BQ, s.QTw + idx * tsz);
-      pack_pair_transposed(dO, g.Tp, D, Dr, BQ, s.dOTw + idx * tsz);
-      pack_pair_interleaved(Q, g.Tp, Dp, Dr, s.Qi + idx * isz);
-      pack_pair_interleaved(dO, g.Tp, Dp, Dr, s.dOi + idx * isz);
-    } else if (s.need_transposed_q) {
-      pack_transposed(Q, g.Tp, D, Dr, BQ, s.QT + idx * g.Tp * D);
-      pack_transposed(dO, g.Tp, D, Dr, BQ, s.dOT + idx * g.Tp * D);
-    }
+    // QT and dOT exist (f32) only when pass 2 may run (backward_common).
+    pack_head_forms(s, Q, g.Tp, BQ, idx, s.Qw, s.QTw, s.Qi, s.QT);
+    pack_head_forms(s, dO, g.Tp, BQ, idx, s.dOw, s.dOTw, s.dOi, s.dOT);
     float* drow = s.Drow + idx * g.Tp;
     float* Lb = s.Lb + idx * g.Tp;
     const float* L = s.lse + idx * g.T;
@@ -112,17 +118,8 @@ static void bwd_pack(BwdState& s, int64_t idx) {
     float* V = s.Vp + idx * g.Sp * Dr;
     pack_rows(*s.k, b, h, g.S, g.Sp, D, Dr, K);
     pack_rows(*s.v, b, h, g.S, g.Sp, D, Dr, V);
-    if (s.words) {
-      const int64_t wsz = g.Sp * Dp / 2, isz = g.Sp * Dr / 2, tsz = g.Sp * ((D + 1) / 2);
-      pack_pair_rows(K, g.Sp, Dp, Dr, s.Kw + idx * wsz);
-      pack_pair_rows(V, g.Sp, Dp, Dr, s.Vw + idx * wsz);
-      pack_pair_transposed(K, g.Sp, D, Dr, BK, s.KTw + idx * tsz);
-      pack_pair_transposed(V, g.Sp, D, Dr, BK, s.VTw + idx * tsz);
-      pack_pair_interleaved(K, g.Sp, Dp, Dr, s.Ki + idx * isz);
-      return;
-    }
-    pack_transposed(K, g.Sp, D, Dr, BK, s.KT + idx * g.Sp * D);
-    pack_transposed(V, g.Sp, D, Dr, BK, s.VT + idx * g.Sp * D);
+    pack_head_forms(s, K, g.Sp, BK, idx, s.Kw, s.KTw, s.Ki, s.KT);
+    pack_head_forms(s, V, g.Sp, BK, idx, s.Vw, s.VTw, nullptr, s.VT);
   }
 }
 
@@ -380,7 +377,6 @@ static const char* backward_common(BwdState& s, const ParallelFor& parallel, boo
   // transposed ones ceil(D / 2) words per row.
   int64_t qwsz = qsz / 2, qtwsz = g.B * g.N * g.Tp * ((g.D + 1) / 2);
   int64_t kwsz = ksz / 2, ktwsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2);
-  s.need_transposed_q = need_pass2;
   s.words = words;
   int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
                   carve_size(segsz);

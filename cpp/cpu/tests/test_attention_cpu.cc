@@ -14,8 +14,8 @@
 //
 // The cases, the double-precision reference and the comparisons are those of
 // cpp/testing/attention_check.h, which the CUDA kernels' check shares; here
-// the backward and bias gradient must also be bit for bit the same serially
-// and on 4 threads.
+// the forward, backward and bias gradient must also be bit for bit the same
+// serially and on 4 threads.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -77,8 +77,25 @@ class CpuBackend : public Backend {
     return {2e-3, 2e-2, 3e-3, 6e-3};
   }
   int backward_reruns() const override { return 1; }
+  // Serially, then on 4 threads: the two must agree bit for bit (the items,
+  // and how many query tiles each takes, differ with the thread count).
   const char* forward(const AttentionProblem& p, const ForwardOperands& ops) override {
-    return attention_forward(p, ops, threaded_.pf());
+    const char* err = attention_forward(p, ops, serial_parallel_for());
+    if (err) return err;
+    const int64_t elements = (p.batch - 1) * ops.o.batch_stride +
+                             (p.q_len - 1) * ops.o.seq_stride +
+                             (p.q_heads - 1) * ops.o.head_stride + p.head_dim;
+    const size_t obytes = size_t(elements) * (ops.o.dtype == DType::kF32 ? 4 : 2);
+    const size_t lbytes = size_t(p.batch * p.q_heads * p.q_len) * sizeof(float);
+    const char* o = static_cast<const char*>(ops.o.data);
+    const char* l = reinterpret_cast<const char*>(ops.lse);
+    std::vector<char> serial_o(o, o + obytes), serial_lse(l, l + lbytes);
+    err = attention_forward(p, ops, threaded_.pf());
+    if (err) return err;
+    if (std::memcmp(serial_o.data(), o, obytes) != 0 ||
+        std::memcmp(serial_lse.data(), l, lbytes) != 0)
+      return "forward: the serial and 4-thread results differ";
+    return nullptr;
   }
   const char* backward(const AttentionProblem& p, const BackwardOperands& ops, int run) override {
     return attention_backward(p, ops, run == 0 ? threaded_.pf() : serial_parallel_for());

@@ -40,10 +40,9 @@ static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ld
 // bf16 pair packs (Lanes<uint32_t>), from f32 row packs [Lp][ld] whose values
 // are bf16 (so the rounding is exact). Dp and Lp are even; padding stays 0.
 // Rows, pairs along D: dst[t][p] = (rows[t][2p], rows[t][2p+1]), Dp/2 words a row.
+// (Dp is a multiple of W: whole vectors.)
 static void pack_pair_rows(const float* rows, int64_t Lp, int64_t Dp, int64_t ld, uint32_t* dst) {
-  for (int64_t t = 0; t < Lp; ++t)
-    for (int64_t p = 0; p < Dp / 2; ++p)
-      dst[t * Dp / 2 + p] = bf16_pair(rows[t * ld + 2 * p], rows[t * ld + 2 * p + 1]);
+  for (int64_t t = 0; t < Lp; ++t) bf16_row(rows + t * ld, Dp, dst + t * Dp / 2);
 }
 // Transposed by tile, pairs along D: dst[blk][p][c] = (rows[blk*bt + c][2p], ..[2p+1]),
 // p < Dk = ceil(D / 2).
@@ -58,13 +57,18 @@ static void pack_pair_transposed(const float* rows, int64_t Lp, int64_t D, int64
   }
 }
 // Pairs along the sequence: dst[u][d] = (rows[2u][d], rows[2u+1][d]), d < Dp,
-// ld words a row like the f32 rows: the B operand of the products summed over
+// ldr words a row like the f32 rows: the B operand of the products summed over
 // keys or queries (O, dV, dK, dQ).
-static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, int64_t ld,
+static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, int64_t ldr,
                                   uint32_t* dst) {
-  for (int64_t u = 0; u < Lp / 2; ++u)
-    for (int64_t d = 0; d < Dp; ++d)
-      dst[u * ld + d] = bf16_pair(rows[2 * u * ld + d], rows[(2 * u + 1) * ld + d]);
+  for (int64_t u = 0; u < Lp / 2; ++u) {
+    const float* lo = rows + 2 * u * ldr;
+    const float* hi = lo + ldr;
+    for (int64_t d = 0; d < Dp; d += W) {
+      const vu w = vbf16_bits(ld(lo + d)) | (vbf16_bits(ld(hi + d)) << 16);
+      memcpy(dst + u * ldr + d, &w, sizeof(w));
+    }
+  }
 }
 
 }  // namespace

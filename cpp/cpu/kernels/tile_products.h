@@ -162,15 +162,19 @@ template <>
 inline const float* a_tile<float>(const float* t, int64_t, int64_t, int64_t, float*) {
   return t;
 }
+// The rows are converted whole vectors at a time, up to round_up(n, W)
+// columns (computed, so defined; ld >= that): the words past column n are
+// never read, and for an odd n the high half of the last word read is
+// cleared.
 template <>
 inline const uint32_t* a_tile<uint32_t>(const float* t, int64_t rows, int64_t ld, int64_t n,
                                         uint32_t* words) {
-  const int64_t full = n / 2, ldw = ld / 2;
+  const int64_t ldw = ld / 2, nv = round_up(n, W);
+  const uint16_t zero = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = t + r * ld;
-    uint32_t* w = words + r * ldw;
-    for (int64_t p = 0; p < full; ++p) w[p] = bf16_pair(row[2 * p], row[2 * p + 1]);
-    if (n % 2) w[full] = bf16_pair(row[n - 1], 0.0f);
+    char* w = reinterpret_cast<char*>(words + r * ldw);
+    bf16_row(t + r * ld, nv, w);
+    if (n % 2) memcpy(w + 2 * n, &zero, sizeof(zero));
   }
   return words;
 }

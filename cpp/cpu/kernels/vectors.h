@@ -199,6 +199,21 @@ static inline __attribute__((always_inline)) vu vbf16_bits(vf f) {
   return (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
 }
 
+// The bf16 bits of x[0, n), n a multiple of W, written in element order to
+// out (any alignment). Element k goes to the low half of word k / 2 when k is
+// even and to its high half when k is odd, so these are also the words of
+// consecutive element pairs, bf16_pair(x[2p], x[2p + 1]).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "bf16 pair words hold their first element in the low half");
+typedef uint16_t vh __attribute__((vector_size(W * 2), may_alias, aligned(2)));
+static inline void bf16_row(const float* x, int64_t n, void* out) {
+  char* o = static_cast<char*>(out);
+  for (int64_t c = 0; c < n; c += W) {
+    const vh h = __builtin_convertvector(vbf16_bits(ld(x + c)), vh);
+    memcpy(o + 2 * c, &h, sizeof(h));
+  }
+}
+
 // 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
 // a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
 // ~5e-9, overall ~1 ulp-ish). x = -inf gives exactly 0, and so does any

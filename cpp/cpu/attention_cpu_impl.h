@@ -79,13 +79,15 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
     if (s.fail) err = kOom;
   }
   if (!err) {
+    s.qtiles = forward_query_tiles(g, parallel.num_threads);
+    const int64_t items = forward_items(g, s.qtiles);
     if constexpr (kHasBf16Dot) {
       if (s.words)
-        run_items<FwdState, fwd_item<uint32_t>>(parallel, g.B * g.N * g.ntq, s);
+        run_items<FwdState, fwd_item<uint32_t>>(parallel, items, s);
       else
-        run_items<FwdState, fwd_item<float>>(parallel, g.B * g.N * g.ntq, s);
+        run_items<FwdState, fwd_item<float>>(parallel, items, s);
     } else {
-      run_items<FwdState, fwd_item<float>>(parallel, g.B * g.N * g.ntq, s);
+      run_items<FwdState, fwd_item<float>>(parallel, items, s);
     }
     if (s.fail) err = kOom;
   }

@@ -1,5 +1,5 @@
 // The forward pass: packing K and V, then one work item per (batch, head,
-// query tile).
+// group of adjacent query tiles).
 //
 // Part of the CPU kernels compiled once per ISA: see attention_cpu_impl.h.
 #pragma once
@@ -31,6 +31,7 @@ struct FwdState {
   bool words;
   uint32_t* Kw;
   uint32_t* Vw;
+  int64_t qtiles;  // query tiles per item (forward_query_tiles)
   int fail;
 };
 
@@ -50,68 +51,201 @@ static void fwd_pack(FwdState& s, int64_t idx) {
   pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, s.V + head);
 }
 
-// One query tile of one head. The tile is computed key-major, Sᵀ = K Qᵀ
-// (a key per row, the BQ queries along the vectors), so that every query's
-// softmax statistics (running max m, sum l, rescale factor) are vectors of
-// queries updated element-wise, with no reduction across vector lanes; the
-// output accumulates as Oᵀ += Vᵀ Pᵀ (Vᵀ read in place from V's rows) and is
-// transposed once when the item writes O.
+// The running state of one query tile: Qᵀ [Dk][BQ] (Pk), Oᵀ [Dp][BQ] and,
+// per query, the running max m, the running sum l, this key tile's rescale
+// factor and the max its exponentials subtract.
 template <class Pk>
-static void fwd_item(FwdState& s, int64_t idx) {
+struct FwdTile {
+  int64_t i0, ni, ncq, nqv, kt_begin, kt_end;
+  Pk* QT;
+  float *OT, *mrow, *lrow, *alpha, *mexp;
+};
+
+// Loads query tile t.i0.. of head n transposed into t.QT and resets its state.
+template <class Pk>
+static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>& t) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const int64_t D = g.D, Dk = (D + kP - 1) / kP;
+  float row[kMaxHeadDim + 1];
+  for (int64_t r = 0; r < BQ; ++r) {
+    if (r < t.ni)
+      load_row(row_ptr(s.op->q, b, t.i0 + r, n), s.op->q.dtype, D, row);
+    else
+      for (int64_t d = 0; d < D; ++d) row[d] = 0.0f;
+    row[D] = 0.0f;  // the pair of an odd D's last element
+    for (int64_t p = 0; p < Dk; ++p) {
+      if constexpr (kP == 1)
+        t.QT[p * BQ + r] = row[p];
+      else
+        t.QT[p * BQ + r] = bf16_pair(row[2 * p], row[2 * p + 1]);
+    }
+  }
+  memset(t.OT, 0, static_cast<size_t>(g.Dp * BQ) * 4);
+  for (int64_t r = 0; r < BQ; ++r) {
+    t.mrow[r] = -kInf;
+    t.lrow[r] = 0.0f;
+  }
+}
+
+// One key tile (rows j0.. of the head's K and V, kt) of one query tile,
+// computed key-major, Sᵀ = K Qᵀ (a key per row, the BQ queries along the
+// vectors), so that every query's softmax statistics are vectors of queries
+// updated element-wise, with no reduction across vector lanes; the output
+// accumulates as Oᵀ += Vᵀ Pᵀ (Vᵀ read in place from V's rows). St: [BK][BQ]
+// scratch, brow: [BQ], Pw: [BK / 2][BQ] (bf16 pairs only). Returns false when
+// the pair has no visible element.
+template <class Pk>
+static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, const Pk* Kh,
+                          const Pk* Vh, int64_t te, int64_t se, FwdTile<Pk>& t, float* St,
+                          float* brow, Pk* Pw) {
   constexpr int64_t kP = Lanes<Pk>::kPair;
   constexpr int64_t kQV = BQ / W;  // query vectors per tile row
   const Geo& g = s.g;
+  const int64_t Dp = g.Dp, Dr = g.Dr, Dk = (g.D + kP - 1) / kP;
+  const int64_t ldk = kP == 1 ? Dr : Dp / 2;
+  const int64_t ncq = t.ncq, nqv = t.nqv;
+  int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+  int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
+  if (cls == 0) return false;
+  score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ);
+  const TileScores<false> scores(g, b, n, t.i0, t.ni, ncq, cls, te, se);
+  // Base-2 scores are c s: prep applies c (and masks, bias) a row at a time,
+  // or, for plain tiles, the max and the exponentials apply it as they read.
+  const bool plain = scores.plain();
+  if (!plain)
+    for (int64_t r = 0; r < nj; ++r) scores.prep(St + r * BQ, j0 + r, brow);
+  const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
+  // New running max per query. A query that has seen no finite score keeps
+  // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
+  // score); any NaN score makes its query's l, and so its O and L, NaN.
+  // The tile's max per query: rows outer, so that the query vectors are
+  // independent chains of maxima.
+  vf mx[kQV];
+  for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
+  for (int64_t r = 0; r < nj; ++r)
+    for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], ld(St + r * BQ + v * W));
+  bool rescale = false;
+  for (int64_t v = 0; v < nqv; ++v) {
+    const vf mold = ld(t.mrow + v * W), mnew = vmax(mold, mx[v] * vc);
+    const vi dead = mnew == bc(-kInf);
+    const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
+    st(t.mexp + v * W, dead ? bc(0.0f) : mnew);
+    st(t.mrow + v * W, mnew);
+    st(t.alpha + v * W, a);
+    for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
+  }
+  vf sum[kQV];
+  for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
+  for (int64_t r = 0; r < nj; ++r) {
+    float* srow = St + r * BQ;
+    for (int64_t v = 0; v < nqv; ++v) {
+      const vf p = vexp2(ld(srow + v * W) * vc - ld(t.mexp + v * W));
+      sum[v] += p;
+      st(srow + v * W, p);
+    }
+  }
+  for (int64_t v = 0; v < nqv; ++v)
+    st(t.lrow + v * W, ld(t.lrow + v * W) * ld(t.alpha + v * W) + sum[v]);
+  if (rescale) {
+    for (int64_t d = 0; d < Dp; ++d)
+      for (int64_t v = 0; v < nqv; ++v)
+        st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
+  }
+  acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
+                  row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
+  return true;
+}
+
+// Writes query tile t's rows of O (Oᵀ transposed back, divided by l) and L.
+template <class Pk>
+static void fwd_tile_end(const FwdState& s, int64_t b, int64_t n, const FwdTile<Pk>& t) {
+  const Geo& g = s.g;
   const ForwardOperands& op = *s.op;
+  const int64_t D = g.D;
+  float* lse = op.lse + (b * g.N + n) * g.T;
+  float orow[kMaxHeadDim];
+  for (int64_t r = 0; r < t.ni; ++r) {
+    float l = t.lrow[r];
+    char* dst = row_ptr_mut(op.o, b, t.i0 + r, n);
+    // A query saw a key iff its running max left -inf (then l >= 1), or a
+    // score was NaN (then l, O and L are NaN).
+    if (t.mrow[r] != -kInf || l != l) {
+      for (int64_t d = 0; d < D; ++d) orow[d] = t.OT[d * BQ + r];
+      store_row(dst, op.o.dtype, D, orow, 1.0f / l);
+      lse[t.i0 + r] = t.mrow[r] * kLn2 + __builtin_logf(l);
+    } else {
+      for (int64_t d = 0; d < D; ++d) orow[d] = 0.0f;
+      store_row(dst, op.o.dtype, D, orow, 1.0f);
+      lse[t.i0 + r] = -kInf;
+    }
+  }
+}
+
+// Query tiles per forward item: up to kFwdQueryTiles adjacent tiles of one
+// head share each read of a K and V tile (a head's K and V are megabytes at
+// long sequences, beyond a core's L2), as long as the items still number at
+// least four per thread. Each tile's arithmetic is the same whatever the
+// grouping, so results do not depend on it.
+constexpr int64_t kFwdQueryTiles = 4;
+static int64_t forward_query_tiles(const Geo& g, int64_t threads) {
+  const int64_t groups = g.B * g.N * ((g.ntq + kFwdQueryTiles - 1) / kFwdQueryTiles);
+  return groups >= 4 * imax(1, threads) ? kFwdQueryTiles : 1;
+}
+static int64_t forward_items(const Geo& g, int64_t qtiles) {
+  return g.B * g.N * ((g.ntq + qtiles - 1) / qtiles);
+}
+
+// One item: s.qtiles adjacent query tiles of one head, walked together over
+// the key tiles (each tile in its own key range).
+template <class Pk>
+static void fwd_item(FwdState& s, int64_t idx) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  const Geo& g = s.g;
+  const int64_t ngroups = (g.ntq + s.qtiles - 1) / s.qtiles;
   // Items run head by head, so the threads share one head's K and V in cache,
-  // and within a head from the last query tile down: under causality the
+  // and within a head from the last query tiles down: under causality the
   // largest items go first and the smallest fill in at the end.
-  int64_t bn = idx / g.ntq;
-  int64_t qt = g.ntq - 1 - idx % g.ntq;
+  int64_t bn = idx / ngroups;
+  int64_t grp = ngroups - 1 - idx % ngroups;
   int64_t b = bn / g.N, n = bn % g.N, kh = n / g.G;
-  int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W), nqv = ncq / W;
-  int64_t Dp = g.Dp, Dr = g.Dr, D = g.D, Dk = (D + kP - 1) / kP;
-  // Qᵀ [Dk][BQ] (Pk), Oᵀ [Dp][BQ], Sᵀ [BK][BQ], m, l, alpha, the max used by
-  // the exponentials and a bias row [BQ] each, Pᵀ pairs [BK / 2][BQ] (bf16).
-  float* buf = falloc(2 * Dp * BQ + BK * BQ + 5 * BQ + (kP == 1 ? 0 : BK * BQ / 2));
+  const int64_t qt0 = grp * s.qtiles, nt = imin(s.qtiles, g.ntq - qt0);
+  const int64_t Dp = g.Dp, Dk = (g.D + kP - 1) / kP;
+  // Per tile: Qᵀ, Oᵀ and four [BQ] rows; shared: Sᵀ [BK][BQ], a bias row
+  // [BQ] and Pᵀ pairs [BK / 2][BQ] (bf16).
+  const int64_t per_tile = round_up(Dk * BQ, 16) + Dp * BQ + 4 * BQ;
+  float* buf = falloc(nt * per_tile + BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
   }
-  Pk* QT = reinterpret_cast<Pk*>(buf);
-  float* OT = buf + Dp * BQ;
-  float* St = OT + Dp * BQ;
-  float* mrow = St + BK * BQ;
-  float* lrow = mrow + BQ;
-  float* alpha = lrow + BQ;
-  float* mexp = alpha + BQ;
-  float* brow = mexp + BQ;
+  FwdTile<Pk> tiles[kFwdQueryTiles];
+  int64_t te = q_eff(g, b), se = kv_eff(g, b), kt_lo = g.ntk, kt_hi = 0;
+  for (int64_t u = 0; u < nt; ++u) {
+    FwdTile<Pk>& t = tiles[u];
+    float* base = buf + u * per_tile;
+    t.QT = reinterpret_cast<Pk*>(base);
+    t.OT = base + round_up(Dk * BQ, 16);
+    t.mrow = t.OT + Dp * BQ;
+    t.lrow = t.mrow + BQ;
+    t.alpha = t.lrow + BQ;
+    t.mexp = t.alpha + BQ;
+    const int64_t qt = qt0 + u;
+    t.i0 = qt * BQ;
+    t.ni = imin(BQ, g.T - t.i0);
+    t.ncq = round_up(t.ni, W);
+    t.nqv = t.ncq / W;
+    key_tile_range(g, b, qt, &t.kt_begin, &t.kt_end);
+    kt_lo = imin(kt_lo, t.kt_begin);
+    kt_hi = imax(kt_hi, t.kt_end);
+    fwd_tile_begin<Pk>(s, b, n, t);
+  }
+  float* St = buf + nt * per_tile;
+  float* brow = St + BK * BQ;
   Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);
-  {
-    float row[kMaxHeadDim + 1];
-    for (int64_t r = 0; r < BQ; ++r) {
-      if (r < ni)
-        load_row(row_ptr(op.q, b, i0 + r, n), op.q.dtype, D, row);
-      else
-        for (int64_t d = 0; d < D; ++d) row[d] = 0.0f;
-      row[D] = 0.0f;  // the pair of an odd D's last element
-      for (int64_t p = 0; p < Dk; ++p) {
-        if constexpr (kP == 1)
-          QT[p * BQ + r] = row[p];
-        else
-          QT[p * BQ + r] = bf16_pair(row[2 * p], row[2 * p + 1]);
-      }
-    }
-  }
-  memset(OT, 0, static_cast<size_t>(Dp * BQ) * 4);
-  for (int64_t r = 0; r < BQ; ++r) {
-    mrow[r] = -kInf;
-    lrow[r] = 0.0f;
-  }
-  int64_t te = q_eff(g, b), se = kv_eff(g, b);
-  const int64_t head = (b * g.KH + kh) * g.Sp * Dr;
-  // A of Sᵀ = K Qᵀ: K's rows (ldk elements a row); A of Oᵀ += Vᵀ Pᵀ: V by
-  // columns (f32 rows, or key pairs for bf16), Dr elements a row.
-  const int64_t ldk = kP == 1 ? Dr : Dp / 2;
+  const int64_t head = (b * g.KH + kh) * g.Sp * g.Dr;
+  // A of Sᵀ = K Qᵀ: K's rows; A of Oᵀ += Vᵀ Pᵀ: V by columns (f32 rows, or
+  // key pairs for bf16).
   const Pk* Kh;
   const Pk* Vh;
   if constexpr (kP == 1) {
@@ -121,78 +255,13 @@ static void fwd_item(FwdState& s, int64_t idx) {
     Kh = s.Kw + head / 2;
     Vh = s.Vw + head / 2;
   }
-  int64_t kt_begin, kt_end, visited = 0;
-  key_tile_range(g, b, qt, &kt_begin, &kt_end);
-  for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
-    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-    int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
-    if (cls == 0) continue;
-    ++visited;
-    score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, QT, BQ, St, BQ);
-    const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
-    // Base-2 scores are c s: prep applies c (and masks, bias) a row at a time,
-    // or, for plain tiles, the max and the exponentials apply it as they read.
-    const bool plain = scores.plain();
-    if (!plain)
-      for (int64_t r = 0; r < nj; ++r) scores.prep(St + r * BQ, j0 + r, brow);
-    const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
-    // New running max per query. A query that has seen no finite score keeps
-    // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
-    // score); any NaN score makes its query's l, and so its O and L, NaN.
-    // The tile's max per query: rows outer, so that the query vectors are
-    // independent chains of maxima.
-    vf mx[kQV];
-    for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
-    for (int64_t r = 0; r < nj; ++r)
-      for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], ld(St + r * BQ + v * W));
-    bool rescale = false;
-    for (int64_t v = 0; v < nqv; ++v) {
-      const vf mold = ld(mrow + v * W), mnew = vmax(mold, mx[v] * vc);
-      const vi dead = mnew == bc(-kInf);
-      const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
-      st(mexp + v * W, dead ? bc(0.0f) : mnew);
-      st(mrow + v * W, mnew);
-      st(alpha + v * W, a);
-      for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
-    }
-    vf sum[kQV];
-    for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
-    for (int64_t r = 0; r < nj; ++r) {
-      float* srow = St + r * BQ;
-      for (int64_t v = 0; v < nqv; ++v) {
-        const vf p = vexp2(ld(srow + v * W) * vc - ld(mexp + v * W));
-        sum[v] += p;
-        st(srow + v * W, p);
-      }
-    }
-    for (int64_t v = 0; v < nqv; ++v)
-      st(lrow + v * W, ld(lrow + v * W) * ld(alpha + v * W) + sum[v]);
-    if (rescale) {
-      for (int64_t d = 0; d < Dp; ++d)
-        for (int64_t v = 0; v < nqv; ++v)
-          st(OT + d * BQ + v * W, ld(OT + d * BQ + v * W) * ld(alpha + v * W));
-    }
-    acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
-                    row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, OT, BQ);
-  }
+  int64_t visited = 0;
+  for (int64_t kt = kt_lo; kt < kt_hi; ++kt)
+    for (int64_t u = 0; u < nt; ++u)
+      if (kt >= tiles[u].kt_begin && kt < tiles[u].kt_end)
+        visited += fwd_tile_step<Pk>(s, b, n, kt, Kh, Vh, te, se, tiles[u], St, brow, Pw);
   count_tile_visits(kTileVisitsForward, visited);
-  float* lse = op.lse + (b * g.N + n) * g.T;
-  float orow[kMaxHeadDim];
-  for (int64_t r = 0; r < ni; ++r) {
-    float l = lrow[r];
-    char* dst = row_ptr_mut(op.o, b, i0 + r, n);
-    // A query saw a key iff its running max left -inf (then l >= 1), or a
-    // score was NaN (then l, O and L are NaN).
-    if (mrow[r] != -kInf || l != l) {
-      for (int64_t d = 0; d < D; ++d) orow[d] = OT[d * BQ + r];
-      store_row(dst, op.o.dtype, D, orow, 1.0f / l);
-      lse[i0 + r] = mrow[r] * kLn2 + __builtin_logf(l);
-    } else {
-      for (int64_t d = 0; d < D; ++d) orow[d] = 0.0f;
-      store_row(dst, op.o.dtype, D, orow, 1.0f);
-      lse[i0 + r] = -kInf;
-    }
-  }
+  for (int64_t u = 0; u < nt; ++u) fwd_tile_end<Pk>(s, b, n, tiles[u]);
   free(buf);
 }
 

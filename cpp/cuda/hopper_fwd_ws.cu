@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
     // Tiles are numbered across the block's items (g): slot g % kStages
     // holds tile g, and its u-th fill (u = g / kStages >= 1) waits for the
     // u-th completion of its empty barrier, parity (u - 1) & 1. Q's one slot
-    // likewise, once per item (item).
+    // likewise, once per item (item counts them).
     auto load_k = [&](int g, int j0, int kvh, int b) {
       const int s = g % kStages, use = g / kStages;
       if (use > 0) mbar_wait(k_empty(s), (use - 1) & 1);

@@ -2,12 +2,17 @@
 // warpgroups that take turns on the tensor cores (FlashAttention-3's
 // warp specialisation and ping-pong; sm_90a only).
 //
-// Grid (ceil(T / 128), N, B), three warpgroups:
+// A persistent grid (kernel_choice.h, hopper_fwd_grid: one block per SM,
+// except with three consumers): each block walks work items, (head, query
+// block) pairs, heads outermost (FwdWalk below). Three warpgroups:
 //   warpgroup 0, the producer: gives its registers back (setmaxnreg) and one
-//     thread loads Q once, then K and V tiles of BK keys into kStages slots
-//     with bulk tensor copies (tma.cuh), each completing on the slot's
-//     "full" mbarrier; before refilling a slot it waits on its "empty"
-//     mbarrier, which every consumer thread arrives on once done with it.
+//     thread loads each item's Q, then its K and V tiles of BK keys into
+//     kStages slots with bulk tensor copies (tma.cuh), each completing on
+//     the slot's "full" mbarrier; before refilling a slot it waits on its
+//     "empty" mbarrier, which every consumer thread arrives on once done
+//     with it. The slots run on from one item into the next, so the next
+//     item's first K tile, and then its Q (once the consumers' last
+//     S = Q Kᵀ freed Q's slot), load while the consumers finish an item.
 //   warpgroups 1 and 2, the consumers: query rows [64 c, 64 c + 64) of the
 //     block each (c = warpgroup - 1): per key tile, S_t = Q K_tᵀ and
 //     O += P_{t-1} V_{t-1} issued together, the softmax of S_t while the
@@ -52,11 +57,53 @@ struct WsTile {
                 "three consumers: no room for staged score slots");
   static constexpr int kQBytes = kBQ * D * 2, kKVBytes = BK * D * 2;
   static constexpr int kScoreSlotBytes = EB == 0 ? 0 : kBQ * staged_row_bytes<BK, EB>();
-  // Q; kStages slots of K and of V; 2 slots of staged scores; 1 + 4 kStages
+  // Q; kStages slots of K and of V; 2 slots of staged scores; 2 + 4 kStages
   // mbarriers; alignment slack.
   static constexpr int kSmemBytes =
-      kQBytes + 2 * kStages * kKVBytes + 2 * kScoreSlotBytes + 8 * (1 + 4 * kStages) + 1024;
+      kQBytes + 2 * kStages * kKVBytes + 2 * kScoreSlotBytes + 8 * (2 + 4 * kStages) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
+};
+
+// The work items of the persistent forward (kernel_choice.h,
+// hopper_fwd_folds_query_blocks): item w is head w / per_head (the heads of
+// batch 0 first) and pair m = w % per_head of its query blocks. Unfolded, the
+// item is query block blocks - 1 - m; folded, query block blocks - 1 - m and
+// then block m (once where the two coincide). A block takes items
+// blockIdx.x, blockIdx.x + gridDim.x, ...; its producer and its consumers
+// walk the same sequence.
+template <int kBQ>
+struct FwdWalk {
+  int blocks, per_head, items, heads;
+  bool fold;
+  int w;       // the current item
+  bool second;  // folded: its second query block is the current one
+
+  __device__ __forceinline__ explicit FwdWalk(const KParams& p) {
+    blocks = (p.T + kBQ - 1) / kBQ;
+    fold = hopper_fwd_folds_query_blocks(p);
+    per_head = fold ? (blocks + 1) / 2 : blocks;
+    heads = p.N;
+    items = p.B * p.N * per_head;
+    w = blockIdx.x;
+    second = false;
+  }
+  __device__ __forceinline__ bool valid() const { return w < items; }
+  // The current query block: batch b, head n, first row i0.
+  __device__ __forceinline__ void get(int* b, int* n, int* i0) const {
+    const int head = w / per_head, m = w - head * per_head;
+    *b = head / heads;
+    *n = head - *b * heads;
+    *i0 = (second ? m : blocks - 1 - m) * kBQ;
+  }
+  __device__ __forceinline__ void advance() {
+    const int m = w % per_head;
+    if (fold && !second && m != blocks - 1 - m) {
+      second = true;
+    } else {
+      second = false;
+      w += gridDim.x;
+    }
+  }
 };
 
 // Tile::EB > 0: the mask or bias is staged (see the top of the file).
@@ -74,26 +121,18 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   const uint32_t sV = sK + kStages * Tile::kKVBytes;
   const uint32_t sScore = sV + kStages * Tile::kKVBytes;  // 2 slots, when EB > 0
   const uint32_t bars = sScore + 2 * Tile::kScoreSlotBytes;
-  const uint32_t q_full = bars;
-  auto k_full = [&](int s) { return bars + 8 * (1 + s); };
-  auto v_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
-  auto k_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
+  const uint32_t q_full = bars, q_empty = bars + 8;
+  auto k_full = [&](int s) { return bars + 8 * (2 + s); };
+  auto v_full = [&](int s) { return bars + 8 * (2 + kStages + s); };
+  auto k_empty = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
+  auto v_empty = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2;
-  // Query blocks go last first: under causality the last ones see the most
-  // keys, and blocks start in launch order, so the heaviest start first and
-  // the light ones fill the tail.
-  const int b = blockIdx.z, n = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * kBQ;
-  const int kvh = n / (p.N / p.K);
-  HeadMask hm;
-  hm.init(p, b, n, kLog2e);
-  int t_begin, n_tiles;
-  hm.key_tiles(p, b, i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
 
   if (tid == 0) {
     mbar_init(q_full, 1);
+    mbar_init(q_empty, kConsumers * 128);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
@@ -107,23 +146,49 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   if (wg == 0) {
     setmaxnreg_dec<24>();
     if (tid != 0) return;
-    // Slot s holds tiles s, s + kStages, ...; its u-th fill (u >= 1) waits
-    // for the u-th completion of its empty barrier, parity (u - 1) & 1.
-    mbar_arrive_expect_tx(q_full, Tile::kQBytes);
-    for (int cb = 0; cb < D / 64; ++cb)
-      tma_load_4d(sQ + cb * kBQ * 128, &maps.q, q_full, 64 * cb, i0, n, b);
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % kStages, use = t / kStages, j0 = (t_begin + t) * BK;
+    // Tiles are numbered across the block's items (g): slot g % kStages
+    // holds tile g, and its u-th fill (u = g / kStages >= 1) waits for the
+    // u-th completion of its empty barrier, parity (u - 1) & 1. Q's one slot
+    // likewise, once per item (item counts them).
+    auto load_k = [&](int g, int j0, int kvh, int b) {
+      const int s = g % kStages, use = g / kStages;
       if (use > 0) mbar_wait(k_empty(s), (use - 1) & 1);
       mbar_arrive_expect_tx(k_full(s), Tile::kKVBytes);
       for (int cb = 0; cb < D / 64; ++cb)
         tma_load_4d(sK + s * Tile::kKVBytes + cb * BK * 128, &maps.k, k_full(s), 64 * cb, j0,
                     kvh, b);
+    };
+    auto load_v = [&](int g, int j0, int kvh, int b) {
+      const int s = g % kStages, use = g / kStages;
       if (use > 0) mbar_wait(v_empty(s), (use - 1) & 1);
       mbar_arrive_expect_tx(v_full(s), Tile::kKVBytes);
       for (int cb = 0; cb < D / 64; ++cb)
         tma_load_4d(sV + s * Tile::kKVBytes + cb * BK * 128, &maps.v, v_full(s), 64 * cb, j0,
                     kvh, b);
+    };
+    int g = 0, item = 0;
+    for (FwdWalk<kBQ> walk(p); walk.valid(); walk.advance(), ++item) {
+      int b, n, i0;
+      walk.get(&b, &n, &i0);
+      const int kvh = n / (p.N / p.K);
+      HeadMask hm;
+      hm.init(p, b, n, kLog2e);
+      int t_begin, n_tiles;
+      hm.key_tiles(p, b, i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
+      // The item's first K tile goes before its Q: K's slot frees as the
+      // consumers finish the previous item's second-to-last tile, Q's only
+      // after their last S = Q Kᵀ.
+      if (n_tiles > 0) load_k(g, t_begin * BK, kvh, b);
+      if (item > 0) mbar_wait(q_empty, (item - 1) & 1);
+      mbar_arrive_expect_tx(q_full, Tile::kQBytes);
+      for (int cb = 0; cb < D / 64; ++cb)
+        tma_load_4d(sQ + cb * kBQ * 128, &maps.q, q_full, 64 * cb, i0, n, b);
+      for (int t = 0; t < n_tiles; ++t) {
+        const int j0 = (t_begin + t) * BK;
+        if (t > 0) load_k(g + t, j0, kvh, b);
+        load_v(g + t, j0, kvh, b);
+      }
+      g += n_tiles;
     }
     return;
   }
@@ -135,105 +200,125 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   // wgmma descriptors stay in uniform registers through the tile loop.
   const int uwarp = warp_index_uniform();
   const int c = (uwarp >> 2) - 1, wq = uwarp & 3;
-  const int warp_row0 = i0 + c * 64 + wq * 16;  // the warp's 16 rows
-  const int row0 = warp_row0 + (lane >> 2);     // this thread's rows: row0, row0 + 8
   // Consumer c issues after consumer c - 1 (round robin): it waits on its
   // own turn barrier and arrives on the next consumer's.
   const int my_turn = kTurnBarrier0 + c;
   const int next_turn = kConsumers == 2          ? kTurnBarrier0 + 1 - c
                          : c + 1 == kConsumers ? kTurnBarrier0
                                                   : kTurnBarrier0 + c + 1;
-  // Consumer 0 issues first; every later issue waits for the previous
-  // consumer's. Each step arrives on the next consumer's barrier, and the
-  // last consumer arrives once ahead on consumer 0's, so consumer 0 takes one
-  // extra turn after its loop to absorb the last consumer's last arrival.
-  if (c == kConsumers - 1 && n_tiles > 0) named_bar_arrive(kTurnBarrier0, 2 * 128);
+  // The turns run on across items, tile after tile. Consumer 0 issues first;
+  // every later issue waits for the previous consumer's. Each issue arrives
+  // on the next consumer's barrier, and the last consumer arrives once ahead
+  // on consumer 0's, so consumer 0 takes one extra turn after its last item
+  // to absorb the last consumer's last arrival.
+  if (c == kConsumers - 1) named_bar_arrive(kTurnBarrier0, 2 * 128);
 
-  float o[D / 2], s[BK / 2];
-  uint32_t pv[BK / 4];
-  float m[2], l[2];
-  init_fwd_state<D, BK>(o, s, pv, m, l);
-
-  // Staged scores: this consumer's 64 rows of tile t sit in slot t & 1, at
-  // the rows' offset from i0; tile t + 1 is copied while tile t computes.
+  // Staged scores: this consumer's 64 rows of tile t sit in slot t & 1;
+  // tile t + 1 is copied while tile t computes.
   constexpr int kStageBarrier0 = kTurnBarrier0 + kConsumers;  // then one per consumer
   const int consumer_tid = tid - 128 * wg;
-  auto stage_scores = [&](int t) {
-    if constexpr (EB > 0)
-      stage_score_tile<64, BK, EB, 128>(
-          p, b, n, sScore + (t & 1) * Tile::kScoreSlotBytes + c * 64 * staged_row_bytes<BK, EB>(),
-          i0 + c * 64, (t_begin + t) * BK, consumer_tid);
-  };
-  if constexpr (EB > 0) {
-    if (n_tiles > 0) stage_scores(0);
-    cp_async_commit();
-  }
 
-  mbar_wait(q_full, 0);
-  for (int t = 0; t < n_tiles; ++t) {
-    const int j0 = (t_begin + t) * BK;
-    const int s_cur = t % kStages, s_prev = (t + kStages - 1) % kStages;
-    // Read before the products, so that the table reads' latency hides
-    // behind them.
-    const bool one_seg = hm.one_segment(p, b, warp_row0, warp_row0 + 16, j0, j0 + BK);
+  int g0 = 0, item = 0;  // tiles and items of the block's earlier items
+  for (FwdWalk<kBQ> walk(p); walk.valid(); walk.advance(), ++item) {
+    int b, n, i0;
+    walk.get(&b, &n, &i0);
+    HeadMask hm;
+    hm.init(p, b, n, kLog2e);
+    int t_begin, n_tiles;
+    hm.key_tiles(p, b, i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
+    const int warp_row0 = i0 + c * 64 + wq * 16;  // the warp's 16 rows
+    const int row0 = warp_row0 + (lane >> 2);     // this thread's rows: row0, row0 + 8
+
+    float o[D / 2], s[BK / 2];
+    uint32_t pv[BK / 4];
+    float m[2], l[2];
+    init_fwd_state<D, BK>(o, s, pv, m, l);
+
+    auto stage_scores = [&](int t) {
+      if constexpr (EB > 0)
+        stage_score_tile<64, BK, EB, 128>(
+            p, b, n,
+            sScore + (t & 1) * Tile::kScoreSlotBytes + c * 64 * staged_row_bytes<BK, EB>(),
+            i0 + c * 64, (t_begin + t) * BK, consumer_tid);
+    };
     if constexpr (EB > 0) {
-      cp_async_wait<0>();
-      // This consumer's copies of tile t landed, and its threads are all done
-      // with tile t - 1's slot, which tile t + 1 now takes.
-      named_bar_sync(kStageBarrier0 + c, 128);
-      if (t + 1 < n_tiles) stage_scores(t + 1);
+      // Every thread of this consumer is done reading the previous item's
+      // slots.
+      if (item > 0) named_bar_sync(kStageBarrier0 + c, 128);
+      if (n_tiles > 0) stage_scores(0);
       cp_async_commit();
     }
-    mbar_wait(k_full(s_cur), (t / kStages) & 1);
-    if (t > 0) mbar_wait(v_full(s_prev), ((t - 1) / kStages) & 1);
 
-    named_bar_sync(my_turn, 2 * 128);
-    fence_regs(s);
-    fence_regs(o);
-    fence_regs(pv);
-    wgmma_fence();
-    issue_qk<E, D, BK, kBQ>(s, sQ, c * 64, sK + s_cur * Tile::kKVBytes);
-    // (No branch may sit between the issue and the wait other than this one:
-    // ptxas serialises wgmma across compiler-inserted fences in divergent code.)
-    if (t > 0) {
-      issue_pv<E, D, BK>(o, pv, sV + s_prev * Tile::kKVBytes);
-      named_bar_arrive(next_turn, 2 * 128);
-      wgmma_wait<1>();
-    } else {
-      named_bar_arrive(next_turn, 2 * 128);
+    mbar_wait(q_full, item & 1);
+    if (n_tiles == 0) mbar_arrive(q_empty);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int j0 = (t_begin + t) * BK, g = g0 + t;
+      const int s_cur = g % kStages, s_prev = (g + kStages - 1) % kStages;
+      // Read before the products, so that the table reads' latency hides
+      // behind them.
+      const bool one_seg = hm.one_segment(p, b, warp_row0, warp_row0 + 16, j0, j0 + BK);
+      if constexpr (EB > 0) {
+        cp_async_wait<0>();
+        // This consumer's copies of tile t landed, and its threads are all done
+        // with tile t - 1's slot, which tile t + 1 now takes.
+        named_bar_sync(kStageBarrier0 + c, 128);
+        if (t + 1 < n_tiles) stage_scores(t + 1);
+        cp_async_commit();
+      }
+      mbar_wait(k_full(s_cur), (g / kStages) & 1);
+      if (t > 0) mbar_wait(v_full(s_prev), ((g - 1) / kStages) & 1);
+
+      named_bar_sync(my_turn, 2 * 128);
+      fence_regs(s);
+      fence_regs(o);
+      fence_regs(pv);
+      wgmma_fence();
+      issue_qk<E, D, BK, kBQ>(s, sQ, c * 64, sK + s_cur * Tile::kKVBytes);
+      // (No branch may sit between the issue and the wait other than this one:
+      // ptxas serialises wgmma across compiler-inserted fences in divergent code.)
+      if (t > 0) {
+        issue_pv<E, D, BK>(o, pv, sV + s_prev * Tile::kKVBytes);
+        named_bar_arrive(next_turn, 2 * 128);
+        wgmma_wait<1>();
+      } else {
+        named_bar_arrive(next_turn, 2 * 128);
+        wgmma_wait<0>();
+      }
+      fence_regs(s);
+      mbar_arrive(k_empty(s_cur));  // S_t is done with K_t
+      if (t == n_tiles - 1) mbar_arrive(q_empty);  // and the item's last with Q
+
+      const bool full = hm.tile_in_bounds<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK) && one_seg;
+      float alpha[2];
+      const uint8_t* staged_row0 = nullptr;
+      if constexpr (EB > 0)
+        staged_row0 = smem_raw + (sScore + (t & 1) * Tile::kScoreSlotBytes - smem_u32(smem_raw)) +
+                      (row0 - i0) * staged_row_bytes<BK, EB>();
+      online_softmax_tile<BK, EB, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, one_seg, row0,
+                                          j0, lane, staged_row0);
+
       wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pv);
+      if (t > 0) mbar_arrive(v_empty(s_prev));  // O += P V is done with V_{t-1}
+      rescale_o_keep_p<E, D, BK>(o, alpha, s, pv);
     }
-    fence_regs(s);
-    mbar_arrive(k_empty(s_cur));  // S_t is done with K_t
-
-    const bool full = hm.tile_in_bounds<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK) && one_seg;
-    float alpha[2];
-    const uint8_t* staged_row0 = nullptr;
-    if constexpr (EB > 0)
-      staged_row0 = smem_raw + (sScore + (t & 1) * Tile::kScoreSlotBytes - smem_u32(smem_raw)) +
-                    (row0 - i0) * staged_row_bytes<BK, EB>();
-    online_softmax_tile<BK, EB, LOADED>(s, m, l, alpha, hm, p.scale_log2, full, one_seg, row0,
-                                        j0, lane, staged_row0);
-
-    wgmma_wait<0>();
-    fence_regs(o);
-    fence_regs(pv);
-    if (t > 0) mbar_arrive(v_empty(s_prev));  // O += P V is done with V_{t-1}
-    rescale_o_keep_p<E, D, BK>(o, alpha, s, pv);
+    if (n_tiles > 0) {
+      const int g_last = g0 + n_tiles - 1, s_last = g_last % kStages;
+      mbar_wait(v_full(s_last), (g_last / kStages) & 1);
+      fence_regs(o);
+      fence_regs(pv);
+      wgmma_fence();
+      issue_pv<E, D, BK>(o, pv, sV + s_last * Tile::kKVBytes);
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pv);
+      mbar_arrive(v_empty(s_last));
+    }
+    store_o_lse<E, D>(p, o, m, l, b, n, row0, lane);
+    g0 += n_tiles;
   }
-  if (c == 0 && n_tiles > 0) named_bar_sync(my_turn, 2 * 128);
-  if (n_tiles > 0) {
-    const int s_last = (n_tiles - 1) % kStages;
-    mbar_wait(v_full(s_last), ((n_tiles - 1) / kStages) & 1);
-    fence_regs(o);
-    fence_regs(pv);
-    wgmma_fence();
-    issue_pv<E, D, BK>(o, pv, sV + s_last * Tile::kKVBytes);
-    wgmma_wait<0>();
-    fence_regs(o);
-    fence_regs(pv);
-  }
-  store_o_lse<E, D>(p, o, m, l, b, n, row0, lane);
+  if (c == 0) named_bar_sync(kTurnBarrier0, 2 * 128);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
@@ -251,7 +336,16 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
       make_seq_tensor_map(&maps.v, p.v, D, p.S, p.K, p.B, p.k_ss, p.k_hs, p.k_bs, Tile::BK) !=
           cudaSuccess)
     return cudaErrorNotSupported;
-  dim3 grid((p.T + kBQ - 1) / kBQ, p.N, p.B);
+  const int64_t blocks = (p.T + kBQ - 1) / kBQ;
+  const int64_t items = static_cast<int64_t>(p.B) * p.N *
+                        (hopper_fwd_folds_query_blocks(p) ? (blocks + 1) / 2 : blocks);
+  if (items > INT_MAX) return cudaErrorNotSupported;
+  int device = 0, sms = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      e != cudaSuccess)
+    return e;
+  const dim3 grid(hopper_fwd_grid(p, items, sms));
   return launch_with_smem(kernel, grid, Tile::kNT, Tile::kSmemBytes, stream, maps, p);
 }
 

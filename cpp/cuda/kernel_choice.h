@@ -66,6 +66,27 @@ inline int hopper_fwd_key_tile(const KParams& p, bool general_softmax) {
   }
 }
 
+// Hopper forward: a persistent grid. Each block walks work items, (head,
+// query block) pairs, from item blockIdx.x in steps of gridDim.x, heads
+// outermost so that the blocks running at one time share a few heads' K and
+// V in L2, and loads the next item's first K tile and Q while it finishes the
+// last one. With causality an item is two query blocks, m and
+// blocks - 1 - m (folded, as the backward folds key blocks): every item then
+// has about the same work, so the fixed stride balances; else one.
+__host__ __device__ inline bool hopper_fwd_folds_query_blocks(const KParams& p) {
+  return p.causal != 0;
+}
+// Blocks of the Hopper forward: one per SM (a block takes most of an SM's
+// shared memory or registers, so only one fits), fewer when there are fewer
+// items; but one per item, each block doing a single item, with three
+// consumers (hopper_fwd_consumers): there the persistent grid measured 18%
+// slower at T = 4096 (1.30 against 1.10 ms on an H100) and no faster at
+// T = 1024 and 8192 (docs/cuda.md, "A persistent forward").
+inline int hopper_fwd_grid(const KParams& p, int64_t items, int sms) {
+  if (hopper_fwd_consumers(p) == 3) return static_cast<int>(items);
+  return static_cast<int>(items < sms ? items : sms);
+}
+
 // Hopper backward at D = 64 and 128: query rows per step. Without a mask
 // or bias, 128 at D = 64 (a 64-row step's products and waits are too small
 // to keep the tensor cores busy there) and 80 at D = 128 (the most rows

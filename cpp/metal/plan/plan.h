@@ -127,9 +127,10 @@ using metal_abi::WindowParams;
 // written nor read, abi::dq_split_first_row) and the threadgroups that share
 // the work. With fewer threadgroups than two per core, a core runs 8
 // simdgroups instead of 16 and the compute-bound fused kernel slows by up to
-// 2x; more than two per core only add reduce traffic (at one head, T = 4096,
-// D = 64, the reduce of 64 splits costs 0.28x the forward on an 8-core M1,
-// of 16 splits about a quarter of that; modelled, docs/metal.md).
+// 2x; more than two per core only add reduce traffic (one head, T = 4096,
+// D = 64 on an 8-core M1: the 64 splits a 40-core GPU needs make the reduce
+// read 64 x T x D floats, modelled at 0.28x the forward; the 16 that fill
+// the M1 read a quarter of that; jax_fatrain/metal/README.md).
 // Metal reports no core count: the macOS host reads the GPU's IORegistry
 // entry (cpp/metal/host/executor.h, gpu_core_count), the emulator's model
 // passes the modelled GPU's; without one the rule fills a 40-core GPU.

@@ -119,18 +119,19 @@ using metal_abi::WindowParams;
 // form (dQ kernel + dK/dV kernel, no accumulators).
 // Key tiles are the fused kernel's: bwd_block_kv(D, element bytes, fused).
 //
-// Why two threadgroups per core and no more: with first-visit stores the
-// splits together move 8 x T x D bytes per key tile and per query head
-// whatever nsplit is (a split's first tile stores its rows, later tiles add
-// to them); nsplit sets only the bytes the reduce reads (nsplit x T x D x 4;
-// causal: about half, as a split's rows above its first key are neither
-// written nor read, abi::dq_split_first_row) and the threadgroups that share
-// the work. With fewer threadgroups than two per core, a core runs 8
-// simdgroups instead of 16 and the compute-bound fused kernel slows by up to
-// 2x; more than two per core only add reduce traffic (one head, T = 4096,
-// D = 64 on an 8-core M1: the 64 splits a 40-core GPU needs make the reduce
-// read 64 x T x D floats, modelled at 0.28x the forward; the 16 that fill
-// the M1 read a quarter of that; jax_fatrain/metal/README.md).
+// Why two threadgroups per core: with fewer, a core runs 8 simdgroups
+// instead of 16 and the compute-bound fused kernel slows by up to 2x. More
+// splits make the reduce read more: it reads what the splits wrote,
+// nsplit x T x D x 4 bytes per query head (causal: about half, as a split's
+// rows above its first key are neither written nor read,
+// abi::dq_split_first_row). Fewer make each split walk more key tiles, and a
+// split stores its rows on its first tile and reads and writes them on every
+// later one: hidden where the fused kernel is bound by its MMAs (one head,
+// T = 4096, D = 64 on an 8-core M1: 16 splits instead of the 64 a 40-core
+// GPU needs cut the reduce's bytes to a quarter), not where it is bound by
+// memory (D = 128 and 256 on M1 in the model, which then favours more
+// splits; jax_fatrain/metal/README.md, "Known limits"). The rule weighs
+// neither: it knows only the cores.
 // Metal reports no core count: the macOS host reads the GPU's IORegistry
 // entry (cpp/metal/host/executor.h, gpu_core_count), the emulator's model
 // passes the modelled GPU's; without one the rule fills a 40-core GPU.

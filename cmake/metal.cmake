@@ -57,8 +57,10 @@ target_include_directories(_metal_ffi PRIVATE
   "${XLA_FFI_INCLUDE_DIR}" "${_fatrain_root}/cpp" "${_fatrain_root}/cpp/ffi"
   "${_fatrain_root}/jax_fatrain/metal")
 target_include_directories(_metal_ffi SYSTEM PRIVATE "${JAX_FATRAIN_METAL_CPP_DIR}")
+# IOKit and CoreFoundation: the host reads the GPU's core count from the IORegistry.
 target_link_libraries(_metal_ffi PRIVATE
-  "-framework Metal" "-framework Foundation" "-framework QuartzCore")
+  "-framework Metal" "-framework Foundation" "-framework QuartzCore"
+  "-framework IOKit" "-framework CoreFoundation")
 install(TARGETS _metal_ffi LIBRARY DESTINATION jax_fatrain)
 
 # Optional: the kernels precompiled into a metallib when the Metal compiler is

@@ -5,12 +5,15 @@ accumulates dQ in nsplit float32 accumulators, one per split of the key tiles;
 the two-kernel form (dQ kernel, dK/dV kernel) is planned when one split does
 not fit the scratch budget. Run through the emulator:
 
-* the plan's split rule (fill the GPU, at most one split per key tile, every
-  split the same number of tiles, the budget) and the fallback;
+* the plan's split rule (fill the GPU: two threadgroups per core of the GPU
+  the plan is told of, or of a 40-core GPU when it is told none; at most one
+  split per key tile, every split the same number of tiles, the budget) and
+  the fallback;
 * for every split count the plan may pick on a problem (forced through the
   plan's test hook JAX_FATRAIN_METAL_BWD_NSPLIT, the same plan code and
   kernels), two runs of the backward are bitwise equal and match jax.nn,
   including rows that see no key (dQ = 0), lengths, windows and segment ids;
+  and so for the split counts the plan picks for an 8-core and a 40-core GPU;
 * the two-kernel form (JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET=0) on one case per
   dtype and head dim.
 """
@@ -40,11 +43,15 @@ B, N, T, S = "B", "N", "T", "S"
 
 
 @contextlib.contextmanager
-def backward_plan(nsplit: int | None = None, budget: int | None = None):
-  """Runs the block with the backward plan's test hooks set (read per call)."""
+def backward_plan(nsplit: int | None = None, budget: int | None = None, gpu_cores: int = 0):
+  """Runs the block with the backward plan's test hooks set (read per call)
+  and the emulated GPU's core count (0: not known)."""
   names = {"JAX_FATRAIN_METAL_BWD_NSPLIT": nsplit, "JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET": budget}
   old = {k: os.environ.get(k) for k in names}
+  ext = metal_profile._extension()  # pylint: disable=protected-access
+  old_cores = ext.gpu_cores()
   try:
+    ext.set_gpu_cores(gpu_cores)
     for k, v in names.items():
       if v is None:
         os.environ.pop(k, None)
@@ -52,6 +59,7 @@ def backward_plan(nsplit: int | None = None, budget: int | None = None):
         os.environ[k] = str(v)
     yield
   finally:
+    ext.set_gpu_cores(old_cores)
     for k, v in old.items():
       if v is None:
         os.environ.pop(k, None)
@@ -97,6 +105,29 @@ def test_plan_fills_the_gpu_with_even_splits():
   # float32 D = 256: 8-key tiles.
   launches = backward_launches(1, 1, 1, 16, 40, 256, jnp.float32)
   assert launches[1] == ("flash_attn_train_bwd_dkdv_dq_f32_d256", (5, 1, 1))
+
+
+def test_splits_fill_two_threadgroups_per_core_of_the_gpu():
+  # float32 D = 256: 8-key tiles; 1280 keys are 160 tiles, one kv head.
+  shape = (1, 1, 1, 16, 1280, 256, jnp.float32)
+  splits = lambda **plan: backward_launches(*shape, **plan)[1][1][0]
+  # Two threadgroups per core, evened: 8 cores -> 16 splits of 10 tiles;
+  # 38 cores -> 76 wanted, 3 tiles per split -> 54 splits; 40 cores -> 80
+  # splits of 2 tiles; unknown (0) -> as 40 cores; one core -> 2 splits.
+  assert {c: splits(gpu_cores=c) for c in (8, 38, 40, 0, 1)} == {
+      8: 16, 38: 54, 40: 80, 0: 80, 1: 2}
+  # 2 x 4 kv heads on 8 cores: 16 threadgroups wanted -> 2 splits each.
+  launches = backward_launches(2, 4, 4, 16, 1280, 256, jnp.float32, gpu_cores=8)
+  assert launches[1][1] == (2, 4, 2)
+  # The budget and a forced count still bound a core-aware plan.
+  split_bytes = 1 * 1 * 32 * 256 * 4  # B x H_q x rows (16 -> 32) x D floats
+  assert splits(gpu_cores=8, budget=5 * split_bytes) == 5
+  assert splits(gpu_cores=8, nsplit=40) == 40
+  # The emulated GPU's core count is the extension's, set per process.
+  ext = metal_profile._extension()  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=">= 0"):
+    ext.set_gpu_cores(-1)
+  assert ext.gpu_cores() == 0
 
 
 def test_budget_bounds_the_splits_and_selects_the_two_kernel_form():
@@ -163,6 +194,25 @@ def test_every_split_count_is_deterministic_and_correct(case):
   for g in by_split.values():
     for a, b in zip(g[1:], by_split[1][1:]):
       assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("case", _SPLIT_CASES[:2], ids=lambda c: c.id)
+def test_core_aware_split_counts_are_deterministic_and_correct(case):
+  """The plan's own split counts for a 1-core, an 8-core and a 40-core GPU:
+  two runs bitwise equal, jax.nn matched, dK and dV as with one split."""
+  x = make_inputs(case, seed=7)
+  want = reference_results(case, x)
+  one = _grads(case, x, nsplit=1)
+  for cores in (1, 8, 40):
+    with backward_plan(gpu_cores=cores):
+      got = results(case, x, IMPL)
+      again = [np.asarray(g) for g in results(case, x, IMPL)[2]]
+    assert_matches_reference(case, x, got, want)
+    first = [np.asarray(g) for g in got[2]]
+    for a, b in zip(first, again):
+      assert a.tobytes() == b.tobytes(), cores
+    for a, b in zip(first[1:], one[1:]):
+      assert a.tobytes() == b.tobytes(), cores
 
 
 # The two-kernel form: one case per dtype and head dim, causal or masked.

@@ -280,6 +280,30 @@ def test_tables_and_ratios():
   assert rows[0][3] == "-" and rows[0][5] == "-"
 
 
+def test_backward_records_per_core_count():
+  """A forward+backward record per core count the backward was planned for,
+  each modelling only its GPUs; tables and ratios take each GPU's own."""
+  gpus = ["M1", "M4 Max"]
+  fwd = [_dispatch("flash_attn_train_fwd_bf16_d64", 2e6, 4e7, 8e6)]
+  small = [_dispatch("flash_attn_train_bwd_dkdv_dq_bf16_d64", 6e6, 8e7, 5e6, total=16)]
+  large = [_dispatch("flash_attn_train_bwd_dkdv_dq_bf16_d64", 6e6, 8e7, 5e6, total=64)]
+  records = [metal_benchmark.summarize("ours", "fwd", P, fwd, gpus),
+             metal_benchmark.summarize("ours", "fwd+bwd", P, fwd + small, ["M1"], gpu_cores=8),
+             metal_benchmark.summarize("ours", "fwd+bwd", P, fwd + large, ["M4 Max"],
+                                       gpu_cores=40)]
+  assert records[0]["gpu_cores"] is None and records[1]["gpu_cores"] == 8
+  assert set(records[1]["modelled_seconds"]) == {"M1"}
+  assert set(records[2]["modelled_seconds"]) == {"M4 Max"}
+  header, rows = metal_benchmark.build_table(records, gpus)
+  cores, m1, m4 = header.index("cores"), header.index("M1 us"), header.index("M4 Max us")
+  assert [r[cores] for r in rows] == ["-", "8", "40"]
+  assert rows[1][m4] == "-" and rows[2][m1] == "-" and rows[2][header.index("M1 bound")] == "-"
+  header, rows = metal_benchmark.build_ratios(records, gpus)
+  for g, full in (("M1", records[1]), ("M4 Max", records[2])):
+    want = full["modelled_seconds"][g] / records[0]["modelled_seconds"][g]
+    assert rows[0][header.index(f"fwd+bwd/fwd {g}")] == f"{want:.2f}x"
+
+
 def test_packed_problem_counts_the_work_inside_documents():
   dense = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True)
   packed = metal_benchmark.Problem(seq_len=1024, head_dim=64, causal=True, documents=8)
@@ -413,10 +437,18 @@ def test_metal_model_command_ours(tmp_path, capsys):
             "modelled_seconds", "loo_error", "source"} <= set(r)
     assert r["source"].startswith("https://") and abs(r["loo_error"]) < 1
   records = [r for r in records if r["implementation"] != "calibration"]
-  assert [(r["implementation"], r["pass"], r["causal"]) for r in records] == [
-      ("ours", "fwd", False), ("ours", "fwd+bwd", False),
-      ("ours", "fwd", True), ("ours", "fwd+bwd", True)]
+  # The backward once per core count of the GPUs modelled (M1 8, M2 Max 38,
+  # M3 Max and M4 Max 40), each record modelling the GPUs of its count.
+  cores = {g: metal_model.gpu(g).cores for g in metal_model.DEFAULT_GPUS}
+  counts = sorted(set(cores.values()))
+  assert [(r["implementation"], r["pass"], r["causal"], r["gpu_cores"]) for r in records] == [
+      x for causal in (False, True) for x in [("ours", "fwd", causal, None)] + [
+          ("ours", "fwd+bwd", causal, c) for c in counts]]
+  for r in records:
+    assert set(r["modelled_seconds"]) == {g for g in cores if r["gpu_cores"] in (None, cores[g])}
   by = {(r["pass"], r["causal"]): r for r in records}
+  full = {g: r for r in records if r["pass"] == "fwd+bwd" and not r["causal"]
+          for g in r["modelled_seconds"]}
   for r in records:
     assert r["dtype"] == "bfloat16" and r["seq_len"] == T and r["head_dim"] == D
     assert r["races"] == 0
@@ -438,7 +470,7 @@ def test_metal_model_command_ours(tmp_path, capsys):
   # The backward adds at least four T^2 D products (S, dP, dQ, dK, dV: five).
   assert by[("fwd+bwd", False)]["mma"] >= by[("fwd", False)]["mma"] + 4 * T * T * D / 512
   for g in metal_model.DEFAULT_GPUS:
-    assert by[("fwd+bwd", False)]["modelled_seconds"][g] > by[("fwd", False)]["modelled_seconds"][g]
+    assert full[g]["modelled_seconds"][g] > by[("fwd", False)]["modelled_seconds"][g]
   kernels = [d["kernel"] for d in by[("fwd+bwd", False)]["dispatches"]]
   assert kernels[0].startswith("flash_attn_train_fwd_bf16_d64")
   assert any(k.startswith("flash_attn_train_bwd_dkdv") for k in kernels)
@@ -481,16 +513,19 @@ def test_metal_model_packed_command(capsys):
   text = capsys.readouterr().out
   assert "MMA dense/packed" in text
   records = [r for r in out["records"] if r["implementation"] != "calibration"]
-  by = {(r["pass"], r["documents"]): r for r in records}
-  assert set(by) == {("fwd", None), ("fwd+bwd", None), ("fwd", 4), ("fwd+bwd", 4)}
+  # Per GPU: the forward+backward records are per core count.
+  by = {(r["pass"], r["documents"], g): r for r in records for g in r["modelled_seconds"]}
+  assert set(by) == {(p, d, g) for p in ("fwd", "fwd+bwd") for d in (None, 4)
+                     for g in metal_model.DEFAULT_GPUS}
   for r in records:
     assert r["implementation"] == "ours" and r["causal"] and r["races"] == 0
   # Four causal documents of 64 tokens: the pack does a fraction of the dense
   # causal call's matrix work (1/4 plus the diagonal tiles of each document).
   for pass_ in ("fwd", "fwd+bwd"):
-    assert 2.0 < by[(pass_, None)]["mma"] / by[(pass_, 4)]["mma"] <= 4.0
     for g in metal_model.DEFAULT_GPUS:
-      assert by[(pass_, 4)]["modelled_seconds"][g] < by[(pass_, None)]["modelled_seconds"][g]
+      assert 2.0 < by[(pass_, None, g)]["mma"] / by[(pass_, 4, g)]["mma"] <= 4.0
+      assert (by[(pass_, 4, g)]["modelled_seconds"][g]
+              < by[(pass_, None, g)]["modelled_seconds"][g])
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,11 @@ Objective-C runtime and Metal objects whose GPU is the MSL emulator) into the
   whose SIMD width is not 32, is refused with the kernel and both numbers;
 * no Metal device, an Apple6 GPU or macOS 13 (no MSL 3.1) make ``metal``
   unavailable, with the reason;
+* the host reads the GPU's core count from the IORegistry (an 8-core M1, a
+  40-core M4 Max, an entry without the property: 0), once per process, with
+  every IOKit and CoreFoundation object released, and the backward's split
+  count is the plan's for that count, bitwise as ``metal_emulated`` planned
+  for the same count;
 * host bugs planted into a copy of the executor fail these checks.
 
 After every test the stand-in must have no findings (what Metal's API
@@ -29,6 +34,7 @@ JAX_FATRAIN_REQUIRE_METAL_STANDIN=1 (set by CI) that is a failure instead.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import subprocess
@@ -66,7 +72,11 @@ def _build_or_skip(plant=None) -> Path:
 @pytest.fixture(scope="module")
 def metal():
   ext = _build_or_skip()
-  module = standin.use(ext)
+  # A GPU whose IORegistry entry has no core count: the host plans the
+  # backward as metal_emulated does by default, so the shared suite is held to
+  # test_metal_emulator.py's results; other counts are compared in
+  # test_backward_splits_follow_the_gpu_core_count.
+  module = standin.use(ext, device="apple8_no_core_count")
   assert module.IMPORT_ERROR is None, module.IMPORT_ERROR
   yield module
   standin.restore()
@@ -86,12 +96,28 @@ def clean_stand_in(metal):
   assert live.get("MTLBuffer", 0) <= 32, live
 
 
+@functools.lru_cache(maxsize=None)
+def _emulated_for_cores(case: Case, cores: int):
+  """metal_emulated's (out, lse, grads) with its backward planned for ``cores``."""
+  from jax_fatrain import _metal_emulated_ffi as emulated  # pylint: disable=import-outside-toplevel
+  previous = emulated.gpu_cores()
+  emulated.set_gpu_cores(cores)
+  try:
+    x, _ = test_attention.inputs_and_reference(case)
+    return results(case, x, "metal_emulated")
+  finally:
+    emulated.set_gpu_cores(previous)
+
+
 def check_against_emulated(case: Case) -> None:
   """``metal`` (the host through the stand-in) equals ``metal_emulated`` bitwise,
-  and matches jax.nn."""
+  with the backward planned for the same GPU core count, and matches jax.nn."""
   x, reference = test_attention.inputs_and_reference(case)
   got = results(case, x, "metal")
-  want = test_metal_emulator.emulated_results(case)
+  cores = jax_fatrain._metal_ffi.gpu_core_count()  # pylint: disable=protected-access
+  # test_metal_emulator.py's results are planned for an unknown count (0).
+  want = (test_metal_emulator.emulated_results(case) if cores == 0
+          else _emulated_for_cores(case, cores))
   for name, a, b in zip(("out", "lse"), got[:2], want[:2]):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
   for name, a, b in zip("qkvb", got[2], want[2]):
@@ -405,6 +431,58 @@ def test_pipeline_limits_are_errors(metal, limit, failing, message, command_buff
   assert report["counters"]["failed_command_buffers"] == 0, report["counters"]
 
 
+# The GPU's core count: from the IORegistry model to the backward's plan.
+# float32 D = 256 has 8-key tiles: 1280 keys are 160 tiles of one kv head,
+# so the plan's split count (two threadgroups per core, evened over the
+# tiles; 80 threadgroups when the count is not known) tells the counts apart.
+_CORE_COUNT_PLAN = textwrap.dedent("""
+    from jax_fatrain import _metal_emulated_ffi as emulated
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 16, 1, 256)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 1280, 1, 256)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 1280, 1, 256)), jnp.float32)
+    def grads(impl):
+      f = lambda q, k, v: jax_fatrain.dot_product_attention(q, k, v, implementation=impl).sum()
+      return [np.asarray(g) for g in jax.grad(f, argnums=(0, 1, 2))(q, k, v)]
+    standin.reset()
+    first, second = grads("metal"), grads("metal")
+    report = standin.report()
+    result["cores"] = metal._metal_ffi.gpu_core_count()
+    result["splits"] = [d["grid"][0] for d in report["dispatches"]
+                        if d["kernel"] == "flash_attn_train_bwd_dkdv_dq_f32_d256"]
+    result["lookups"] = report["counters"]["registry_lookups"]
+    result["registry_live"] = report["registry_live"]
+    result["findings"] = report["findings"]
+    result["rerun_equal"] = all(a.tobytes() == b.tobytes() for a, b in zip(first, second))
+    emulated.set_gpu_cores(EXPECTED_CORES)
+    want = grads("metal_emulated")
+    result["as_emulated"] = all(a.tobytes() == b.tobytes() for a, b in zip(first, want))
+""")
+
+
+def _core_count_plan(ext, device, expected_cores, cache):
+  return _in_fresh_process(ext, device, f"EXPECTED_CORES = {expected_cores}\n" +
+                           _CORE_COUNT_PLAN, cache)
+
+
+@pytest.mark.parametrize("device,cores,splits", [
+    ("m1", 8, 16),                     # 16 threadgroups: 10 tiles each
+    ("m4_max", 40, 80),                # 80 threadgroups: 2 tiles each
+    ("apple8_no_core_count", 0, 80),   # not known: as for 40 cores
+])
+def test_backward_splits_follow_the_gpu_core_count(metal, device, cores, splits,
+                                                   compilation_cache):
+  r = _core_count_plan(standin.build(), device, cores, compilation_cache)
+  assert r["cores"] == cores, r
+  # One fused dispatch per backward, both planned for the count.
+  assert r["splits"] == [splits, splits], r
+  # Looked up once per process, every registry and CoreFoundation object released.
+  assert r["lookups"] == 1, r
+  assert all(n == 0 for n in r["registry_live"].values()), r
+  assert r["findings"] == [], r
+  assert r["rerun_equal"] and r["as_emulated"], r
+
+
 # ---------------------------------------------------------------------------
 # Planted host bugs must fail the checks above.
 # ---------------------------------------------------------------------------
@@ -419,9 +497,13 @@ _PLANTED_CASES = {
 }
 
 
-@pytest.mark.parametrize("plant", sorted(standin.PLANTED))
+# Planted bugs of the core-count lookup, caught on the 8-core model.
+_PLANTED_CORE_COUNT = ("ignore_core_count",)
+
+
+@pytest.mark.parametrize("plant", sorted(_PLANTED_CASES))
 def test_planted_host_bug_is_caught(metal, plant, compilation_cache):
-  assert set(_PLANTED_CASES) == set(standin.PLANTED)
+  assert set(_PLANTED_CASES) | set(_PLANTED_CORE_COUNT) == set(standin.PLANTED)
   ext = _build_or_skip(plant)
   r = _in_fresh_process(ext, "apple8", textwrap.dedent(f"""
       import test_metal_standin as t
@@ -433,3 +515,9 @@ def test_planted_host_bug_is_caught(metal, plant, compilation_cache):
           result["failures"].append(type(e).__name__ + ": " + str(e)[:400])
   """), compilation_cache)
   assert r["failures"], f"planted bug {plant!r} passed every check"
+
+
+@pytest.mark.parametrize("plant", _PLANTED_CORE_COUNT)
+def test_planted_core_count_bug_is_caught(metal, plant, compilation_cache):
+  r = _core_count_plan(_build_or_skip(plant), "m1", 8, compilation_cache)
+  assert r["splits"] != [16, 16] or not r["as_emulated"], f"planted bug {plant!r} passed"

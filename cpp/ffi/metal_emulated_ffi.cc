@@ -13,6 +13,7 @@
 // process-wide log; profile_stop() returns them.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -69,6 +70,13 @@ struct ProfileLog {
 ProfileLog& profile_log() {
   static ProfileLog log;
   return log;
+}
+
+// The core count of the GPU the emulator stands for, which the backward plan
+// sizes its splits by (0: not known, the plan's default; set_gpu_cores).
+std::atomic<int>& emulated_gpu_cores() {
+  static std::atomic<int> cores{0};
+  return cores;
 }
 
 ffi::Error Run(const char* target, const mp::Problem& p, const mp::Plan& plan,
@@ -155,7 +163,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (auto e = fatrain::metal_ffi::PrepareBackward(kWho, attrs, q, k, v, bias, mask, q_lengths,
                                                    kv_lengths, q_segment_ids, kv_segment_ids,
                                                    o, lse, d_o, *dq, *dk, *dv, &p,
-                                                   &plan, &roles);
+                                                   &plan, &roles, emulated_gpu_cores().load());
       e.failure()) {
     return e;
   }
@@ -238,6 +246,14 @@ NB_MODULE(_metal_emulated_ffi, m) {
     std::lock_guard<std::mutex> lock(log.mutex);
     return log.recording;
   }, "Whether metal_emulated dispatches are being recorded.");
+  m.def("set_gpu_cores", [](int cores) {
+    if (cores < 0) throw nb::value_error("the GPU core count must be >= 0 (0: not known)");
+    emulated_gpu_cores().store(cores);
+  }, nb::arg("cores"),
+        "Sets the core count of the GPU the emulator stands for (0: not known), which the "
+        "backward plan fills with two threadgroups per core.");
+  m.def("gpu_cores", []() { return emulated_gpu_cores().load(); },
+        "The core count set_gpu_cores set (0: not known).");
   m.def("counter_names", []() {
     std::vector<std::string> names;
 #define FATRAIN_COUNTER_NAME(name) names.push_back(#name);

@@ -64,7 +64,8 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   if (auto e = fatrain::metal_ffi::PrepareBackward(kWho, attrs, q, k, v, bias, mask, q_lengths,
                                                    kv_lengths, q_segment_ids, kv_segment_ids,
                                                    o, lse, d_o, *dq, *dk, *dv, &p,
-                                                   &plan, &roles);
+                                                   &plan, &roles,
+                                                   fatrain::metal::gpu_core_count());
       e.failure()) {
     return e;
   }
@@ -99,6 +100,8 @@ NB_MODULE(_metal_ffi, m) {
   });
   m.def("device_name", []() { return fatrain::metal::device_name(); },
         "The default Metal device's name, or '' when there is none.");
+  m.def("gpu_core_count", []() { return fatrain::metal::gpu_core_count(); },
+        "The default Metal device's GPU core count (IORegistry), 0 when not known.");
   m.def("unsupported_reason", []() { return fatrain::metal::unsupported_reason(); },
         "'' when the default Metal device can run the kernels, else why not.");
   m.def("initialize",

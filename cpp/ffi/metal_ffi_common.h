@@ -110,12 +110,14 @@ inline ffi::Error PrepareForward(const char* who, const Attributes& attrs, ffi::
   return ffi::Error::Success();
 }
 
-// Test hooks of the backward plan, read at every call (unset: the plan's own
-// choice): JAX_FATRAIN_METAL_BWD_NSPLIT=n asks the fused backward for n dQ
-// accumulator splits, JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET=bytes replaces its
-// scratch budget (0: always the two-kernel backward). See plan.h.
-inline mp::BackwardOptions BackwardTestOptions() {
+// The backward plan's options: the GPU's core count (0: not known; the
+// caller's, see plan.h) and the test hooks, read at every call (unset: the
+// plan's own choice): JAX_FATRAIN_METAL_BWD_NSPLIT=n asks the fused backward
+// for n dQ accumulator splits, JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET=bytes
+// replaces its scratch budget (0: always the two-kernel backward).
+inline mp::BackwardOptions PlanBackwardOptions(int gpu_cores) {
   mp::BackwardOptions o;
+  o.gpu_cores = gpu_cores;
   if (const char* v = std::getenv("JAX_FATRAIN_METAL_BWD_NSPLIT"); v != nullptr && v[0] != 0) {
     o.force_nsplit = std::atoi(v);
   }
@@ -126,7 +128,8 @@ inline mp::BackwardOptions BackwardTestOptions() {
   return o;
 }
 
-// Backward: problem, plan and memory per role (dQ, dK and dV are outputs).
+// Backward: problem, plan and memory per role (dQ, dK and dV are outputs);
+// `gpu_cores`: the core count of the GPU that runs the plan (0: not known).
 inline ffi::Error PrepareBackward(const char* who, const Attributes& attrs, ffi::AnyBuffer& q,
                                   ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::AnyBuffer& bias,
                                   ffi::AnyBuffer& mask, ffi::Buffer<ffi::S32>& q_lengths,
@@ -135,13 +138,13 @@ inline ffi::Error PrepareBackward(const char* who, const Attributes& attrs, ffi:
                                   ffi::Buffer<ffi::S32>& kv_segment_ids, ffi::AnyBuffer& o,
                                   ffi::AnyBuffer& lse, ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq,
                                   ffi::AnyBuffer& dk, ffi::AnyBuffer& dv, mp::Problem* p,
-                                  mp::Plan* plan, mp::RoleBuffers* m) {
+                                  mp::Plan* plan, mp::RoleBuffers* m, int gpu_cores) {
   if (auto e = BuildProblem(who, attrs, q, k, v, bias, mask, q_lengths, kv_lengths,
                             q_segment_ids, kv_segment_ids, p);
       e.failure()) {
     return e;
   }
-  if (std::string e = mp::plan_backward(*p, plan, BackwardTestOptions()); !e.empty()) {
+  if (std::string e = mp::plan_backward(*p, plan, PlanBackwardOptions(gpu_cores)); !e.empty()) {
     return InvalidArgument(who, e);
   }
   if (o.element_type() != q.element_type() || d_o.element_type() != q.element_type() ||

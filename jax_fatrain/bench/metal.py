@@ -7,7 +7,9 @@ named Macs, their counters from the emulator; ``--calibration fresh``
 re-emulates them, the default uses the counters stored with the data) and
 prints measured, modelled and leave-one-out error per point. Then it runs, in
 one process and on the same problems, our forward and forward+backward
-(``implementation="metal_emulated"``, whatever dispatches the plan makes) and
+(``implementation="metal_emulated"``, whatever dispatches the plan makes; the
+backward's plan depends on the GPU's core count, so it runs once per core
+count among the GPUs modelled) and
 MLX's steel attention forward (the kernel MLX 0.32.4 dispatches at each head
 dim), all through the MSL emulator with cost counters recording
 (:mod:`jax_fatrain.emulator.profile`). Nothing is timed on this machine: the
@@ -34,7 +36,10 @@ counts them per access as the source issues it), ``threadgroup_bytes`` (read +
 written), ``mma``, ``barriers``, ``races``, ``sampled_fraction`` and
 ``modelled_seconds`` ({GPU: seconds}) and ``modelled_band`` ({GPU: [low,
 high] seconds}), plus the per-dispatch counters and model terms under
-``dispatches``. Calibration points are records with ``implementation`` =
+``dispatches``. ``gpu_cores`` is the core count the backward was planned for
+(None for a forward, whose plan does not depend on it): a problem has one
+forward+backward record per core count, each modelling only the GPUs of that
+count. Calibration points are records with ``implementation`` =
 "calibration": ``chip``, ``kernel``, ``dtype``, ``head_dim``, ``seq_len``
 (attention; GEMMs have ``M``, ``N``, ``K``, ``batch``), ``measured_seconds``,
 ``modelled_seconds``, ``loo_error`` (signed relative error of the
@@ -151,8 +156,10 @@ class Calibration:
 
 def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[str, Any]],
               gpus: Sequence[str], seconds: float | None = None,
-              calibration: Calibration = Calibration()) -> dict[str, Any]:
-  """One record from a pass's per-dispatch counters (see the module docstring)."""
+              calibration: Calibration = Calibration(),
+              gpu_cores: int | None = None) -> dict[str, Any]:
+  """One record from a pass's per-dispatch counters (see the module docstring);
+  ``gpu_cores``: the core count the dispatches were planned for, if any."""
   if not dispatches:
     raise ValueError(f"{impl} {pass_} {p.label()}: no dispatch was recorded")
   ds = []
@@ -193,6 +200,7 @@ def summarize(impl: str, pass_: str, p: Problem, dispatches: Sequence[Mapping[st
       "seq_len": p.seq_len,
       "causal": p.causal,
       "documents": p.documents,
+      "gpu_cores": gpu_cores,
       "flops": flops,
       "device_bytes": device_bytes,
       "device_bytes_per_flop": device_bytes / flops,
@@ -243,19 +251,21 @@ def _profile():
         f"build: {e}") from e
 
 
-def run_ours(p: Problem, sample, passes: Sequence[str]) -> tuple[list[dict], list[dict], float]:
+def run_ours(p: Problem, sample, passes: Sequence[str],
+             gpu_cores: Sequence[int] = (0,)) -> tuple[list[dict], list[dict], float]:
   """Our forward's and backward's dispatch records and the emulator's seconds.
 
   ``metal_profile.run_problem``: the forward once, then (for "fwd+bwd") the
-  backward, whose O and L come from the CPU implementation when sampling (a
-  sampled forward leaves them incomplete).
+  backward once per core count in ``gpu_cores`` (each launch says which under
+  "gpu_cores"), whose O and L come from the CPU implementation when sampling
+  (a sampled forward leaves them incomplete).
   """
   mp = _profile()
   t0 = time.perf_counter()
   launches = mp.run_problem(seq_len=p.seq_len, head_dim=p.head_dim, batch=p.batch,
                             q_heads=p.heads, kv_heads=p.heads, dtype=p.dtype, causal=p.causal,
                             backward="fwd+bwd" in passes, sample=sample,
-                            documents=p.documents)
+                            documents=p.documents, gpu_cores=list(gpu_cores))
   seconds = time.perf_counter() - t0
   fwd = [d for d in launches if d.get("target") == "forward"]
   bwd = [d for d in launches if d.get("target") == "backward"]
@@ -343,10 +353,18 @@ def _mode(causal: bool, documents: int | None) -> str:
   return ("yes" if causal else "no") + (f", {documents} docs" if documents else "")
 
 
+def _by_gpu(records: Sequence[Mapping[str, Any]]) -> dict[tuple, Mapping[str, Any]]:
+  """{(implementation, pass, problem key, GPU): the record that models that GPU}."""
+  return {(r["implementation"], r["pass"], _key(r), g): r
+          for r in records for g in r["modelled_seconds"]}
+
+
 def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
-  """(header, rows): one row per record."""
+  """(header, rows): one row per record; "cores": the core count the backward
+  was planned for ("-": a forward), us cells "-" for GPUs a record does not model."""
   header = ["impl", "pass", "T", "D", "causal", "B/FLOP", "coalesc", "TG MB", "MMA M",
-            "barriers", "races", "sampled", f"{gpus[0]} bound"] + [f"{g} us" for g in gpus]
+            "barriers", "races", "sampled", "cores", f"{gpus[0]} bound"] + [
+                f"{g} us" for g in gpus]
   rows = []
   for r in records:
     rows.append([
@@ -359,28 +377,31 @@ def build_table(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
         f"{r['barriers']:.0f}",
         str(r["races"]),
         "-" if r["sampled_fraction"] is None else f"{r['sampled_fraction']:.3f}",
-        r["modelled_bound"][gpus[0]],
+        "-" if r.get("gpu_cores") is None else str(r["gpu_cores"]),
+        r["modelled_bound"].get(gpus[0], "-"),
     ] + [_fmt_us(r["modelled_seconds"].get(g)) for g in gpus])
   return header, rows
 
 
 def build_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
   """(header, rows): per problem, ours/MLX forward and our fwd+bwd / our fwd."""
-  by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
+  by = _by_gpu(records)
   keys = sorted({_key(r) for r in records})
   header = (["T", "D", "causal", "B/FLOP ours/mlx", "coalesc ours/mlx"]
             + [f"fwd {g} ours/mlx" for g in gpus]
             + [f"fwd+bwd/fwd {g}" for g in gpus])
   rows = []
+  def seconds(impl, pass_, key, g):
+    r = by.get((impl, pass_, key, g))
+    return r and r["modelled_seconds"][g]
+
   for key in keys:
-    ours, mlx, full = (by.get(("ours", "fwd", key)), by.get(("mlx", "fwd", key)),
-                       by.get(("ours", "fwd+bwd", key)))
+    ours, mlx = by.get(("ours", "fwd", key, gpus[0])), by.get(("mlx", "fwd", key, gpus[0]))
     row = [str(key[0]), str(key[1]), _mode(key[2], key[4])]
     row.append(_fmt_x(ours and ours["device_bytes_per_flop"], mlx and mlx["device_bytes_per_flop"]))
     row.append(_fmt_x(ours and ours["coalescing"], mlx and mlx["coalescing"]))
-    row += [_fmt_x(ours and ours["modelled_seconds"][g], mlx and mlx["modelled_seconds"][g])
-            for g in gpus]
-    row += [_fmt_x(full and full["modelled_seconds"][g], ours and ours["modelled_seconds"][g])
+    row += [_fmt_x(seconds("ours", "fwd", key, g), seconds("mlx", "fwd", key, g)) for g in gpus]
+    row += [_fmt_x(seconds("ours", "fwd+bwd", key, g), seconds("ours", "fwd", key, g))
             for g in gpus]
     rows.append(row)
   return header, rows
@@ -388,20 +409,26 @@ def build_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
 
 def build_packed_ratios(records: Sequence[Mapping[str, Any]], gpus: Sequence[str]):
   """(header, rows): per packed problem and pass, our dense causal over our
-  packed (segment ids) on the same shape: matrix operations and modelled time."""
-  by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
+  packed (segment ids) on the same shape: matrix operations (as planned for
+  the first GPU) and modelled time."""
+  by = _by_gpu(records)
   header = ["T", "D", "docs", "pass", "MMA dense/packed"] + [f"{g} dense/packed" for g in gpus]
   rows = []
-  for (impl, pass_, key), packed in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+  cases = sorted({(r["implementation"], r["pass"], _key(r)) for r in records},
+                 key=lambda c: (c[2], c[1]))
+  for impl, pass_, key in cases:
     if impl != "ours" or not key[4]:
       continue
-    dense = by.get(("ours", pass_, key[:4] + (0,)))
-    if dense is None:
+    dense_key = key[:4] + (0,)
+    packed, dense = by.get((impl, pass_, key, gpus[0])), by.get((impl, pass_, dense_key, gpus[0]))
+    if dense is None or packed is None:
       continue
+    cells = []
+    for g in gpus:
+      d, q = by.get((impl, pass_, dense_key, g)), by.get((impl, pass_, key, g))
+      cells.append(_fmt_x(d and d["modelled_seconds"][g], q and q["modelled_seconds"][g]))
     rows.append([str(key[0]), str(key[1]), str(key[4]), pass_,
-                 _fmt_x(dense["mma"], packed["mma"])]
-                + [_fmt_x(dense["modelled_seconds"][g], packed["modelled_seconds"][g])
-                   for g in gpus])
+                 _fmt_x(dense["mma"], packed["mma"])] + cells)
   return header, rows
 
 
@@ -460,7 +487,7 @@ def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -
 
   calib = [r for r in records if r["implementation"] == "calibration"]
   records = [r for r in records if r["implementation"] != "calibration"]
-  by = {(r["implementation"], r["pass"], _key(r)): r for r in records}
+  by = _by_gpu(records)
   keys = sorted({_key(r) for r in records})
   labels = [f"T={k[0]}\nD={k[1]}\n{'causal' if k[2] else 'full'}"
             + (f"\n{k[4]} docs" if k[4] else "") for k in keys]
@@ -496,7 +523,7 @@ def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -
   for i, g in enumerate(gpus):
     vals = []
     for k in keys:
-      ours, mlx = by.get(("ours", "fwd", k)), by.get(("mlx", "fwd", k))
+      ours, mlx = by.get(("ours", "fwd", k, g)), by.get(("mlx", "fwd", k, g))
       vals.append(ours["modelled_seconds"][g] / mlx["modelled_seconds"][g]
                   if ours and mlx and mlx["modelled_seconds"][g] else np.nan)
     plotted |= not all(np.isnan(vals))
@@ -515,11 +542,11 @@ def plot(records: Sequence[Mapping[str, Any]], gpus: Sequence[str], path: str) -
   for j, g in enumerate(gpus):
     ax = fig.add_subplot(grid[2 + j // ncols, j % ncols])
     for i, (impl, pass_) in enumerate(series):
-      vals = [by[(impl, pass_, k)]["modelled_seconds"][g] * 1e6 if (impl, pass_, k) in by
-              else np.nan for k in keys]
-      band = np.array([[v - by[(impl, pass_, k)]["modelled_band"][g][0] * 1e6,
-                        by[(impl, pass_, k)]["modelled_band"][g][1] * 1e6 - v]
-                       if (impl, pass_, k) in by and "modelled_band" in by[(impl, pass_, k)]
+      vals = [by[(impl, pass_, k, g)]["modelled_seconds"][g] * 1e6
+              if (impl, pass_, k, g) in by else np.nan for k in keys]
+      band = np.array([[v - by[(impl, pass_, k, g)]["modelled_band"][g][0] * 1e6,
+                        by[(impl, pass_, k, g)]["modelled_band"][g][1] * 1e6 - v]
+                       if (impl, pass_, k, g) in by and "modelled_band" in by[(impl, pass_, k, g)]
                        else [0.0, 0.0] for k, v in zip(keys, vals)]).T
       ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, yerr=band, capsize=2,
              label=f"{impl} {pass_}")
@@ -584,16 +611,23 @@ def run(problems: Sequence[Problem], *, impls: Sequence[str] = ("ours", "mlx"),
   """Runs every (implementation, pass, problem); returns the records."""
   mlx = check_available(impls)
   records = []
+  # The backward is planned for the GPU's cores: one plan per core count.
+  cores = {g: metal_model.gpu(g).cores for g in gpus}
+  core_counts = sorted(set(cores.values()))
   t_start = time.perf_counter()
   for n, p in enumerate(problems, 1):
     done = []
     if "ours" in impls:
-      fwd, bwd, t = run_ours(p, sample, passes)
+      fwd, bwd, t = run_ours(p, sample, passes, core_counts)
       if "fwd" in passes:
         records.append(summarize("ours", "fwd", p, fwd, gpus, t if len(passes) == 1 else None,
                                  calibration))
       if "fwd+bwd" in passes:
-        records.append(summarize("ours", "fwd+bwd", p, fwd + bwd, gpus, t, calibration))
+        for c in core_counts:
+          records.append(summarize("ours", "fwd+bwd", p,
+                                   fwd + [d for d in bwd if d.get("gpu_cores") == c],
+                                   [g for g in gpus if cores[g] == c], t, calibration,
+                                   gpu_cores=c))
       done.append(f"ours {t:.1f}s")
     if mlx is not None and "fwd" in passes:
       if mlx_supports(mlx, p):

@@ -192,9 +192,16 @@ def total(launches: Sequence[dict]) -> dict:
 def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch: int = 1,
                 q_heads: int = 1, kv_heads: int = 1, dtype="bfloat16", causal: bool = False,
                 backward: bool = False, sample: float | int | None = None,
-                seed: int = 0, documents: int | None = None) -> list[dict]:
+                seed: int = 0, documents: int | None = None,
+                gpu_cores: int | Sequence[int] = 0) -> list[dict]:
   """Runs our Metal forward (and with ``backward`` our backward) once on
   random ``[B, H, L, D]`` inputs through the emulator; returns the launches.
+
+  ``gpu_cores``: the core count of the GPU the backward is planned for (the
+  plan fills it with two threadgroups per core; 0: not known), or several,
+  for each of which the backward runs once. Every backward launch carries
+  the count it was planned for under ``"gpu_cores"`` (the forward's plan does
+  not depend on it).
 
   ``documents``: a packed sequence of that many documents of equal length
   (segment ids 0, 1, ...; needs ``kv_len == seq_len`` divisible by it).
@@ -233,8 +240,17 @@ def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch
   if sample is not None:
     o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=scale, causal=causal,
                                               implementation="cpu", **segments)
-  with record(sample) as bwd:
-    jax.block_until_ready(jax_fatrain.flash_attn_train_bwd(
-        q, k, v, o, lse, d_o, scale=scale, causal=causal, implementation="metal_emulated",
-        **segments))
+  ext = _extension()
+  previous = ext.gpu_cores()
+  bwd = []
+  try:
+    for cores in ([gpu_cores] if isinstance(gpu_cores, int) else list(gpu_cores)):
+      ext.set_gpu_cores(cores)
+      with record(sample) as planned:
+        jax.block_until_ready(jax_fatrain.flash_attn_train_bwd(
+            q, k, v, o, lse, d_o, scale=scale, causal=causal, implementation="metal_emulated",
+            **segments))
+      bwd += [dict(launch, gpu_cores=cores) for launch in planned]
+  finally:
+    ext.set_gpu_cores(previous)
   return launches + bwd

@@ -142,7 +142,11 @@ class MetalHostBackend : public Backend {
   const char* backward(const AttentionProblem& a, const BackwardOperands& ops, int) override {
     mp::Problem p;
     mp::Plan plan;
-    if (fail(metal_problem(a, ops.q, ops.k, ops.v, &p)) || fail(mp::plan_backward(p, &plan)))
+    // Planned for the device's core count, as the FFI handler plans it.
+    mp::BackwardOptions options;
+    options.gpu_cores = fatrain::metal::gpu_core_count();
+    if (fail(metal_problem(a, ops.q, ops.k, ops.v, &p)) ||
+        fail(mp::plan_backward(p, &plan, options)))
       return error_.c_str();
     const size_t qb = seq_bytes(a, a.q_len, a.q_heads, p.dtype);
     const size_t kb = seq_bytes(a, a.kv_len, a.kv_heads, p.dtype);

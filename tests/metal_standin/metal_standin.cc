@@ -24,6 +24,14 @@
 // * A system model, chosen before first use, gives the device (Apple GPU
 //   family, Metal 3 or none) and the macOS version NSProcessInfo reports;
 //   newLibraryWithSource refuses a language version that macOS lacks.
+// * The model's GPU core count is the "gpu-core-count" property of the
+//   device's IORegistry entry, reached as on a Mac: the IOKit and
+//   CoreFoundation calls the host makes (IORegistryEntryIDMatching with the
+//   device's registryID, IOServiceGetMatchingService,
+//   IORegistryEntryCreateCFProperty, CFNumberGetValue and the releases) are
+//   implemented here over the model; a model without a core count has an
+//   entry without the property. Lookups, live objects and misuse (an unknown
+//   or released object, an unexpected key) are in the report.
 // * Pipelines report maxTotalThreadsPerThreadgroup as the device's limit, or
 //   less: the kernel's declared [[max_total_threads_per_threadgroup(N)]], or
 //   a limit tests set per kernel (as Apple's compiler lowers it for kernels
@@ -33,7 +41,9 @@
 // of counters and findings, inject failures of newLibraryWithSource,
 // pipeline creation and command execution, and set pipeline limits.
 
+#include <CoreFoundation/CoreFoundation.h>
 #include <Foundation/Foundation.hpp>
+#include <IOKit/IOKitLib.h>
 #include <Metal/Metal.hpp>
 
 #include <unistd.h>
@@ -78,7 +88,7 @@ size_t page_size() {
   X(functions) X(function_failures) X(pipelines) X(pipeline_failures) X(command_buffers)  \
   X(commits) X(dispatches) X(failed_command_buffers) X(buffers_allocated)                  \
   X(buffers_no_copy) X(buffers_no_copy_rejected) X(bindings_allocated) X(bindings_no_copy) \
-  X(set_bytes) X(barriers)
+  X(set_bytes) X(barriers) X(registry_lookups)
 
 struct Counters {
 #define STANDIN_FIELD(name) long name = 0;
@@ -92,20 +102,29 @@ struct Fault {
 };
 
 // What a system model is: its GPU (Apple family, Metal 3; no device when
-// apple_family is 0) and its macOS version.
+// apple_family is 0), the GPU's core count in the IORegistry (0: no
+// "gpu-core-count" property) and its macOS version.
 struct SystemModel {
   const char* name;
   int apple_family;
   bool metal3;
+  int gpu_cores;
   NS::Integer macos[3];
 };
 
 constexpr SystemModel kSystemModels[] = {
-    {"apple8", 8, true, {14, 5, 0}},          // an M2 on macOS 14.5
-    {"apple8_macos13", 8, true, {13, 6, 7}},  // the same GPU on macOS 13.6.7: no MSL 3.1
-    {"apple6", 6, false, {14, 5, 0}},         // too old a GPU for the kernels
-    {"none", 0, false, {14, 5, 0}},           // no Metal device
+    {"apple8", 8, true, 10, {14, 5, 0}},          // a 10-core M2 on macOS 14.5
+    {"apple8_macos13", 8, true, 10, {13, 6, 7}},  // the same GPU on macOS 13.6.7: no MSL 3.1
+    {"apple6", 6, false, 0, {14, 5, 0}},          // too old a GPU for the kernels
+    {"none", 0, false, 0, {14, 5, 0}},            // no Metal device
+    {"m1", 7, true, 8, {14, 5, 0}},               // an 8-core M1
+    {"m2_max", 8, true, 38, {14, 5, 0}},          // a 38-core M2 Max
+    {"m4_max", 9, true, 40, {15, 1, 0}},          // a 40-core M4 Max
+    {"apple8_no_core_count", 8, true, 0, {14, 5, 0}},  // an entry without gpu-core-count
 };
+
+// The registry ID of the device's IORegistry entry (MTLDevice.registryID).
+constexpr uint64_t kDeviceRegistryID = 0x100000a2c;
 
 const SystemModel* find_model(const std::string& name) {
   for (const SystemModel& m : kSystemModels) {
@@ -139,6 +158,10 @@ struct Global {
   std::vector<uintptr_t> no_copy_addresses; // memory wrapped by no-copy buffers, in order
   long language_version = -1;               // of the last newLibraryWithSource
   int fast_math = -1;                       // of the last newLibraryWithSource: 1, 0 or -1
+  // Every dispatch run since the last reset: kernel and grid.
+  std::vector<std::pair<std::string, MTL::Size>> dispatch_log;
+  // IOKit objects and CoreFoundation objects of the IORegistry model alive now.
+  std::map<std::string, long> registry_live;
 };
 
 Global& global() {
@@ -558,6 +581,10 @@ void CommandBuffer::run() {
     spec.threadgroup = {uint32_t(d.threadgroup.width), uint32_t(d.threadgroup.height),
                         uint32_t(d.threadgroup.depth)};
     COUNT(dispatches);
+    {
+      std::lock_guard<std::mutex> lock(global().mutex);
+      global().dispatch_log.push_back({d.pipeline->kernel, d.grid});
+    }
     const std::string err = msl::rt::run_dispatch(spec, parallel);
     if (!err.empty()) {
       fail(MTL::CommandBufferErrorPageFault,
@@ -833,6 +860,7 @@ const MethodTable& device_methods() {
                     family == MTL::GPUFamilyCommon2 || family == MTL::GPUFamilyCommon3;
            })},
           {"hasUnifiedMemory", imp(+[](void*, SEL) -> bool { return true; })},
+          {"registryID", imp(+[](void*, SEL) -> uint64_t { return kDeviceRegistryID; })},
           {"maxThreadgroupMemoryLength", imp(+[](void*, SEL) -> NS::UInteger { return kMaxThreadgroupMemory; })},
           {"newCommandQueue", imp(+[](void*, SEL) -> CommandQueue* { return new CommandQueue(); })},
           {"newLibraryWithSource:options:error:",
@@ -1098,8 +1126,241 @@ STANDIN_API void MTLRemoveDeviceObserver(const NS::Object*) {
   standin::record_finding("MTLRemoveDeviceObserver: the stand-in has no device observers");
 }
 
+// ---------------------------------------------------------------------------
+// The IORegistry, as far as the host's GPU core-count lookup reaches it: one
+// entry (the device's, registry ID kDeviceRegistryID) whose "gpu-core-count"
+// property is the model's core count (absent when 0). CoreFoundation objects
+// carry a type and a reference count; io_object_t handles are numbers.
+// ---------------------------------------------------------------------------
+enum : CFTypeID { kCFStringTypeID = 7, kCFDictionaryTypeID = 18, kCFNumberTypeID = 22 };
+
+struct __CFAllocator {};
+struct __CFString {
+  CFTypeID type = kCFStringTypeID;
+  long refs = 1;
+  std::string text;
+};
+struct __CFDictionary {
+  CFTypeID type = kCFDictionaryTypeID;
+  long refs = 1;
+  uint64_t registry_id = 0;  // the IORegistryEntryIDMatching dictionary's one key
+};
+struct __CFNumber {
+  CFTypeID type = kCFNumberTypeID;
+  long refs = 1;
+  int64_t value = 0;
+};
+
+namespace standin {
+namespace {
+
+// A CoreFoundation object's type and reference count (the first members of each).
+struct CFHeader {
+  CFTypeID type;
+  long refs;
+};
+
+const char* cf_kind(CFTypeID type) {
+  switch (type) {
+    case kCFStringTypeID: return "CFString";
+    case kCFDictionaryTypeID: return "CFDictionary";
+    case kCFNumberTypeID: return "CFNumber";
+  }
+  return "?";
+}
+
+// Live CoreFoundation objects and io_object_t handles (handle -> references).
+struct Registry {
+  std::set<const void*> cf;
+  std::map<io_object_t, long> objects;
+  io_object_t next_handle = 0x2503;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+
+void registry_count(const char* kind, long delta) {
+  std::lock_guard<std::mutex> lock(global().mutex);
+  global().registry_live[kind] += delta;
+}
+
+template <class T>
+T* new_cf() {
+  T* obj = new T();
+  {
+    std::lock_guard<std::mutex> lock(global().mutex);
+    registry().cf.insert(obj);
+  }
+  registry_count(cf_kind(obj->type), 1);
+  return obj;
+}
+
+// `cf` as a live CoreFoundation object of `type` (any type when 0), or null
+// and a finding.
+const CFHeader* live_cf(const void* cf, CFTypeID type, const char* call) {
+  bool live;
+  {
+    std::lock_guard<std::mutex> lock(global().mutex);
+    live = cf != nullptr && registry().cf.count(cf) != 0;
+  }
+  if (!live) {
+    record_finding(std::string(call) + ": not a live CoreFoundation object");
+    return nullptr;
+  }
+  const CFHeader* h = static_cast<const CFHeader*>(cf);
+  if (type != 0 && h->type != type) {
+    record_finding(std::string(call) + ": a " + cf_kind(h->type) + " where a " + cf_kind(type) +
+                   " is expected");
+    return nullptr;
+  }
+  return h;
+}
+
+void release_cf(const void* cf, const char* call) {
+  const CFHeader* h = live_cf(cf, 0, call);
+  if (h == nullptr) return;
+  if (h->type == kCFStringTypeID) return;  // constant strings (CFSTR) are never freed
+  auto* mut = const_cast<CFHeader*>(h);
+  if (--mut->refs > 0) return;
+  {
+    std::lock_guard<std::mutex> lock(global().mutex);
+    registry().cf.erase(cf);
+  }
+  registry_count(cf_kind(h->type), -1);
+  if (h->type == kCFDictionaryTypeID) delete static_cast<const __CFDictionary*>(cf);
+  if (h->type == kCFNumberTypeID) delete static_cast<const __CFNumber*>(cf);
+}
+
+}  // namespace
+}  // namespace standin
+
+STANDIN_API const CFAllocatorRef kCFAllocatorDefault = nullptr;
+
+STANDIN_API CFStringRef __CFStringMakeConstantString(const char* text) {
+  using namespace standin;
+  static std::mutex mutex;
+  static std::map<std::string, __CFString*>* strings = new std::map<std::string, __CFString*>();
+  std::lock_guard<std::mutex> lock(mutex);
+  __CFString*& s = (*strings)[text];
+  if (s == nullptr) {
+    s = new __CFString();
+    s->text = text;
+    std::lock_guard<std::mutex> g(global().mutex);
+    registry().cf.insert(s);
+  }
+  return s;
+}
+
+STANDIN_API CFTypeID CFGetTypeID(CFTypeRef cf) {
+  const standin::CFHeader* h = standin::live_cf(cf, 0, "CFGetTypeID");
+  return h != nullptr ? h->type : 0;
+}
+
+STANDIN_API CFTypeID CFNumberGetTypeID(void) { return kCFNumberTypeID; }
+
+STANDIN_API Boolean CFNumberGetValue(CFNumberRef number, CFNumberType type, void* out) {
+  using namespace standin;
+  if (live_cf(number, kCFNumberTypeID, "CFNumberGetValue") == nullptr || out == nullptr) return 0;
+  const int64_t v = number->value;
+  if (type == kCFNumberSInt64Type) {
+    std::memcpy(out, &v, sizeof(v));
+    return 1;
+  }
+  if (type == kCFNumberSInt32Type) {
+    const int32_t w = int32_t(v);
+    std::memcpy(out, &w, sizeof(w));
+    return int64_t(w) == v;
+  }
+  record_finding("CFNumberGetValue: the stand-in models only kCFNumberSInt32Type and "
+                 "kCFNumberSInt64Type");
+  return 0;
+}
+
+STANDIN_API void CFRelease(CFTypeRef cf) { standin::release_cf(cf, "CFRelease"); }
+
+STANDIN_API CFMutableDictionaryRef IORegistryEntryIDMatching(uint64_t id) {
+  using namespace standin;
+  COUNT(registry_lookups);
+  __CFDictionary* d = new_cf<__CFDictionary>();
+  d->registry_id = id;
+  return d;
+}
+
+// Consumes one reference of `matching`, as IOKit does.
+STANDIN_API io_service_t IOServiceGetMatchingService(mach_port_t main_port,
+                                                     CFDictionaryRef matching) {
+  using namespace standin;
+  if (main_port != MACH_PORT_NULL) {
+    record_finding("IOServiceGetMatchingService: the stand-in has only the default main port");
+  }
+  if (live_cf(matching, kCFDictionaryTypeID, "IOServiceGetMatchingService") == nullptr) {
+    return IO_OBJECT_NULL;
+  }
+  const uint64_t id = matching->registry_id;
+  release_cf(matching, "IOServiceGetMatchingService");
+  // The entry exists when the device does and the ID is its registry ID.
+  if (chosen_model()->apple_family == 0 || id != kDeviceRegistryID) return IO_OBJECT_NULL;
+  io_service_t handle;
+  {
+    std::lock_guard<std::mutex> lock(global().mutex);
+    handle = registry().next_handle++;
+    registry().objects[handle] = 1;
+  }
+  registry_count("io_service", 1);
+  return handle;
+}
+
+STANDIN_API CFTypeRef IORegistryEntryCreateCFProperty(io_registry_entry_t entry, CFStringRef key,
+                                                      CFAllocatorRef, IOOptionBits options) {
+  using namespace standin;
+  bool live;
+  {
+    std::lock_guard<std::mutex> lock(global().mutex);
+    live = registry().objects.count(entry) != 0;
+  }
+  if (!live) {
+    record_finding("IORegistryEntryCreateCFProperty: not a live registry entry");
+    return nullptr;
+  }
+  if (live_cf(key, kCFStringTypeID, "IORegistryEntryCreateCFProperty") == nullptr) return nullptr;
+  if (options != 0) {
+    record_finding("IORegistryEntryCreateCFProperty: options must be 0");
+  }
+  const int cores = chosen_model()->gpu_cores;
+  if (key->text != "gpu-core-count" || cores <= 0) return nullptr;  // no such property
+  __CFNumber* n = new_cf<__CFNumber>();
+  n->value = cores;
+  return n;
+}
+
+STANDIN_API kern_return_t IOObjectRelease(io_object_t object) {
+  using namespace standin;
+  bool released = false, freed = false;
+  {
+    std::lock_guard<std::mutex> lock(global().mutex);
+    auto it = registry().objects.find(object);
+    if (it != registry().objects.end()) {
+      released = true;
+      if (--it->second == 0) {
+        registry().objects.erase(it);
+        freed = true;
+      }
+    }
+  }
+  if (!released) {
+    record_finding("IOObjectRelease: not a live io_object_t");
+    return 4;  // KERN_INVALID_ARGUMENT
+  }
+  if (freed) registry_count("io_service", -1);
+  return 0;
+}
+
 // A JSON object with the keys counters, live_objects, findings, pipelines,
-// no_copy_addresses, language_version and fast_math. The last two describe
+// no_copy_addresses, dispatches (kernel and grid of every dispatch run since
+// the last reset), registry_live (IORegistry model objects alive, by kind),
+// language_version and fast_math. The last two describe
 // the last newLibraryWithSource call: its language version and whether it
 // enabled fast math (1 or 0), each -1 before any call. Valid until the next
 // call on this thread.
@@ -1125,7 +1386,19 @@ STANDIN_API const char* fatrain_metal_standin_report() {
     for (size_t i = 0; i < g.no_copy_addresses.size(); ++i) {
       s << (i ? ", " : "") << g.no_copy_addresses[i];
     }
-    s << "], \"language_version\": " << g.language_version << ", \"fast_math\": " << g.fast_math;
+    s << "], \"dispatches\": [";
+    for (size_t i = 0; i < g.dispatch_log.size(); ++i) {
+      const MTL::Size& grid = g.dispatch_log[i].second;
+      s << (i ? ", " : "") << "{\"kernel\": " << json_string(g.dispatch_log[i].first)
+        << ", \"grid\": [" << grid.width << ", " << grid.height << ", " << grid.depth << "]}";
+    }
+    s << "], \"registry_live\": {";
+    const char* rsep = "";
+    for (const auto& [kind, count] : g.registry_live) {
+      s << rsep << json_string(kind) << ": " << count;
+      rsep = ", ";
+    }
+    s << "}, \"language_version\": " << g.language_version << ", \"fast_math\": " << g.fast_math;
   }
   s << ", \"live_objects\": {";
   const char* sep = "";
@@ -1153,6 +1426,7 @@ STANDIN_API void fatrain_metal_standin_reset() {
     g.counters = Counters();
     g.pipeline_keys.clear();
     g.no_copy_addresses.clear();
+    g.dispatch_log.clear();
   }
   clear_findings();
 }
@@ -1177,10 +1451,12 @@ STANDIN_API int fatrain_metal_standin_fail(const char* what, const char* message
 }
 
 // The system model, chosen before MTLCreateSystemDefaultDevice or
-// NSProcessInfo is first used: "apple8" (default; an Apple8-family GPU with
-// Metal 3 on macOS 14.5), "apple8_macos13" (the same on macOS 13.6.7, which
-// has no MSL 3.1), "apple6" (too old a GPU for the kernels) or "none" (no
-// device). Returns 0, -1 when unknown or too late.
+// NSProcessInfo is first used: "apple8" (default; a 10-core Apple8-family
+// GPU with Metal 3 on macOS 14.5), "apple8_macos13" (the same on macOS
+// 13.6.7, which has no MSL 3.1), "apple6" (too old a GPU for the kernels),
+// "none" (no device), "m1" (8 cores), "m2_max" (38 cores), "m4_max" (40
+// cores) or "apple8_no_core_count" (an IORegistry entry without
+// gpu-core-count). Returns 0, -1 when unknown or too late.
 STANDIN_API int fatrain_metal_standin_set_device(const char* model) {
   using namespace standin;
   const SystemModel* m = find_model(model != nullptr ? model : "");

@@ -76,6 +76,9 @@ PLANTED = {
     # No memory barrier between the dispatches of the backward.
     "no_barrier": ("cpp/metal/host/executor.cc",
                    "if (i > 0) enc->memoryBarrier(MTL::BarrierScopeBuffers);", ""),
+    # The backward planned without the GPU's core count (the IORegistry's).
+    "ignore_core_count": ("cpp/ffi/metal_ffi.cc", "fatrain::metal::gpu_core_count());",
+                          "0);"),
     # Pipelines cached by kernel name alone, whatever the function constants.
     "pipeline_key": ("cpp/metal/host/executor.cc",
                      'for (auto [index, value] : d.constants) key += "|" + std::to_string(index) '
@@ -316,10 +319,12 @@ _lib: ctypes.CDLL | None = None
 def use(ext: Path, device: str = "apple8"):
   """Loads ``ext`` as ``jax_fatrain._metal_ffi`` and makes ``metal`` use it.
 
-  ``device`` is the stand-in's system model: "apple8" (an Apple8-family GPU
-  with Metal 3 on macOS 14.5), "apple8_macos13" (the same GPU on macOS 13.6.7,
-  which cannot compile Metal Shading Language 3.1), "apple6" (a GPU too old
-  for the kernels) or "none" (no device). Returns the
+  ``device`` is the stand-in's system model: "apple8" (a 10-core
+  Apple8-family GPU with Metal 3 on macOS 14.5), "apple8_macos13" (the same
+  GPU on macOS 13.6.7, which cannot compile Metal Shading Language 3.1),
+  "apple6" (a GPU too old for the kernels), "none" (no device), "m1" (8
+  cores), "m2_max" (38 cores), "m4_max" (40 cores) or "apple8_no_core_count"
+  (an IORegistry entry without "gpu-core-count"). Returns the
   ``jax_fatrain._backends.metal`` module, re-imported against the stand-in.
   """
   global _saved, _lib
@@ -371,7 +376,9 @@ def restore() -> None:
 
 
 def report() -> dict:
-  """The stand-in's counters, pipelines, compile options, live objects and findings."""
+  """The stand-in's counters, pipelines, dispatches run (kernel, grid), compile
+  options, live objects (IORegistry model objects under "registry_live") and
+  findings."""
   return json.loads(_lib.fatrain_metal_standin_report().decode())
 
 

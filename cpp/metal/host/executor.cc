@@ -6,7 +6,9 @@
 
 #define NS_PRIVATE_IMPLEMENTATION
 #define MTL_PRIVATE_IMPLEMENTATION
+#include <CoreFoundation/CoreFoundation.h>
 #include <Foundation/Foundation.hpp>
+#include <IOKit/IOKitLib.h>
 #include <Metal/Metal.hpp>
 
 #include "metal/host/executor.h"
@@ -86,6 +88,7 @@ struct State {
   MTL::Device* device = nullptr;
   MTL::CommandQueue* queue = nullptr;
   MTL::Library* kernels = nullptr;  // the compiled kernel library
+  int gpu_cores = -1;               // the device's core count; -1: not looked up yet
   std::unordered_map<std::string, MTL::ComputePipelineState*> pipelines;
   StagingPool staging;
 };
@@ -98,6 +101,29 @@ State& state() {
 MTL::Device* system_device(State& s) {
   if (s.device == nullptr) s.device = MTL::CreateSystemDefaultDevice();
   return s.device;
+}
+
+// The "gpu-core-count" property of the device's IORegistry entry, or 0 when
+// the entry, the property or a positive integer in it is missing. The entry
+// is the one whose registry ID the MTLDevice reports: on Apple GPUs the AGX
+// accelerator service, which carries the core count.
+int lookup_gpu_core_count(const MTL::Device* device) {
+  // IOServiceGetMatchingService consumes the matching dictionary.
+  CFMutableDictionaryRef matching = IORegistryEntryIDMatching(device->registryID());
+  if (matching == nullptr) return 0;
+  const io_service_t entry = IOServiceGetMatchingService(MACH_PORT_NULL, matching);
+  if (entry == IO_OBJECT_NULL) return 0;
+  CFTypeRef value =
+      IORegistryEntryCreateCFProperty(entry, CFSTR("gpu-core-count"), kCFAllocatorDefault, 0);
+  IOObjectRelease(entry);
+  if (value == nullptr) return 0;
+  int64_t cores = 0;
+  if (CFGetTypeID(value) != CFNumberGetTypeID() ||
+      !CFNumberGetValue(static_cast<CFNumberRef>(value), kCFNumberSInt64Type, &cores)) {
+    cores = 0;
+  }
+  CFRelease(value);
+  return cores > 0 && cores <= 65535 ? int(cores) : 0;
 }
 
 // The pipeline for a kernel with its bool function constants, built once.
@@ -205,6 +231,17 @@ std::string device_name() {
   AutoreleaseScope arp;
   MTL::Device* device = system_device(s);
   return device != nullptr ? device->name()->utf8String() : "";
+}
+
+int gpu_core_count() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.gpu_cores < 0) {
+    AutoreleaseScope arp;
+    const MTL::Device* device = system_device(s);
+    s.gpu_cores = device != nullptr ? lookup_gpu_core_count(device) : 0;
+  }
+  return s.gpu_cores;
 }
 
 std::string unsupported_reason() {

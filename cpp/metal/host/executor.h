@@ -21,6 +21,13 @@ std::string device_name();
 // macOS 14 or newer for Metal Shading Language 3.1), else why not.
 std::string unsupported_reason();
 
+// The default Metal device's GPU core count, 0 when it is not known. Metal
+// has no API for it: it is the "gpu-core-count" integer of the device's
+// IORegistry entry (the AGX accelerator service whose registry ID the
+// MTLDevice reports), looked up once per process and device. The backward
+// plan sizes its dQ splits by it (cpp/metal/plan/plan.h).
+int gpu_core_count();
+
 // Creates the process's device, command queue and kernel library, once.
 // `metallib_path`: a library built at install time ("" or unreadable: not
 // used); otherwise `source` (the packaged .metal sources as one MSL

@@ -336,7 +336,9 @@ int backward_splits(const Problem& p, const BackwardOptions& options) {
   const int64_t cap = std::min<int64_t>(tiles, int64_t(std::min<uint64_t>(by_budget, 65535)));
   if (options.force_nsplit > 0) return int(std::min<int64_t>(options.force_nsplit, cap));
   const int64_t n =
-      std::min<int64_t>(ceil_div(kBackwardTargetThreadgroups, p.batch * p.kv_heads), cap);
+      std::min<int64_t>(ceil_div(backward_target_threadgroups(options.gpu_cores),
+                                 p.batch * p.kv_heads),
+                        cap);
   // The fewest splits with the same longest walk: ceil(tiles / n) key tiles.
   return int(ceil_div(tiles, ceil_div(tiles, n)));
 }

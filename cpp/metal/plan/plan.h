@@ -108,35 +108,50 @@ using metal_abi::WindowParams;
 // The fused backward keeps nsplit float32 dQ accumulators of B x H_q x
 // dq_accum_rows(qL) x D floats each. It is planned when one split fits this
 // many bytes; the number of splits is
-//   nsplit = min(ceil(kBackwardTargetThreadgroups / (B * H_kv)),  -- fill the GPU
-//                number of key tiles,                             -- one tile at least
-//                kFusedBackwardScratchBudget / bytes of one split) -- the budget
-// then evened out: nsplit = ceil(tiles / ceil(tiles / nsplit)), so that every
-// split walks the same number of key tiles (+-1). Otherwise the backward is
-// the two-kernel form (dQ kernel + dK/dV kernel, no accumulators).
+//   nsplit = min(ceil(target / (B * H_kv)),                          -- fill the GPU
+//                number of key tiles,                                -- one tile at least
+//                kFusedBackwardScratchBudget / bytes of one split)   -- the budget
+// with target = backward_target_threadgroups(gpu_cores): two threadgroups
+// per core of the GPU the plan runs on, or kBackwardTargetThreadgroups when
+// the core count is not known (0). It is then evened out:
+// nsplit = ceil(tiles / ceil(tiles / nsplit)), so that every split walks the
+// same number of key tiles (+-1). Otherwise the backward is the two-kernel
+// form (dQ kernel + dK/dV kernel, no accumulators).
 // Key tiles are the fused kernel's: bwd_block_kv(D, element bytes, fused).
 //
-// Why the rule ignores the accumulators' traffic and the GPU's cores: with
-// first-visit stores the splits together move 8 x T x D bytes per key tile
-// and per query head whatever nsplit is (a split's first tile stores its
-// rows, later tiles add to them); nsplit sets only the bytes the reduce reads
-// (nsplit x T x D x 4; causal: about half, as a split's rows above its first
-// key are neither written nor read, abi::dq_split_first_row) and the
-// threadgroups that share the work. With fewer
-// threadgroups than two per core, a core runs 8 simdgroups instead of 16 and
-// the compute-bound fused kernel slows by up to 2x, against a reduce that
-// costs 0.18-0.28x the forward at 64 splits (T = 4096, D = 64, one head,
-// modelled); and the plan does not know the GPU it runs on (Metal reports no
-// core count; the emulator has none). On an 8-core M1 a core-aware rule could
-// take fewer splits (jax_fatrain/metal/README.md has the modelled numbers).
+// Why two threadgroups per core: with fewer, a core runs 8 simdgroups
+// instead of 16 and the compute-bound fused kernel slows by up to 2x. More
+// splits make the reduce read more: it reads what the splits wrote,
+// nsplit x T x D x 4 bytes per query head (causal: about half, as a split's
+// rows above its first key are neither written nor read,
+// abi::dq_split_first_row). Fewer make each split walk more key tiles, and a
+// split stores its rows on its first tile and reads and writes them on every
+// later one: hidden where the fused kernel is bound by its MMAs (one head,
+// T = 4096, D = 64 on an 8-core M1: 16 splits instead of the 64 a 40-core
+// GPU needs cut the reduce's bytes to a quarter), not where it is bound by
+// memory (D = 128 and 256 on M1 in the model, which then favours more
+// splits; jax_fatrain/metal/README.md, "Known limits"). The rule weighs
+// neither: it knows only the cores.
+// Metal reports no core count: the macOS host reads the GPU's IORegistry
+// entry (cpp/metal/host/executor.h, gpu_core_count), the emulator's model
+// passes the modelled GPU's; without one the rule fills a 40-core GPU.
 inline constexpr uint64_t kFusedBackwardScratchBudget = uint64_t(512) << 20;  // 512 MiB
-// Threadgroups that fill a large Apple GPU: two per core, 40 cores (M-series Max).
+// Threadgroups that fill a large Apple GPU: two per core, 40 cores (M-series
+// Max); the target when the GPU's core count is not known.
 inline constexpr int kBackwardTargetThreadgroups = 80;
+// Threadgroups the fused backward aims at on a GPU of `gpu_cores` cores (0:
+// unknown): two per core, so that every core runs two threadgroups at once.
+inline constexpr int64_t backward_target_threadgroups(int gpu_cores) {
+  return gpu_cores > 0 ? 2 * int64_t(gpu_cores) : kBackwardTargetThreadgroups;
+}
 
-// Test hooks of plan_backward (the defaults are the plan's own choice):
-// `force_nsplit` > 0 asks for that many splits (clamped to the key tiles; the
-// budget still applies), `scratch_budget` replaces kFusedBackwardScratchBudget.
+// What the backward plan takes besides the problem. `gpu_cores`: the GPU's
+// core count (0: not known; see above). Test hooks (the defaults are the
+// plan's own choice): `force_nsplit` > 0 asks for that many splits (clamped
+// to the key tiles; the budget still applies), `scratch_budget` replaces
+// kFusedBackwardScratchBudget.
 struct BackwardOptions {
+  int gpu_cores = 0;
   int force_nsplit = 0;
   uint64_t scratch_budget = kFusedBackwardScratchBudget;
 };

@@ -108,8 +108,8 @@ def test_plan_fills_the_gpu_with_even_splits():
 
 
 def test_splits_fill_two_threadgroups_per_core_of_the_gpu():
-  # float32 D = 256: 8-key tiles; 1280 keys are 160 tiles, one kv head.
-  shape = (1, 1, 1, 16, 1280, 256, jnp.float32)
+  # bf16 D = 64: 64-key tiles; 10240 keys are 160 tiles, one kv head.
+  shape = (1, 1, 1, 16, 10240, 64, jnp.bfloat16)
   splits = lambda **plan: backward_launches(*shape, **plan)[1][1][0]
   # Two threadgroups per core, evened: 8 cores -> 16 splits of 10 tiles;
   # 38 cores -> 76 wanted, 3 tiles per split -> 54 splits; 40 cores -> 80
@@ -117,10 +117,10 @@ def test_splits_fill_two_threadgroups_per_core_of_the_gpu():
   assert {c: splits(gpu_cores=c) for c in (8, 38, 40, 0, 1)} == {
       8: 16, 38: 54, 40: 80, 0: 80, 1: 2}
   # 2 x 4 kv heads on 8 cores: 16 threadgroups wanted -> 2 splits each.
-  launches = backward_launches(2, 4, 4, 16, 1280, 256, jnp.float32, gpu_cores=8)
+  launches = backward_launches(2, 4, 4, 16, 10240, 64, jnp.bfloat16, gpu_cores=8)
   assert launches[1][1] == (2, 4, 2)
   # The budget and a forced count still bound a core-aware plan.
-  split_bytes = 1 * 1 * 32 * 256 * 4  # B x H_q x rows (16 -> 32) x D floats
+  split_bytes = 1 * 1 * 32 * 64 * 4  # B x H_q x rows (16 -> 32) x D floats
   assert splits(gpu_cores=8, budget=5 * split_bytes) == 5
   assert splits(gpu_cores=8, nsplit=40) == 40
   # The emulated GPU's core count is the extension's, set per process.
@@ -128,6 +128,15 @@ def test_splits_fill_two_threadgroups_per_core_of_the_gpu():
   with pytest.raises(ValueError, match=">= 0"):
     ext.set_gpu_cores(-1)
   assert ext.gpu_cores() == 0
+
+
+def test_short_key_tiles_keep_at_least_the_40_core_target():
+  # float32 D = 256: 8-key tiles, a fused kernel bound by memory, where a
+  # split's later tiles cost more than the reduce they save: GPUs with fewer
+  # than 40 cores keep 80 threadgroups; larger ones still take two per core.
+  shape = (1, 1, 1, 16, 1280, 256, jnp.float32)  # 160 tiles, one kv head
+  splits = lambda **plan: backward_launches(*shape, **plan)[1][1][0]
+  assert {c: splits(gpu_cores=c) for c in (8, 38, 0, 100)} == {8: 80, 38: 80, 0: 80, 100: 160}
 
 
 def test_budget_bounds_the_splits_and_selects_the_two_kernel_form():

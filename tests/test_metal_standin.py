@@ -432,15 +432,15 @@ def test_pipeline_limits_are_errors(metal, limit, failing, message, command_buff
 
 
 # The GPU's core count: from the IORegistry model to the backward's plan.
-# float32 D = 256 has 8-key tiles: 1280 keys are 160 tiles of one kv head,
+# bfloat16 D = 64 has 64-key tiles: 10240 keys are 160 tiles of one kv head,
 # so the plan's split count (two threadgroups per core, evened over the
 # tiles; 80 threadgroups when the count is not known) tells the counts apart.
 _CORE_COUNT_PLAN = textwrap.dedent("""
     from jax_fatrain import _metal_emulated_ffi as emulated
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((1, 16, 1, 256)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((1, 1280, 1, 256)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((1, 1280, 1, 256)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((1, 16, 1, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 10240, 1, 64)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1, 10240, 1, 64)), jnp.bfloat16)
     def grads(impl):
       f = lambda q, k, v: jax_fatrain.dot_product_attention(q, k, v, implementation=impl).sum()
       return [np.asarray(g) for g in jax.grad(f, argnums=(0, 1, 2))(q, k, v)]
@@ -449,7 +449,7 @@ _CORE_COUNT_PLAN = textwrap.dedent("""
     report = standin.report()
     result["cores"] = metal._metal_ffi.gpu_core_count()
     result["splits"] = [d["grid"][0] for d in report["dispatches"]
-                        if d["kernel"] == "flash_attn_train_bwd_dkdv_dq_f32_d256"]
+                        if d["kernel"] == "flash_attn_train_bwd_dkdv_dq_bf16_d64"]
     result["lookups"] = report["counters"]["registry_lookups"]
     result["registry_live"] = report["registry_live"]
     result["findings"] = report["findings"]

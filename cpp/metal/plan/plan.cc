@@ -329,14 +329,15 @@ std::string plan_forward(const Problem& p, Plan* plan) {
 
 int backward_splits(const Problem& p, const BackwardOptions& options) {
   const int d = int(p.head_dim), es = int(dtype_size(p.dtype));
-  const int64_t tiles = ceil_div(p.kv_len, abi::bwd_block_kv(d, es, /*fused=*/true));
+  const int block_kv = abi::bwd_block_kv(d, es, /*fused=*/true);
+  const int64_t tiles = ceil_div(p.kv_len, block_kv);
   const uint64_t split_bytes = required_bytes(p, Role::kDQAccum);
   const uint64_t by_budget = split_bytes > 0 ? options.scratch_budget / split_bytes : 0;
   if (by_budget < 1) return 0;
   const int64_t cap = std::min<int64_t>(tiles, int64_t(std::min<uint64_t>(by_budget, 65535)));
   if (options.force_nsplit > 0) return int(std::min<int64_t>(options.force_nsplit, cap));
   const int64_t n =
-      std::min<int64_t>(ceil_div(backward_target_threadgroups(options.gpu_cores),
+      std::min<int64_t>(ceil_div(backward_target_threadgroups(options.gpu_cores, block_kv),
                                  p.batch * p.kv_heads),
                         cap);
   // The fewest splits with the same longest walk: ceil(tiles / n) key tiles.

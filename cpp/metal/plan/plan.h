@@ -111,13 +111,15 @@ using metal_abi::WindowParams;
 //   nsplit = min(ceil(target / (B * H_kv)),                          -- fill the GPU
 //                number of key tiles,                                -- one tile at least
 //                kFusedBackwardScratchBudget / bytes of one split)   -- the budget
-// with target = backward_target_threadgroups(gpu_cores): two threadgroups
-// per core of the GPU the plan runs on, or kBackwardTargetThreadgroups when
-// the core count is not known (0). It is then evened out:
-// nsplit = ceil(tiles / ceil(tiles / nsplit)), so that every split walks the
-// same number of key tiles (+-1). Otherwise the backward is the two-kernel
-// form (dQ kernel + dK/dV kernel, no accumulators).
-// Key tiles are the fused kernel's: bwd_block_kv(D, element bytes, fused).
+// with target = backward_target_threadgroups(gpu_cores, key tile): two
+// threadgroups per core of the GPU the plan runs on, or
+// kBackwardTargetThreadgroups when the core count is not known (0) and, at
+// least, where the key tiles are shorter than kShortSplitMinBlockKv keys. It
+// is then evened out: nsplit = ceil(tiles / ceil(tiles / nsplit)), so that
+// every split walks the same number of key tiles (+-1). Otherwise the
+// backward is the two-kernel form (dQ kernel + dK/dV kernel, no
+// accumulators). Key tiles are the fused kernel's: bwd_block_kv(D, element
+// bytes, fused).
 //
 // Why two threadgroups per core: with fewer, a core runs 8 simdgroups
 // instead of 16 and the compute-bound fused kernel slows by up to 2x. More
@@ -126,23 +128,34 @@ using metal_abi::WindowParams;
 // rows above its first key are neither written nor read,
 // abi::dq_split_first_row). Fewer make each split walk more key tiles, and a
 // split stores its rows on its first tile and reads and writes them on every
-// later one: hidden where the fused kernel is bound by its MMAs (one head,
-// T = 4096, D = 64 on an 8-core M1: 16 splits instead of the 64 a 40-core
-// GPU needs cut the reduce's bytes to a quarter), not where it is bound by
-// memory (D = 128 and 256 on M1 in the model, which then favours more
-// splits; jax_fatrain/metal/README.md, "Known limits"). The rule weighs
-// neither: it knows only the cores.
+// later one: 8 / block_kv bytes per FLOP on top of the operands. With 64-key
+// tiles (16-bit D = 64) the fused kernel is bound by its MMAs and hides that
+// traffic (one head, T = 4096, D = 64 on an 8-core M1: 16 splits instead of
+// the 64 a 40-core GPU needs cut the reduce's bytes to a quarter); with
+// shorter tiles (D >= 128, float32) it is bound by device memory and pays
+// for it in full, more than the reduce saves (D = 128 and 256 on M1 in the
+// model), so there a GPU with fewer than 40 cores keeps the 40-core target.
 // Metal reports no core count: the macOS host reads the GPU's IORegistry
 // entry (cpp/metal/host/executor.h, gpu_core_count), the emulator's model
 // passes the modelled GPU's; without one the rule fills a 40-core GPU.
 inline constexpr uint64_t kFusedBackwardScratchBudget = uint64_t(512) << 20;  // 512 MiB
 // Threadgroups that fill a large Apple GPU: two per core, 40 cores (M-series
-// Max); the target when the GPU's core count is not known.
+// Max); the target when the GPU's core count is not known, and the least
+// target for key tiles shorter than kShortSplitMinBlockKv.
 inline constexpr int kBackwardTargetThreadgroups = 80;
+// The shortest fused key tile whose kernel hides a longer split's
+// accumulator traffic behind its MMAs (see above).
+inline constexpr int kShortSplitMinBlockKv = 64;
 // Threadgroups the fused backward aims at on a GPU of `gpu_cores` cores (0:
-// unknown): two per core, so that every core runs two threadgroups at once.
-inline constexpr int64_t backward_target_threadgroups(int gpu_cores) {
-  return gpu_cores > 0 ? 2 * int64_t(gpu_cores) : kBackwardTargetThreadgroups;
+// unknown) with key tiles of `block_kv` keys: two per core, so that every
+// core runs two threadgroups at once, and no fewer than a 40-core GPU needs
+// where the tiles are shorter than kShortSplitMinBlockKv keys.
+inline constexpr int64_t backward_target_threadgroups(int gpu_cores, int block_kv) {
+  if (gpu_cores <= 0) return kBackwardTargetThreadgroups;
+  const int64_t per_core = 2 * int64_t(gpu_cores);
+  if (block_kv >= kShortSplitMinBlockKv || per_core >= kBackwardTargetThreadgroups)
+    return per_core;
+  return kBackwardTargetThreadgroups;
 }
 
 // What the backward plan takes besides the problem. `gpu_cores`: the GPU's

@@ -28,6 +28,7 @@
 //   only source of threads per threadgroup (hosts and emulator take them from the plan).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -153,9 +154,9 @@ inline constexpr int kShortSplitMinBlockKv = 64;
 inline constexpr int64_t backward_target_threadgroups(int gpu_cores, int block_kv) {
   if (gpu_cores <= 0) return kBackwardTargetThreadgroups;
   const int64_t per_core = 2 * int64_t(gpu_cores);
-  if (block_kv >= kShortSplitMinBlockKv || per_core >= kBackwardTargetThreadgroups)
-    return per_core;
-  return kBackwardTargetThreadgroups;
+  return block_kv >= kShortSplitMinBlockKv
+             ? per_core
+             : std::max<int64_t>(per_core, kBackwardTargetThreadgroups);
 }
 
 // What the backward plan takes besides the problem. `gpu_cores`: the GPU's

@@ -39,7 +39,7 @@ inline KernelFamily first_family(DType dtype, int64_t head_dim, bool operands_al
 // without a mask, bias or window, with causality only from T = 4096 on
 // (there a 64 x 128 tile's softmax takes about as long as its two products,
 // so a third consumer keeps the tensor cores busy); else two. With
-// causality at T = 1024 the 192-row blocks (six per head, 12% of their rows
+// causality at T = 1024 the 192-row blocks (six per head, 11% of their rows
 // past T) took 21% longer than two consumers' persistent grid, at T = 4096
 // and 8192 5% and 10% less (docs/cuda.md); a mask or bias read one score at
 // a time, or the general softmax a non-positive scale takes, spills at a

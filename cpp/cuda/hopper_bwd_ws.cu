@@ -113,7 +113,7 @@ constexpr int kStages = 2;
 
 struct BwdTensorMaps {
   CUtensorMap q, d_o, k, v;
-  CUtensorMap dq_acc;  // the float32 dQ scratch (atomic mode at D = 64 and 128)
+  CUtensorMap dq_acc;  // the float32 dQ scratch (atomic mode; not the split head)
 };
 
 // bwd_ws_kernel's mbarriers, 8 bytes each from `base`, for kStages slots of
@@ -258,6 +258,27 @@ __device__ __forceinline__ void add_dq_rows(const CUtensorMap* dq_map, const flo
   if (lane == 0) bulk_wait_read<0>();  // the last step's reductions have read the boxes
   __syncwarp();
   reduce_dq_rows<DH>(dq_map, dq, boxes, b, h, i0, col0, wq, lane);
+}
+
+// Adds a warp's 16 x 64 slice of dQ (rows i0 + 16 wq .. + 15, columns
+// [col0, col0 + 64) of head h) to the float32 scratch where shared memory has
+// room for only one 32 x 16 box per warp (bwd_ws_cluster_pair_kernel): two
+// tensor reductions from the warp's box `box`, columns [col0, col0 + 32)
+// then the other 32, each once the one before has read the box. With float4
+// atomics instead, the next step's first instructions waited until the
+// memory pipe had read the atomics' source registers (the kernel's largest
+// stall, 15% of the samples at D = 256 T = 8192 causal on an H100), and the
+// backward took 7-9% longer (docs/cuda.md).
+__device__ __forceinline__ void add_dq_rows_one_box(const CUtensorMap* dq_map, const float (&dq)[32],
+                                                    uint8_t* box, int b, int h, int i0, int col0,
+                                                    int wq, int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (lane == 0) bulk_wait_read<0>();  // the last reduction has read the box
+    __syncwarp();
+    reduce_dq_rows<32>(dq_map, *reinterpret_cast<const float(*)[16]>(&dq[16 * half]), box, b, h,
+                       i0, col0 + 32 * half, wq, lane);
+  }
 }
 
 // Adds a warp's 16 rows of a dQᵀ accumulator (64 head columns x NQ
@@ -830,10 +851,11 @@ __global__ void __launch_bounds__(kNT, 1)
 //     rank 1), dK += dSᵀ Q (both operands in shared memory) and dQ = dS K.
 //   rank 1: dPᵀ; with rank 0's Pᵀ, dSᵀ = Pᵀ (dPᵀ - D) -> to rank 0;
 //     dV += Pᵀ dO, dK += dSᵀ Q, dQ = dS K.
-// Rank r keeps dK, dV and adds dQ for head-dim columns [128 r, 128 r + 128),
-// and holds only what its products read: rank 0 K and Q whole (Q in two
-// slots: a step's Q stays until its late dK) and dO's own half; rank 1 V
-// and dO whole and K's and Q's own halves. Column blocks are placed as in
+// Rank r keeps dK, dV and adds dQ (tensor reductions, add_dq_rows_one_box)
+// for head-dim columns [128 r, 128 r + 128), and holds only what its
+// products read: rank 0 K and Q whole (Q in two slots: a step's Q stays
+// until its late dK) and dO's own half; rank 1 V and dO whole and K's and
+// Q's own halves. Column blocks are placed as in
 // bwd_ws_split_head_kernel (positions 0 and 1 of a whole tile are the
 // block's own half).
 // The producer refills three parts per step, each once its last reader is
@@ -901,12 +923,15 @@ struct PairLayout {
   static constexpr int kDSBytes = kBK * kBQ * 2;      // one dSᵀ buffer: [128 keys][64 queries]
   static constexpr int kPBytes = kBK * kBQ * 2;       // one Pᵀ buffer
   static constexpr int kStatBytes = kBQ * 4;          // one stage of L, or D
+  // dQ staging: one 32 x 16 float box per consumer warp (add_dq_rows_one_box)
+  static constexpr int kDqBoxBytes = 32 * 16 * 4, kDqBytes = kConsumers * 4 * kDqBoxBytes;
   static_assert(kHalfKVBytes == kScoreOpBytes, "rank 0's second Q slot is rank 1's half K");
   // kSlot1: rank 0's second Q slot, rank 1's half of K.
   static constexpr int kWholeKV = 0, kSlot0 = kWholeKV + kWholeKVBytes,
                        kSlot1 = kSlot0 + kScoreOpBytes, kAux = kSlot1 + kScoreOpBytes,
-                       kDS = kAux + kAuxBytes, kP = kDS + 2 * kDSBytes, kL = kP + 2 * kPBytes,
-                       kDsum = kL + 2 * kStatBytes, kBars = kDsum + 2 * kStatBytes;
+                       kDS = kAux + kAuxBytes, kP = kDS + 2 * kDSBytes, kDq = kP + 2 * kPBytes,
+                       kL = kDq + kDqBytes, kDsum = kL + 2 * kStatBytes,
+                       kBars = kDsum + 2 * kStatBytes;
   static constexpr int kSmemBytes = kBars + 8 * PairBarriers::kCount + 1024;  // + slack
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block has");
 };
@@ -1048,6 +1073,7 @@ __global__ void __launch_bounds__(kNT, 1)
   const int c = wg - 1, wq = warp & 3, w = warp - 4;  // w: 0 .. 7 over both consumers
   const int key_w0 = c * 64 + wq * 16;  // the warp's 16 keys, relative to j0
 
+  auto dq_box = [&] { return smem_ptr(base + L::kDq + w * L::kDqBoxBytes); };  // dQ staging
   float dk[DH / 2], dv[DH / 2], sc[kBQ / 2];  // sc: rank 0's Sᵀ, Pᵀ; rank 1's dPᵀ, dSᵀ
   uint32_t pt[kBQ / 4];                       // Pᵀ, packed (pack_pairs)
 #pragma unroll
@@ -1087,8 +1113,8 @@ __global__ void __launch_bounds__(kNT, 1)
       fence_regs(dq);
       __syncwarp();
       if (lane == 0) mbar_arrive_remote(map_to_rank(bar.ds_done(prev & 1), other));
-      add_dq_tile_v4<64>(p, dq, b, steps.head(prev - g0), steps.row0(prev - g0), 64 * c, wq,
-                         lane);
+      add_dq_rows_one_box(&maps.dq_acc, dq, dq_box(), b, steps.head(prev - g0),
+                          steps.row0(prev - g0), 64 * c, wq, lane);
     };
 
     if (total > 0) mbar_wait(bar.kv_full(), loads & 1);
@@ -1207,7 +1233,7 @@ __global__ void __launch_bounds__(kNT, 1)
         wgmma_wait<0>();
         fence_regs(dq);
         mbar_arrive(bar.ds_done(u));
-        add_dq_tile_v4<64>(p, dq, b, h, i0, DH + 64 * c, wq, lane);
+        add_dq_rows_one_box(&maps.dq_acc, dq, dq_box(), b, h, i0, DH + 64 * c, wq, lane);
       }
     }
     if (total > 0) {
@@ -1287,7 +1313,9 @@ cudaError_t launch_cluster_pair(const KParams& p, cudaStream_t stream) {
   auto* kernel = bwd_ws_cluster_pair_kernel<E>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   BwdTensorMaps maps;
-  if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess) return cudaErrorNotSupported;
+  if (make_bwd_maps(&maps, p, kBK, kBQ) != cudaSuccess ||
+      make_dq_acc_tensor_map(&maps.dq_acc, p.dq_acc, p.D, p.T, p.N, p.B) != cudaSuccess)
+    return cudaErrorNotSupported;
   if (cudaError_t e = allow_smem(kernel, PairLayout::kSmemBytes); e != cudaSuccess) return e;
   cudaLaunchConfig_t config = {};
   // Folded (kernel_choice.h), cluster m does key blocks m and nkb - 1 - m

@@ -19,9 +19,10 @@
 //     second runs. Named barriers order their issues: consumer c
 //     issues its products only after the other consumer issued its own, so
 //     one warpgroup's softmax runs while the other's products do.
-//   At D = 64 without a mask, bias, causality or window, three consumers
-//     (192-row blocks) take turns round robin, as FlashAttention-3 does at
-//     that head dim (kernel_choice.h, hopper_fwd_consumers).
+//   At D = 64 without a mask, bias or window (with causality from T = 4096
+//     on), three consumers (192-row blocks) take turns round robin, as
+//     FlashAttention-3 does at that head dim (kernel_choice.h,
+//     hopper_fwd_consumers).
 // Tiles past the sequence ends read as zeros (the tensor maps' bounds). A
 // mask or 16-bit bias that qualifies for staging (KParams::staged) is copied
 // a tile ahead by each consumer for its own 64 rows (cp.async, 16-byte

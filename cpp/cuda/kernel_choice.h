@@ -36,15 +36,17 @@ inline KernelFamily first_family(DType dtype, int64_t head_dim, bool operands_al
 }
 
 // Hopper forward: consumer warpgroups of 64 query rows each. Three at D = 64
-// without a mask, bias, causality or window (there a 64 x 128 tile's softmax
-// takes about as long as its two products, so a third consumer keeps the
-// tensor cores busy); else two. With causality the 192-row blocks mask more
-// of their diagonal tiles and balance worse; a mask or bias read one score
-// at a time, or the general softmax a non-positive scale takes, spills at a
+// without a mask, bias or window, with causality only from T = 4096 on
+// (there a 64 x 128 tile's softmax takes about as long as its two products,
+// so a third consumer keeps the tensor cores busy); else two. With
+// causality at T = 1024 the 192-row blocks (six per head, 11% of their rows
+// past T) took 21% longer than two consumers' persistent grid, at T = 4096
+// and 8192 5% and 10% less (docs/cuda.md); a mask or bias read one score at
+// a time, or the general softmax a non-positive scale takes, spills at a
 // third consumer's 160 registers.
 inline int hopper_fwd_consumers(const KParams& p) {
   const bool plain = p.mask == nullptr && p.bias == nullptr && p.scale_log2 > 0.f;
-  return p.D == 64 && plain && !p.causal && p.wl < 0 && p.wr < 0 ? 3 : 2;
+  return p.D == 64 && plain && (!p.causal || p.T >= 4096) && p.wl < 0 && p.wr < 0 ? 3 : 2;
 }
 
 // Hopper forward without a staged mask or bias: keys per K and V tile. A
@@ -81,7 +83,8 @@ __host__ __device__ inline bool hopper_fwd_folds_query_blocks(const KParams& p) 
 // items; but one per item, each block doing a single item, with three
 // consumers (hopper_fwd_consumers): there the persistent grid measured 18%
 // slower at T = 4096 (1.30 against 1.10 ms on an H100) and no faster at
-// T = 1024 and 8192 (docs/cuda.md, "A persistent forward").
+// T = 1024 and 8192 without causality, and 8% and 20% slower at T = 4096
+// and 8192 with it (docs/cuda.md, "A persistent forward").
 inline int hopper_fwd_grid(const KParams& p, int64_t items, int sms) {
   if (hopper_fwd_consumers(p) == 3) return static_cast<int>(items);
   return static_cast<int>(items < sms ? items : sms);

@@ -406,10 +406,16 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 // tile's loads are issued before the previous tile's math and stored to
 // threadgroup memory after it; with two buffers (where kBwdMaxThreadgroupBytes
 // allow) the stores go to the other buffer and one barrier per tile suffices
-// (plus one for the partial-score exchange and one for the staged dS). Rows
-// are padded by 16 bytes so that 8x8 fragment loads, plain or transposed,
-// fall in distinct banks. dK and dV leave through threadgroup memory as
-// vector stores. All operands are simdgroup_load-ed in the input dtype.
+// (plus one for the partial-score exchange and one for the staged dS). With
+// a mask, each query tile's BQ x BKV mask tile is fetched and stored with
+// it (vectors along the keys) and takes buffer 1's space, so a masked
+// problem stores after a barrier as with one buffer; the rows' segment ids
+// are staged with L and Delta, a lane's key id is read once per key tile.
+// Scores read the mask and ids there, not per element from device memory.
+// Rows are padded by 16 bytes so that 8x8 fragment loads, plain or
+// transposed, fall in distinct banks. dK and dV leave through threadgroup
+// memory as vector stores. All operands are simdgroup_load-ed in the input
+// dtype.
 // ---------------------------------------------------------------------------
 
 // 4-element vectors of the input type: device loads and stores move 8 (16-bit)
@@ -621,9 +627,9 @@ struct DkdvConstants {
   bool align_q, align_k, mask, causal, window, q_lengths, kv_lengths, segments;
 };
 
-// The body of both dK/dV kernels. `tg_t` / `tg_f`: the threadgroup arrays of
-// DkdvShape<T, D, kFusedDq, sizeof(MaskT)>; `dq`: the accumulator split (fused) or DkdvNoDq;
-// `fcs`: the function constants.
+// The body of both dK/dV kernels. `tg_t` / `tg_f` / `tg_i`: the threadgroup
+// arrays of DkdvShape<T, D, kFusedDq, sizeof(MaskT)>; `dq`: the accumulator
+// split (fused) or DkdvNoDq; `fcs`: the function constants.
 template <typename T, int D, typename MaskT, bool kBoolMask, bool kFusedDq, typename DqOut>
 inline void dkdv_run(
     const device T* Q, const device T* K, const device T* V, constant AttnParams* params,
@@ -632,8 +638,8 @@ inline void dkdv_run(
     const device int* q_segment_ids, const device int* kv_segment_ids, const device T* dO,
     const device float* Delta, device T* dK, device T* dV, thread const DqOut& dq,
     threadgroup T* tg_t, threadgroup float* tg_f, threadgroup int* tg_i,
-    thread const DkdvConstants& fcs, int split,
-    int nsplit, uint3 tid, uint simd_gid, uint simd_lid) {
+    thread const DkdvConstants& fcs, int split, int nsplit, uint3 tid, uint simd_gid,
+    uint simd_lid) {
   typedef DkdvShape<T, D, kFusedDq, int(sizeof(MaskT))> Sh;
   constexpr int NSG = Sh::NSG, NT = Sh::NT, W = Sh::W, BKV = Sh::BKV, BQ = Sh::BQ;
   constexpr int DS = Sh::DS, WF = Sh::WF, QF = Sh::QF, KS = Sh::KS;
@@ -756,7 +762,7 @@ inline void dkdv_run(
 
     // With a mask, each item's BQ x BKV mask tile is fetched with its Q and
     // dO tile (coalesced vectors along the keys) and staged in mask_s, where
-    // the scores read it; the query tile buffers then take turns no more:
+    // the scores read it; the tile buffers no longer take turns then, as
     // buffer 1's space (if any) holds the mask tile.
     const bool one_buf = NBUF == 1 || fcs.mask;  // uniform (a function constant)
     DkdvTileRun<T, NV> run;

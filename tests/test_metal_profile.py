@@ -16,7 +16,9 @@
   tiles between documents are skipped);
 * masks: the forward and dQ kernels stage each key step's mask tile with
   vector loads, so a masked problem's device reads stay coalesced, and the
-  tile fits their 30 KiB of threadgroup memory;
+  tile fits their 30 KiB of threadgroup memory; the dK/dV kernels (both
+  forms) stage each query tile's, reading the mask once per query head with
+  coalesced lines;
 * sampling scales to the full run within tolerance;
 * recording is off unless requested, and its arguments are checked;
 * the transcendental, bfloat-conversion, shuffle, reduction and working-set
@@ -225,6 +227,46 @@ def test_masks_are_staged_with_coalesced_loads(kind, monkeypatch):
     if kind_ in ("fwd", "dq"):
       assert launch["peak_tg_bytes"] <= 30 * 1024, kind_
       assert metal_profile.coalescing(launch) > 0.7, (kind_, metal_profile.coalescing(launch))
+
+
+# The dK/dV kernels' mask reads, coalescing of the mask's own bytes (see
+# test_dkdv_masks_are_staged_with_coalesced_loads) at bf16, D = 64: one
+# 4-element vector per thread along a row of the key tile (64 keys fused, 32
+# two-kernel), so a simdgroup-wide load covers whole rows: 128 (fused additive)
+# or 64 bytes of each 128-byte line. Read per score element (8 query rows of 16
+# or 8 bytes per fragment load) it is 0.125 (additive) / 0.0625 (bool).
+DKDV_MASK_COALESCING = {("fused", "additive"): 1.0, ("fused", "bool"): 0.5,
+                        ("two-kernel", "additive"): 0.5, ("two-kernel", "bool"): 0.25}
+
+
+@pytest.mark.parametrize("form", ["fused", "two-kernel"])
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_dkdv_masks_are_staged_with_coalesced_loads(form, kind, monkeypatch):
+  """bf16, D = 64, T = 128, two query heads of one kv head, a [1, 1, T, S]
+  mask: the dK/dV kernel (fused, or the two-kernel form through the plan's
+  budget hook) stages each (query head, query tile)'s mask tile with vector
+  loads. Against the same problem without a mask, its dispatch reads exactly
+  the mask once per query head (no element twice, not even by the
+  simdgroups that share a key block at D >= 128), and those bytes' lines
+  are as coalesced as DKDV_MASK_COALESCING says; MMAs are unchanged, the
+  threadgroup memory stays within 30 KiB, no races."""
+  if form == "two-kernel":
+    monkeypatch.setenv("JAX_FATRAIN_METAL_BWD_SCRATCH_BUDGET", "0")
+  n = 128
+  dkdv = "dkdv_dq" if form == "fused" else "dkdv"
+  launch = {}
+  for name, mask in (("plain", None), ("masked", kind)):
+    launch[name] = _by_kernel(metal_profile.run_problem(
+        seq_len=n, head_dim=64, q_heads=2, kv_heads=1, backward=True, mask=mask))[dkdv]
+    _check_launch(launch[name])
+  plain, masked = launch["plain"], launch["masked"]
+  assert masked["simdgroup_mma"] == plain["simdgroup_mma"]
+  assert masked["peak_tg_bytes"] <= 30 * 1024
+  mask_bytes = masked["device_bytes_read"] - plain["device_bytes_read"]
+  assert mask_bytes == 2 * n * n * (2 if kind == "additive" else 1), mask_bytes
+  lines = masked["device_lines128"] - plain["device_lines128"]
+  coalescing = mask_bytes / (128 * lines)
+  assert coalescing >= DKDV_MASK_COALESCING[form, kind], coalescing
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -192,7 +192,7 @@ def total(launches: Sequence[dict]) -> dict:
 def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch: int = 1,
                 q_heads: int = 1, kv_heads: int = 1, dtype="bfloat16", causal: bool = False,
                 backward: bool = False, sample: float | int | None = None,
-                seed: int = 0, documents: int | None = None,
+                seed: int = 0, documents: int | None = None, mask: str | None = None,
                 gpu_cores: int | Sequence[int] = 0) -> list[dict]:
   """Runs our Metal forward (and with ``backward`` our backward) once on
   random ``[B, H, L, D]`` inputs through the emulator; returns the launches.
@@ -205,6 +205,9 @@ def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch
 
   ``documents``: a packed sequence of that many documents of equal length
   (segment ids 0, 1, ...; needs ``kv_len == seq_len`` divisible by it).
+  ``mask``: ``"additive"`` (standard normal in ``dtype``) or ``"bool"``
+  (``True`` with probability 0.7), a ``[1, 1, L, S]`` mask broadcast over
+  the batch and heads.
   The backward's O and L come from the CPU implementation when sampling (a
   sampled forward leaves them incomplete), else from the emulated forward.
   """
@@ -225,6 +228,13 @@ def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch
       rand(q_heads, seq_len)
   scale = 1.0 / math.sqrt(head_dim)
   segments = {}
+  if mask not in (None, "additive", "bool"):
+    raise ValueError(f"mask: None, 'additive' or 'bool', got {mask!r}")
+  m = None
+  if mask == "additive":
+    m = jnp.asarray(rng.standard_normal((1, 1, seq_len, kv_len), np.float32), dt)
+  elif mask == "bool":
+    m = jnp.asarray(rng.random((1, 1, seq_len, kv_len)) < 0.7)
   if documents is not None:
     if kv_len != seq_len or seq_len % documents:
       raise ValueError(f"documents: {documents} equal documents need kv_len == seq_len "
@@ -234,11 +244,11 @@ def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch
     segments = dict(q_segment_ids=ids, kv_segment_ids=ids)
   with record(sample) as launches:
     o, lse = jax.block_until_ready(jax_fatrain.flash_attn_train_fwd(
-        q, k, v, scale=scale, causal=causal, implementation="metal_emulated", **segments))
+        q, k, v, m, scale=scale, causal=causal, implementation="metal_emulated", **segments))
   if not backward:
     return launches
   if sample is not None:
-    o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=scale, causal=causal,
+    o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, m, scale=scale, causal=causal,
                                               implementation="cpu", **segments)
   ext = _extension()
   previous = ext.gpu_cores()
@@ -248,8 +258,8 @@ def run_problem(*, seq_len: int, head_dim: int, kv_len: int | None = None, batch
       ext.set_gpu_cores(cores)
       with record(sample) as planned:
         jax.block_until_ready(jax_fatrain.flash_attn_train_bwd(
-            q, k, v, o, lse, d_o, scale=scale, causal=causal, implementation="metal_emulated",
-            **segments))
+            q, k, v, o, lse, d_o, m, scale=scale, causal=causal,
+            implementation="metal_emulated", **segments))
       bwd += [dict(launch, gpu_cores=cores) for launch in planned]
   finally:
     ext.set_gpu_cores(previous)

@@ -113,6 +113,31 @@ inline float score2_staged(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot
   return apply_mask<MaskT, kBoolMask>(s, *mask_at);
 }
 
+// The same with both segment ids in registers (the dK/dV kernels: the lane's
+// key id and query i's id).
+template <typename MaskT, bool kBoolMask>
+inline float score2_staged(thread const ScoreCtx<MaskT, kBoolMask>& c, float dot, int i, int j,
+                           const threadgroup MaskT* mask_at, int kv_id, int q_id) {
+  if (!sees(c, i, j)) return -INFINITY;
+  if (c.segments && kv_id != q_id) return -INFINITY;
+  const float s = dot * c.scale2;
+  if (!c.use_mask) return s;
+  return apply_mask<MaskT, kBoolMask>(s, *mask_at);
+}
+
+// Points c at the mask of batch b, query head h (all else in c is per batch).
+template <typename MaskT, bool kBoolMask>
+inline void score_ctx_set_head(thread ScoreCtx<MaskT, kBoolMask>& c,
+                               constant AttnMaskParams* mask_params, int b, int h) {
+  c.mask_base = 0;
+  c.mask_row_stride = 0;
+  if (c.use_mask) {
+    c.mask_base = long(b) * mask_params->m_strides[0] + long(h) * mask_params->m_strides[1];
+    c.mask_row_stride = mask_params->m_strides[2];
+  }
+  c.mask_vec4 = c.mask_base % 4 == 0 && c.mask_row_stride % 4 == 0;
+}
+
 // Fills ctx for batch b, query head h (kernels pass their function constants
 // explicitly so that every use of a constant is visible in the kernel body).
 template <typename MaskT, bool kBoolMask>
@@ -124,14 +149,8 @@ inline ScoreCtx<MaskT, kBoolMask> make_score_ctx(
     bool use_segments) {
   ScoreCtx<MaskT, kBoolMask> c;
   c.mask = mask;
-  c.mask_base = 0;
-  c.mask_row_stride = 0;
   c.use_mask = use_mask;
-  if (use_mask) {
-    c.mask_base = long(b) * mask_params->m_strides[0] + long(h) * mask_params->m_strides[1];
-    c.mask_row_stride = mask_params->m_strides[2];
-  }
-  c.mask_vec4 = c.mask_base % 4 == 0 && c.mask_row_stride % 4 == 0;
+  score_ctx_set_head(c, mask_params, b, h);
   c.q_limit = params->ql;
   c.k_limit = params->kl;
   if (use_q_lengths) c.q_limit = min(params->ql, max(0, q_lengths[b]));

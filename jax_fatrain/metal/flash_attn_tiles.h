@@ -128,51 +128,90 @@ inline int2 visible_keys(thread const ScoreCtx<MaskT, kBoolMask>& c, int row_fir
 // step so that scores read them there instead of from device memory per
 // element: the mask of the BQ query rows x BK keys (the tile of
 // flash_attn_abi.h's mask_tile_bytes, bound at FATRAIN_TG_MASK_TILE) and the
-// BK keys' segment ids (BK * 4 bytes).
+// BK keys' segment ids (BK * 4 bytes). The dK/dV kernels stage the mask tile
+// of each (query head, query tile) the same way (mask_tile_fetch / put).
 
-// This thread's share of a key step's score operands in registers (fetched
-// with the step's K or V tile, stored after the math that follows).
+// This thread's share of a mask tile in registers: BQ query rows x BK keys
+// as 4-element vectors, NT threads (the dK/dV kernels have more than
+// kThreads). Fetched with a K, V (or Q, dO) tile, stored after the math that
+// follows.
+template <typename MaskT, int BQ, int BK, int NT = kThreads>
+struct MaskTileRegs {
+  vec4_t<MaskT> mask[(BQ * BK / 4 + NT - 1) / NT];
+};
+
+// This thread's share of a key step's score operands in registers: the mask
+// tile and one key's segment id.
 template <typename MaskT, int BQ, int BK>
 struct ScoreTileRegs {
-  vec4_t<MaskT> mask[(BQ * BK / 4 + kThreads - 1) / kThreads];
+  MaskTileRegs<MaskT, BQ, BK> m;
   int kv_id;  // the segment id of key kb + tix (threads tix < BK)
 };
 
 // Loads the mask of query rows [q0, q0 + BQ) x keys [kb, kb + BK) (when
 // c.use_mask) with 4-element vectors, consecutive threads on consecutive
-// vectors along a row, and key kb + tix's segment id (c.segments). Vectors
-// whose keys no row of theirs can see (lengths, causal, window), and those
-// past the limits, are zeros and not read; where rows are not 4-element
-// aligned (odd strides of a broadcast mask) or the keys end inside a vector,
-// its elements are read one by one.
-template <typename MaskT, bool kBoolMask, int BQ, int BK>
-inline void score_tile_fetch(thread ScoreTileRegs<MaskT, BQ, BK>& r,
-                             thread const ScoreCtx<MaskT, kBoolMask>& c, int q0, int kb, int tix) {
+// vectors along a row. Vectors whose keys no row of theirs can see (lengths,
+// causal, window), and those past the limits, are zeros and not read; where
+// rows are not 4-element aligned (odd strides of a broadcast mask) or the
+// keys end inside a vector, its elements are read one by one.
+template <typename MaskT, bool kBoolMask, int BQ, int BK, int NT = kThreads>
+inline void mask_tile_fetch(thread MaskTileRegs<MaskT, BQ, BK, NT>& r,
+                            thread const ScoreCtx<MaskT, kBoolMask>& c, int q0, int kb, int tix) {
   typedef vec4_t<MaskT> V;
   constexpr int kVecs = BQ * BK / 4;
-  constexpr int kPerThread = (kVecs + kThreads - 1) / kThreads;
-  static_assert(BK % 4 == 0 && BK <= kThreads, "score tile shape");
+  constexpr int kPerThread = (kVecs + NT - 1) / NT;
+  static_assert(BK % 4 == 0, "mask tile shape");
   if (c.use_mask) {
 #pragma clang loop unroll(full)
     for (int i = 0; i < kPerThread; ++i) {
-      const int v = i * kThreads + tix;
+      const int v = i * NT + tix;
       const int q = q0 + v / (BK / 4);
       const int k = kb + (v % (BK / 4)) * 4;
       const int2 seen = visible_keys(c, q, q);  // keys row q can see (none past q_limit)
-      r.mask[i] = V(MaskT(0));
-      if ((kVecs % kThreads == 0 || v < kVecs) && k < seen.y && k + 4 > seen.x) {
+      if (kVecs % NT != 0 && v >= kVecs) {
+        // No vector for this thread (mask_tile_put skips it too).
+      } else if (k < seen.y && k + 4 > seen.x) {
         const device MaskT* src = c.mask + (c.mask_base + long(q) * c.mask_row_stride + k);
         if (c.mask_vec4 && k + 4 <= c.k_limit) {
           r.mask[i] = *((const device V*)src);
         } else {
+          r.mask[i] = V(MaskT(0));
 #pragma clang loop unroll(full)
           for (int e = 0; e < 4; ++e) {
             if (k + e < c.k_limit) r.mask[i][e] = src[e];
           }
         }
+      } else {
+        r.mask[i] = V(MaskT(0));
       }
     }
   }
+}
+
+// Stores a fetched mask tile into ms[BQ][LDM], one vector store each.
+template <typename MaskT, bool kBoolMask, int BQ, int BK, int LDM, int NT = kThreads>
+inline void mask_tile_put(threadgroup MaskT* ms, thread const MaskTileRegs<MaskT, BQ, BK, NT>& r,
+                          thread const ScoreCtx<MaskT, kBoolMask>& c, int tix) {
+  typedef vec4_t<MaskT> V;
+  constexpr int kVecs = BQ * BK / 4;
+  static_assert(LDM % 4 == 0, "mask tile rows must be vector-aligned");
+  if (c.use_mask) {
+#pragma clang loop unroll(full)
+    for (int i = 0; i < (kVecs + NT - 1) / NT; ++i) {
+      const int v = i * NT + tix;
+      if (kVecs % NT == 0 || v < kVecs) {
+        *((threadgroup V*)(ms + (v / (BK / 4)) * LDM + (v % (BK / 4)) * 4)) = r.mask[i];
+      }
+    }
+  }
+}
+
+// The mask tile (mask_tile_fetch) and key kb + tix's segment id (c.segments).
+template <typename MaskT, bool kBoolMask, int BQ, int BK>
+inline void score_tile_fetch(thread ScoreTileRegs<MaskT, BQ, BK>& r,
+                             thread const ScoreCtx<MaskT, kBoolMask>& c, int q0, int kb, int tix) {
+  static_assert(BK <= kThreads, "one key id per thread");
+  mask_tile_fetch<MaskT, kBoolMask, BQ, BK>(r.m, c, q0, kb, tix);
   r.kv_id = 0;
   if (c.segments && tix < BK && kb + tix < c.k_limit) r.kv_id = c.kv_seg[kb + tix];
 }
@@ -182,27 +221,16 @@ template <typename MaskT, bool kBoolMask, int BQ, int BK, int LDM>
 inline void score_tile_put(threadgroup MaskT* ms, threadgroup int* kv_ids,
                            thread const ScoreTileRegs<MaskT, BQ, BK>& r,
                            thread const ScoreCtx<MaskT, kBoolMask>& c, int tix) {
-  typedef vec4_t<MaskT> V;
-  constexpr int kVecs = BQ * BK / 4;
-  static_assert(LDM % 4 == 0, "mask tile rows must be vector-aligned");
-  if (c.use_mask) {
-#pragma clang loop unroll(full)
-    for (int i = 0; i < (kVecs + kThreads - 1) / kThreads; ++i) {
-      const int v = i * kThreads + tix;
-      if (kVecs % kThreads == 0 || v < kVecs) {
-        *((threadgroup V*)(ms + (v / (BK / 4)) * LDM + (v % (BK / 4)) * 4)) = r.mask[i];
-      }
-    }
-  }
+  mask_tile_put<MaskT, kBoolMask, BQ, BK, LDM>(ms, r.m, c, tix);
   if (c.segments && tix < BK) kv_ids[tix] = r.kv_id;
 }
 
 // Segment ids: the smallest and largest of ids[first .. first + n) (1 <= n
 // <= 32), each lane reading one; uniform across the simdgroup, so every
 // simdgroup of a threadgroup computes the same range without a barrier.
+inline int2 segment_range_of(int id) { return int2(simd_min(id), simd_max(id)); }
 inline int2 segment_range(const device int* ids, int first, int n, uint lane) {
-  const int id = ids[first + int(lane) % n];
-  return int2(simd_min(id), simd_max(id));
+  return segment_range_of(ids[first + int(lane) % n]);
 }
 
 // The same for n <= 32 * N ids, N reads per lane.

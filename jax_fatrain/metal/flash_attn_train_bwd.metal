@@ -406,10 +406,16 @@ template <typename T, int D, typename MaskT, bool kBoolMask>
 // tile's loads are issued before the previous tile's math and stored to
 // threadgroup memory after it; with two buffers (where kBwdMaxThreadgroupBytes
 // allow) the stores go to the other buffer and one barrier per tile suffices
-// (plus one for the partial-score exchange and one for the staged dS). Rows
-// are padded by 16 bytes so that 8x8 fragment loads, plain or transposed,
-// fall in distinct banks. dK and dV leave through threadgroup memory as
-// vector stores. All operands are simdgroup_load-ed in the input dtype.
+// (plus one for the partial-score exchange and one for the staged dS). With
+// a mask, each query tile's BQ x BKV mask tile is fetched and stored with
+// it (vectors along the keys) and takes buffer 1's space, so a masked
+// problem stores after a barrier as with one buffer; the rows' segment ids
+// are staged with L and Delta, a lane's key id is read once per key tile.
+// Scores read the mask and ids there, not per element from device memory.
+// Rows are padded by 16 bytes so that 8x8 fragment loads, plain or
+// transposed, fall in distinct banks. dK and dV leave through threadgroup
+// memory as vector stores. All operands are simdgroup_load-ed in the input
+// dtype.
 // ---------------------------------------------------------------------------
 
 // 4-element vectors of the input type: device loads and stores move 8 (16-bit)
@@ -421,11 +427,18 @@ template <> struct DkdvVec4<bfloat> { typedef bfloat4 type; };
 template <> struct DkdvVec4<half> { typedef half4 type; };
 template <> struct DkdvVec4<float> { typedef float4 type; };
 
-// The tiles of the dK/dV kernels (kFusedDq: flash_attn_train_bwd_dkdv_dq).
-// Threadgroup memory is one array of T (K, V, the dS tile, the query-tile
-// buffers) and one of floats (L and Delta per buffer, the partial-score
-// exchange).
-template <typename T, int D, bool kFusedDq>
+// The tiles of the dK/dV kernels (kFusedDq: flash_attn_train_bwd_dkdv_dq;
+// MB: bytes of a mask element, 1 for bool masks). Threadgroup memory is one
+// array of T (K, V, the dS tile, the query-tile buffers, the mask tile where
+// it has its own space), one of floats (L and Delta per buffer, the
+// partial-score exchange) and one of ints (the query rows' segment ids per
+// buffer).
+//
+// The mask tile (BQ rows x BKV keys, rows padded to LDM) is staged right
+// after query-tile buffer 0: with two buffers, a masked problem uses buffer 1's
+// space for it and runs the one-buffer schedule (NBUF is fixed per instance,
+// the mask is a function constant); with one buffer it has space of its own.
+template <typename T, int D, bool kFusedDq, int MB>
 struct DkdvShape {
   enum : int {
     ES = int(sizeof(T)),
@@ -452,8 +465,12 @@ struct DkdvShape {
     kFixedBytes = (kKElems + kVElems + kDsElems) * ES + kExFloats * 4,
     kBufBytes = kTileElems * ES + kTileFloats * 4,
     NBUF = kFixedBytes + 2 * kBufBytes <= kBwdMaxThreadgroupBytes ? 2 : 1,
-    kTgBytes = kFixedBytes + NBUF * kBufBytes,
-    kTElems = kKElems + kVElems + kDsElems + NBUF * kTileElems,
+    LDM = mask_tile_ld(BKV, MB),  // padded row of the staged mask tile
+    kMaskBytes = mask_tile_bytes(BQ, BKV, MB),
+    kMaskElems = NBUF == 1 ? (kMaskBytes + ES - 1) / ES : 0,  // its own space (one buffer)
+    kInts = NBUF * BQ,  // segment ids of each buffer's query rows
+    kTgBytes = kFixedBytes + NBUF * kBufBytes + kMaskElems * ES + kInts * 4,
+    kTElems = kKElems + kVElems + kDsElems + NBUF * kTileElems + kMaskElems,
     kFloats = NBUF * kTileFloats + kExFloats,
     kDqFrags = QF * (D / 8) / NSG,  // fused: dQ fragments per simdgroup and tile
   };
@@ -521,19 +538,21 @@ inline void dkdv_stage_rows(threadgroup T* dst, const device T* src, long stride
 
 // This thread's share of one query tile, loaded before the current tile's
 // math and stored to threadgroup memory after it: NV vectors of Q and of dO,
-// and one L * log2(e) (threads 0 .. BQ-1) or Delta (threads BQ .. 2 BQ - 1).
+// and one L * log2(e) (threads 0 .. BQ-1) or Delta (threads BQ .. 2 BQ - 1),
+// and with segment ids a query row's id (threads 2 BQ .. 3 BQ - 1).
 template <typename T, int NV>
 struct DkdvTileRun {
   typename DkdvVec4<T>::type q[NV];
   typename DkdvVec4<T>::type dout[NV];
   float ld;
+  int q_id;
 };
 
 template <typename T, int D, int BQ, int NV, int NT>
 inline void dkdv_fetch_tile(thread DkdvTileRun<T, NV>& r, const device T* Q, const device T* dO,
                             const device float* L, const device float* Delta,
-                            constant AttnParams* params, int b, int h, int q0, int tid_tg,
-                            bool guard_rows) {
+                            const device int* q_seg, constant AttnParams* params, int b, int h,
+                            int q0, int tid_tg, bool guard_rows, bool segments) {
   typedef typename DkdvVec4<T>::type V;
   const int ql = params->ql;
   const long qbase = long(b) * params->q_strides[0] + long(h) * params->q_strides[1];
@@ -561,11 +580,17 @@ inline void dkdv_fetch_tile(thread DkdvTileRun<T, NV>& r, const device T* Q, con
       r.ld = (!guard_rows || lq < ql) ? Delta[lrow] : 0.0f;
     }
   }
+  r.q_id = 0;
+  if (segments && tid_tg >= 2 * BQ && tid_tg < 3 * BQ) {
+    const int sq = q0 + tid_tg - 2 * BQ;
+    if (!guard_rows || sq < ql) r.q_id = q_seg[sq];
+  }
 }
 
 template <typename T, int D, int BQ, int NV, int NT, int LDQ>
 inline void dkdv_store_tile(thread const DkdvTileRun<T, NV>& r, threadgroup T* qs,
-                            threadgroup T* dos, threadgroup float* lds, int tid_tg) {
+                            threadgroup T* dos, threadgroup float* lds, threadgroup int* q_ids,
+                            int tid_tg, bool segments) {
 #pragma clang loop unroll(full)
   for (int i = 0; i < NV; ++i) {
     const int v = i * NT + tid_tg;
@@ -578,6 +603,7 @@ inline void dkdv_store_tile(thread const DkdvTileRun<T, NV>& r, threadgroup T* q
     }
   }
   if (tid_tg < 2 * BQ) lds[tid_tg] = r.ld;
+  if (segments && tid_tg >= 2 * BQ && tid_tg < 3 * BQ) q_ids[tid_tg - 2 * BQ] = r.q_id;
 }
 
 // Query rows [x, y) that may see one of the keys [k0, k_last] through
@@ -601,9 +627,9 @@ struct DkdvConstants {
   bool align_q, align_k, mask, causal, window, q_lengths, kv_lengths, segments;
 };
 
-// The body of both dK/dV kernels. `tg_t` / `tg_f`: the threadgroup arrays of
-// DkdvShape<T, D, kFusedDq>; `dq`: the accumulator split (fused) or DkdvNoDq;
-// `fcs`: the function constants.
+// The body of both dK/dV kernels. `tg_t` / `tg_f` / `tg_i`: the threadgroup
+// arrays of DkdvShape<T, D, kFusedDq, sizeof(MaskT)>; `dq`: the accumulator
+// split (fused) or DkdvNoDq; `fcs`: the function constants.
 template <typename T, int D, typename MaskT, bool kBoolMask, bool kFusedDq, typename DqOut>
 inline void dkdv_run(
     const device T* Q, const device T* K, const device T* V, constant AttnParams* params,
@@ -611,19 +637,22 @@ inline void dkdv_run(
     constant WindowParams* window, const device int* q_lengths, const device int* kv_lengths,
     const device int* q_segment_ids, const device int* kv_segment_ids, const device T* dO,
     const device float* Delta, device T* dK, device T* dV, thread const DqOut& dq,
-    threadgroup T* tg_t, threadgroup float* tg_f, thread const DkdvConstants& fcs, int split,
-    int nsplit, uint3 tid, uint simd_gid, uint simd_lid) {
-  typedef DkdvShape<T, D, kFusedDq> Sh;
+    threadgroup T* tg_t, threadgroup float* tg_f, threadgroup int* tg_i,
+    thread const DkdvConstants& fcs, int split, int nsplit, uint3 tid, uint simd_gid,
+    uint simd_lid) {
+  typedef DkdvShape<T, D, kFusedDq, int(sizeof(MaskT))> Sh;
   constexpr int NSG = Sh::NSG, NT = Sh::NT, W = Sh::W, BKV = Sh::BKV, BQ = Sh::BQ;
   constexpr int DS = Sh::DS, WF = Sh::WF, QF = Sh::QF, KS = Sh::KS;
-  constexpr int LD = Sh::LD, LDS = Sh::LDS, NV = Sh::NV, NBUF = Sh::NBUF;
+  constexpr int LD = Sh::LD, LDS = Sh::LDS, NV = Sh::NV, NBUF = Sh::NBUF, LDM = Sh::LDM;
   constexpr bool kKInTg = Sh::kKInTg, kVInTg = Sh::kVInTg;
   constexpr int kTileElems = Sh::kTileElems, kTileFloats = Sh::kTileFloats;
   typedef simdgroup_matrix<T, 8, 8> tfrag_t;
   static_assert(KS * 8 == BKV && KS * DS == NSG && DS * W == D, "dK/dV tile shape");
-  static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 2 * BQ <= NT, "dK/dV staging shape");
+  static_assert(NV >= 1 && NV * 4 * NT == BQ * D && 3 * BQ <= NT, "dK/dV staging shape");
   static_assert(BQ <= 32 && (BKV <= 32 || BKV % 32 == 0), "segment ranges: 32 ids per read");
   static_assert(Sh::kTgBytes <= kBwdMaxThreadgroupBytes, "dK/dV threadgroup memory");
+  static_assert(Sh::NBUF == 1 || Sh::kMaskBytes <= kTileElems * int(sizeof(T)),
+                "the mask tile fits query-tile buffer 1");
   static_assert(!kFusedDq || (kDqAccumRowAlign % BQ == 0 &&
                               Sh::kDqFrags * NSG == QF * (D / 8) &&
                               (D / 8) % Sh::kDqFrags == 0), "fused dQ tile shape");
@@ -635,8 +664,13 @@ inline void dkdv_run(
   threadgroup T* const v_s = tg_t + Sh::kKElems;
   threadgroup T* const ds_s = v_s + Sh::kVElems;        // fused: dS, [BQ][LDS]
   threadgroup T* const tile_s = ds_s + Sh::kDsElems;    // NBUF x (Q, dO) [BQ][LD]
+  // The staged mask tile [BQ][LDM] (has_mask): after buffer 0, i.e. buffer
+  // 1's space, or its own space with one buffer. Its rows start 16-byte
+  // aligned (every array before it is a multiple of 16 bytes).
+  threadgroup MaskT* const mask_s = (threadgroup MaskT*)(tile_s + kTileElems);
   threadgroup float* const tile_f = tg_f;               // NBUF x (L * log2e, Delta)
   threadgroup float* const ex_s = tg_f + NBUF * kTileFloats;  // partial scores
+  threadgroup int* const tile_i = tg_i;                  // NBUF x the rows' segment ids
   threadgroup T* const k_stage = kKInTg ? k_s : tile_s;
   threadgroup T* const v_stage = kVInTg ? v_s : (kKInTg ? tile_s : tile_s + BKV * LD);
   static_assert(kKInTg || NBUF * kTileElems >= 2 * BKV * LD, "K and V pass the tile buffers");
@@ -721,40 +755,65 @@ inline void dkdv_run(
       k_ids = segment_range_wide<(BKV + 31) / 32>(ctx0.kv_seg, kt0, min(BKV, kl - kt0), simd_lid);
       narrow_to_segments(ctx0.q_seg, k_ids, BQ, params->ql, &q_first, &q_stop, simd_lid);
     }
+    int my_key_id = 0;  // the segment id of this lane's key (registers, once per key tile)
+    if (fcs.segments && q_first < q_stop && my_key < kl) my_key_id = ctx0.kv_seg[my_key];
     const int n_tiles = q_stop > q_first ? (q_stop - q_first + BQ - 1) / BQ : 0;
     const int n_items = n_tiles * gqa;  // (head, tile) pairs, head-major
 
+    // With a mask, each item's BQ x BKV mask tile is fetched with its Q and
+    // dO tile (coalesced vectors along the keys) and staged in mask_s, where
+    // the scores read it; the tile buffers no longer take turns then, as
+    // buffer 1's space (if any) holds the mask tile.
+    const bool one_buf = NBUF == 1 || fcs.mask;  // uniform (a function constant)
     DkdvTileRun<T, NV> run;
+    MaskTileRegs<MaskT, BQ, BKV, NT> run_mask;  // the next item's mask tile
     if (n_items > 0) {
-      dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa, q_first,
-                                        tid_tg, !fcs.align_q);
-      dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+      dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, ctx0.q_seg, params, b,
+                                        h_kv * gqa, q_first, tid_tg, !fcs.align_q,
+                                        fcs.segments);
+      if (fcs.mask) {
+        ScoreCtx<MaskT, kBoolMask> mc = ctx0;
+        score_ctx_set_head(mc, mask_params, b, h_kv * gqa);
+        mask_tile_fetch<MaskT, kBoolMask, BQ, BKV, NT>(run_mask, mc, q_first, kt0, tid_tg);
+      }
+      dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tile_i, tid_tg,
+                                            fcs.segments);
+      mask_tile_put<MaskT, kBoolMask, BQ, BKV, LDM, NT>(mask_s, run_mask, ctx0, tid_tg);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     for (int it = 0; it < n_items; ++it) {
       const int g = it / n_tiles;
-      const int h = h_kv * gqa + g;
       const int q0 = q_first + (it - g * n_tiles) * BQ;
-      const int buf = NBUF == 2 ? (it & 1) : 0;
+      const int buf = one_buf ? 0 : (it & 1);
       const threadgroup T* Qs = tile_s + buf * kTileElems;
       const threadgroup T* dOs = Qs + BQ * LD;
       const threadgroup float* Ls = tile_f + buf * kTileFloats;
       const threadgroup float* Dls = Ls + BQ;
+      const threadgroup int* Qids = tile_i + buf * BQ;
 
       // The next tile's loads are issued now and land in registers while
       // this tile's products run.
       const bool has_next = it + 1 < n_items;
       if (has_next) {
         const int gn = (it + 1) / n_tiles;
-        dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, params, b, h_kv * gqa + gn,
-                                          q_first + (it + 1 - gn * n_tiles) * BQ, tid_tg,
-                                          !fcs.align_q);
+        const int qn = q_first + (it + 1 - gn * n_tiles) * BQ;
+        dkdv_fetch_tile<T, D, BQ, NV, NT>(run, Q, dO, L, Delta, ctx0.q_seg, params, b,
+                                          h_kv * gqa + gn, qn, tid_tg, !fcs.align_q,
+                                          fcs.segments);
+        if (fcs.mask) {
+          ScoreCtx<MaskT, kBoolMask> mc = ctx0;
+          score_ctx_set_head(mc, mask_params, b, h_kv * gqa + gn);
+          mask_tile_fetch<MaskT, kBoolMask, BQ, BKV, NT>(run_mask, mc, qn, kt0, tid_tg);
+        }
       }
 
-      const bool meets =
-          !fcs.segments || ranges_meet(k_ids, segment_range(ctx0.q_seg, q0,
-                                                            min(BQ, params->ql - q0), simd_lid));
+      // The query rows' segment ids are staged with the tile (Qids).
+      bool meets = true;
+      if (fcs.segments) {
+        meets = ranges_meet(k_ids,
+                            segment_range_of(Qids[int(simd_lid) % min(BQ, params->ql - q0)]));
+      }
       bool blk_active[KS];
       bool any_active = false;
 #pragma clang loop unroll(full)
@@ -830,17 +889,19 @@ inline void dkdv_run(
       tfrag_t Pt[QF];   // P^T in the input dtype
       tfrag_t dSt[QF];  // dS^T in the input dtype
       if (active) {
-        const ScoreCtx<MaskT, kBoolMask> ctx = make_score_ctx<MaskT, kBoolMask>(
-            params, mask, mask_params, window, q_lengths, kv_lengths, q_segment_ids,
-            kv_segment_ids, b, h, fcs.mask, fcs.causal, fcs.window, fcs.q_lengths,
-            fcs.kv_lengths, fcs.segments);
+        // The mask and the query ids from the staged tiles, the key's id
+        // from a register (ctx0: visibility does not depend on the head).
+        const threadgroup MaskT* my_mask = mask_s + 8 * ks + fr;  // this lane's key's column
 #pragma clang loop unroll(full)
         for (int qf = 0; qf < QF; ++qf) {
 #pragma clang loop unroll(full)
           for (int e = 0; e < 2; ++e) {
             const int ql_idx = qf * 8 + fc + e;
             const float L2 = Ls[ql_idx];
-            const float s = score2(ctx, S[qf].thread_elements()[e], q0 + ql_idx, my_key);
+            int q_id = 0;
+            if (fcs.segments) q_id = Qids[ql_idx];
+            const float s = score2_staged(ctx0, S[qf].thread_elements()[e], q0 + ql_idx, my_key,
+                                          my_mask + ql_idx * LDM, my_key_id, q_id);
             const float p = (s == -INFINITY || L2 == -INFINITY) ? 0.0f : fast::exp2(s - L2);
             Pt[qf].thread_elements()[e] = T(p);
             dSt[qf].thread_elements()[e] = T(p * (dP[qf].thread_elements()[e] - Dls[ql_idx]));
@@ -897,19 +958,22 @@ inline void dkdv_run(
         }
       }
 
-      if constexpr (NBUF == 2) {
+      if (!one_buf) {
         // The other buffer was last read in the previous iteration, before
         // its closing barrier.
         if (has_next) {
           threadgroup T* nq = tile_s + (buf ^ 1) * kTileElems;
           dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, nq, nq + BQ * LD,
-                                                tile_f + (buf ^ 1) * kTileFloats, tid_tg);
+                                                tile_f + (buf ^ 1) * kTileFloats,
+                                                tile_i + (buf ^ 1) * BQ, tid_tg, fcs.segments);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
       } else {
         threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the tile
         if (has_next) {
-          dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tid_tg);
+          dkdv_store_tile<T, D, BQ, NV, NT, LD>(run, tile_s, tile_s + BQ * LD, tile_f, tile_i,
+                                                tid_tg, fcs.segments);
+          mask_tile_put<MaskT, kBoolMask, BQ, BKV, LDM, NT>(mask_s, run_mask, ctx0, tid_tg);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
       }
@@ -1009,16 +1073,17 @@ flash_attn_train_bwd_dkdv(
     uint3 tgs [[threadgroups_per_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  typedef DkdvShape<T, D, false> Sh;
+  typedef DkdvShape<T, D, false, int(sizeof(MaskT))> Sh;
   threadgroup T tg_t[Sh::kTElems];
   threadgroup float tg_f[Sh::kFloats];
+  threadgroup int tg_i[Sh::kInts];
   const DkdvNoDq none;
   const DkdvConstants fcs = {align_Q,    align_K,       has_mask,       do_causal,
                              has_window, has_q_lengths, has_kv_lengths, has_segments};
   // One key tile per threadgroup: "split" x of grid-x splits.
   dkdv_run<T, D, MaskT, kBoolMask, false>(
       Q, K, V, params, mask_params, mask, L, window, q_lengths, kv_lengths, q_segment_ids,
-      kv_segment_ids, dO, Delta, dK, dV, none, tg_t, tg_f, fcs, int(tid.x), int(tgs.x), tid,
+      kv_segment_ids, dO, Delta, dK, dV, none, tg_t, tg_f, tg_i, fcs, int(tid.x), int(tgs.x), tid,
       simd_gid, simd_lid);
 }
 
@@ -1046,9 +1111,10 @@ flash_attn_train_bwd_dkdv_dq(
     uint3 tid [[threadgroup_position_in_grid]],
     uint simd_gid [[simdgroup_index_in_threadgroup]],
     uint simd_lid [[thread_index_in_simdgroup]]) {
-  typedef DkdvShape<T, D, true> Sh;
+  typedef DkdvShape<T, D, true, int(sizeof(MaskT))> Sh;
   threadgroup T tg_t[Sh::kTElems];
   threadgroup float tg_f[Sh::kFloats];
+  threadgroup int tg_i[Sh::kInts];
   const int split = int(tid.x);
   const int rows = accum->rows;
   DkdvDqAccum dq;
@@ -1061,7 +1127,7 @@ flash_attn_train_bwd_dkdv_dq(
                              has_window, has_q_lengths, has_kv_lengths, has_segments};
   dkdv_run<T, D, MaskT, kBoolMask, true>(
       Q, K, V, params, mask_params, mask, L, window, q_lengths, kv_lengths, q_segment_ids,
-      kv_segment_ids, dO, Delta, dK, dV, dq, tg_t, tg_f, fcs, split, accum->nsplit, tid,
+      kv_segment_ids, dO, Delta, dK, dV, dq, tg_t, tg_f, tg_i, fcs, split, accum->nsplit, tid,
       simd_gid, simd_lid);
 }
 

@@ -1,8 +1,8 @@
 """Every instruction-set variant of the CPU kernels gives the same results.
 
-The kernels are compiled once per ISA (baseline, avx2, avx512, and the bf16
+The kernels are compiled once per ISA (baseline, avx2, avx512, the bf16
 pair path: avx512_bf16 on vdpbf16ps, avx2_bf16_emulated with that instruction
-emulated) and chosen at run time; CI's machine would otherwise only ever
+emulated, and avx512_amx with the bf16 forward on AMX tiles) and chosen at run time; CI's machine would otherwise only ever
 exercise the best one. Each variant is forced through JAX_FATRAIN_CPU_ISA in a
 fresh process (the choice is made once per process) and checked against
 jax.nn on a few cases.
@@ -42,7 +42,8 @@ cases = [
          dtype=jnp.bfloat16, mask_shape=(1, 1, "T", "S"), fully_masked_row=True),
 ]
 # With an output path: only one bf16 and one f32 problem's values and
-# gradients, saved for comparing variants; else the cases against jax.nn.
+# gradients, and the bf16 backward alone from a forward that XLA computed,
+# saved for comparing variants; else the cases against jax.nn.
 if len(sys.argv) == 2:
     for case in cases:
         x = make_inputs(case, seed=0)
@@ -54,6 +55,15 @@ else:
         x = make_inputs(case, seed=1)
         for i, r in enumerate(jax.tree.leaves(results(case, x, "cpu"))):
             saved[f"{name}_{i}"] = np.asarray(r, np.float32)
+    rng = np.random.default_rng(2)
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                   for shape in ((1, 4, 100, 64), (1, 2, 90, 64), (1, 2, 90, 64), (1, 4, 100, 64)))
+    o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=0.125, causal=True,
+                                              implementation="xla")
+    grads = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, scale=0.125, causal=True,
+                                             implementation="cpu")
+    for i, r in enumerate(grads):
+        saved[f"bwd_bf16_{i}"] = np.asarray(r, np.float32)
     np.savez(sys.argv[2], **saved)
 print("ok", want_isa)
 """
@@ -79,7 +89,9 @@ def _supported(isa: str) -> bool:
   avx2 = {"avx2", "fma", "f16c"}
   avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
   needs = {"avx2": avx2, "avx2_bf16_emulated": avx2, "avx512": avx512,
-           "avx512_bf16": avx512 | {"avx512_bf16"}}
+           "avx512_bf16": avx512 | {"avx512_bf16"},
+           # Linux lists the AMX flags only where it supports the tile state.
+           "avx512_amx": avx512 | {"amx_tile", "amx_bf16"}}
   return needs[isa] <= flags
 
 
@@ -112,7 +124,7 @@ def _run(isa: str, cache, *extra: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx2_bf16_emulated", "avx512",
-                                 "avx512_bf16"])
+                                 "avx512_bf16", "avx512_amx"])
 def test_forced_isa_matches_reference(isa, compilation_cache):
   _run(isa, compilation_cache)
 
@@ -129,3 +141,17 @@ def test_bf16_pair_path(isa, f32_variant, tmp_path, compilation_cache):
     if key.startswith("f32"):
       np.testing.assert_array_equal(pairs[key], f32[key], err_msg=key)
   assert any(not np.array_equal(pairs[k], f32[k]) for k in f32.files if k.startswith("bf16"))
+
+
+# The AMX variant must really run its bf16 forward on the tiles: its bf16
+# outputs differ from avx512's (P is rounded to bf16 before Oᵀ += Vᵀ Pᵀ), while
+# its float32 problems and its bf16 backward given the same forward are the
+# avx512 kernels' own, bit for bit.
+def test_amx_forward(tmp_path, compilation_cache):
+  _run("avx512_amx", compilation_cache, str(tmp_path / "amx.npz"))
+  _run("avx512", compilation_cache, str(tmp_path / "avx512.npz"))
+  amx, avx512 = np.load(tmp_path / "amx.npz"), np.load(tmp_path / "avx512.npz")
+  for key in avx512.files:
+    if key.startswith(("f32", "bwd_")):
+      np.testing.assert_array_equal(amx[key], avx512[key], err_msg=key)
+  assert not np.array_equal(amx["bf16_0"], avx512["bf16_0"])

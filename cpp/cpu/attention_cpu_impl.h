@@ -1,7 +1,7 @@
 // FlashAttention-2 training kernels for the CPU: the one implementation that
 // is compiled once per instruction set.
 //
-// Each ISA translation unit (attention_cpu_isa_{baseline,avx2,avx512}.cc)
+// Each ISA translation unit (attention_cpu_isa_{baseline,avx2,avx512,...}.cc)
 // defines FATRAIN_ISA and includes this header once, so everything below lands
 // in the distinct namespace fatrain::cpu::<isa>. All helpers live in an
 // anonymous namespace (internal linkage), and the code uses no standard
@@ -62,7 +62,9 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   s.fail = 0;
   s.words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
   void* handle = nullptr;
-  const int64_t packsz = g.B * g.KH * g.Sp * g.Dr;  // K's and V's space each (see FwdState)
+  // K's and V's space each (see FwdState; the AMX packs' rows may be wider).
+  const int64_t packsz =
+      g.B * g.KH * g.Sp * (kAmx && s.words ? imax(g.Dr, fwd_amx_dim(g)) : g.Dr);
   int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
   float* base = scratch_take(2 * carve_size(packsz) + carve_size(segsz), &handle);
   const char* err = nullptr;

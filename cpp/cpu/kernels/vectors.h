@@ -135,6 +135,15 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
+// FATRAIN_AMX (the avx512_amx TU, which also has FATRAIN_BF16_DOT = 1): the
+// bf16 pair forward multiplies on AMX tiles instead (tile_products.h: the
+// pair words are AMX's operand layout).
+#if defined(FATRAIN_AMX)
+constexpr bool kAmx = true;
+#else
+constexpr bool kAmx = false;
+#endif
+
 template <class Pk>
 struct Lanes;
 

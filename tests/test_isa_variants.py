@@ -42,8 +42,8 @@ cases = [
          dtype=jnp.bfloat16, mask_shape=(1, 1, "T", "S"), fully_masked_row=True),
 ]
 # With an output path: only one bf16 and one f32 problem's values and
-# gradients, and the bf16 backward alone from a forward that XLA computed,
-# saved for comparing variants; else the cases against jax.nn.
+# gradients, and bf16 backwards alone (head dims 64 and 40) from a forward that
+# XLA computed, saved for comparing variants; else the cases against jax.nn.
 if len(sys.argv) == 2:
     for case in cases:
         x = make_inputs(case, seed=0)
@@ -56,14 +56,15 @@ else:
         for i, r in enumerate(jax.tree.leaves(results(case, x, "cpu"))):
             saved[f"{name}_{i}"] = np.asarray(r, np.float32)
     rng = np.random.default_rng(2)
-    q, k, v, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-                   for shape in ((1, 4, 100, 64), (1, 2, 90, 64), (1, 2, 90, 64), (1, 4, 100, 64)))
-    o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=0.125, causal=True,
-                                              implementation="xla")
-    grads = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, scale=0.125, causal=True,
-                                             implementation="cpu")
-    for i, r in enumerate(grads):
-        saved[f"bwd_bf16_{i}"] = np.asarray(r, np.float32)
+    for d in (64, 40):
+        q, k, v, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                       for shape in ((1, 4, 100, d), (1, 2, 90, d), (1, 2, 90, d), (1, 4, 100, d)))
+        o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=0.125, causal=True,
+                                                  implementation="xla")
+        grads = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, scale=0.125, causal=True,
+                                                 implementation="cpu")
+        for i, r in enumerate(grads):
+            saved[f"bwd{d}_bf16_{i}"] = np.asarray(r, np.float32)
     np.savez(sys.argv[2], **saved)
 print("ok", want_isa)
 """
@@ -143,15 +144,18 @@ def test_bf16_pair_path(isa, f32_variant, tmp_path, compilation_cache):
   assert any(not np.array_equal(pairs[k], f32[k]) for k in f32.files if k.startswith("bf16"))
 
 
-# The AMX variant must really run its bf16 forward on the tiles: its bf16
-# outputs differ from avx512's (P is rounded to bf16 before Oᵀ += Vᵀ Pᵀ), while
-# its float32 problems and its bf16 backward given the same forward are the
-# avx512 kernels' own, bit for bit.
-def test_amx_forward(tmp_path, compilation_cache):
+# The AMX variant must really run bf16 on the tiles: its bf16 forward outputs
+# and its bf16 backward at a head dim of whole AMX steps (64) differ from
+# avx512's (P and dS are rounded to bf16 before their products), while its
+# float32 problems and its bf16 backward at D = 40 are the avx512 kernels' own,
+# bit for bit.
+def test_amx_path(tmp_path, compilation_cache):
   _run("avx512_amx", compilation_cache, str(tmp_path / "amx.npz"))
   _run("avx512", compilation_cache, str(tmp_path / "avx512.npz"))
   amx, avx512 = np.load(tmp_path / "amx.npz"), np.load(tmp_path / "avx512.npz")
   for key in avx512.files:
-    if key.startswith(("f32", "bwd_")):
+    if key.startswith(("f32", "bwd40_")):
       np.testing.assert_array_equal(amx[key], avx512[key], err_msg=key)
   assert not np.array_equal(amx["bf16_0"], avx512["bf16_0"])
+  for i in range(3):
+    assert not np.array_equal(amx[f"bwd64_bf16_{i}"], avx512[f"bwd64_bf16_{i}"]), i

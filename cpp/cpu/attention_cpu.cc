@@ -304,7 +304,8 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   if (const char* e = check_operands(op, {})) return e;
   const ParallelFor pf = usable(parallel);
 #if defined(__x86_64__)
-  // avx512_amx: bf16 forwards on AMX tiles; all else runs the avx512 kernels.
+  // avx512_amx: bf16 forwards on AMX tiles; all else runs the avx512 kernels
+  // (the backward: see attention_backward).
   if (current_isa() == Isa::kAvx512Amx && op.q.dtype == DType::kBF16)
     return avx512_amx::attention_forward(problem, op, pf, true);
 #endif
@@ -319,6 +320,13 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
     return e;
   }
   const ParallelFor pf = usable(parallel);
+#if defined(__x86_64__)
+  // avx512_amx: bf16 backwards on AMX tiles where the head dim is whole AMX
+  // steps (32 bf16; kernels/backward.h); all else runs the avx512 kernels.
+  if (current_isa() == Isa::kAvx512Amx && op.q.dtype == DType::kBF16 &&
+      problem.head_dim % 32 == 0)
+    return avx512_amx::attention_backward(problem, op, pf, true);
+#endif
   FATRAIN_DISPATCH(attention_backward, problem, op, pf, bf16_dot(current_isa()))
 }
 

@@ -47,6 +47,7 @@ namespace fatrain::cpu {
                                   const ParallelFor&);                                     \
   double fma_loop(int64_t iters);                                                          \
   double bf16_dot_loop(int64_t iters);                                                     \
+  double amx_loop(int64_t iters);                                                          \
   const char* vector_isa();                                                                \
   }
 FATRAIN_DECLARE_ISA(baseline)
@@ -381,6 +382,14 @@ double fma_peak_gflops(int threads, double seconds) {
 double bf16_dot_peak_gflops(int threads, double seconds) {
   if (!bf16_dot(current_isa()) || current_isa() == Isa::kAvx2Bf16Emulated) return 0.0;
   return loop_peak_gflops(bf16_dot_loop, threads, seconds);
+}
+
+double amx_bf16_peak_gflops(int threads, double seconds) {
+#if defined(__x86_64__)
+  if (current_isa() == Isa::kAvx512Amx)
+    return loop_peak_gflops(avx512_amx::amx_loop, threads, seconds);
+#endif
+  return 0.0;
 }
 
 }  // namespace fatrain::cpu

@@ -225,6 +225,42 @@ double bf16_dot_loop(int64_t iters) {
 #endif
 }
 
+// Floating-point operations done by `iters` rounds of 4 independent
+// TDPBF16PS (each C tile [16][16] f32 += A [16][32 bf16] . B, 16 x 16 x 32 x 2
+// FLOPs) on tiles that stay in the tile registers: the AMX bf16 peak's loop,
+// like fma_loop. Only the avx512_amx kernels have it; elsewhere it does
+// nothing and returns 0.
+double amx_loop(int64_t iters) {
+#if defined(FATRAIN_AMX)
+  alignas(64) uint16_t ab[16 * 32];
+  for (int i = 0; i < 16 * 32; ++i) ab[i] = 0x3c00;  // bf16 2^-7
+  alignas(64) float c[16 * 16];
+  amx_begin();
+  _tile_loadd(4, ab, 64);
+  _tile_loadd(5, ab, 64);
+  _tile_loadd(6, ab, 64);
+  _tile_loadd(7, ab, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  amx_end();
+  volatile float sink = c[0];
+  (void)sink;
+  return double(iters) * 4 * 16 * 16 * 32 * 2;
+#else
+  (void)iters;
+  return 0.0;
+#endif
+}
+
 // The vector instructions this translation unit was compiled for, from the
 // compiler's own macros (what `baseline` means on a given target).
 const char* vector_isa() {

@@ -130,14 +130,27 @@ def test_forced_isa_matches_reference(isa, compilation_cache):
   _run(isa, compilation_cache)
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, compilation_cache):
+  """saved(isa): the variant's saved results (see SCRIPT), computed once per module,
+  so that the variants compared with avx512 share its run."""
+  paths = {}
+
+  def get(isa: str):
+    if isa not in paths:
+      path = tmp_path_factory.mktemp(isa) / "saved.npz"
+      _run(isa, compilation_cache, str(path))
+      paths[isa] = path
+    return np.load(paths[isa])
+  return get
+
+
 # The pair path must really run: its bf16 results differ from the f32 path's
 # (P and dS are rounded to bf16 before their products), its f32 ones do not.
 @pytest.mark.parametrize("isa,f32_variant", [("avx2_bf16_emulated", "avx2"),
                                              ("avx512_bf16", "avx512")])
-def test_bf16_pair_path(isa, f32_variant, tmp_path, compilation_cache):
-  _run(isa, compilation_cache, str(tmp_path / "pairs.npz"))
-  _run(f32_variant, compilation_cache, str(tmp_path / "f32.npz"))
-  pairs, f32 = np.load(tmp_path / "pairs.npz"), np.load(tmp_path / "f32.npz")
+def test_bf16_pair_path(isa, f32_variant, saved):
+  pairs, f32 = saved(isa), saved(f32_variant)
   for key in f32.files:
     if key.startswith("f32"):
       np.testing.assert_array_equal(pairs[key], f32[key], err_msg=key)
@@ -149,10 +162,8 @@ def test_bf16_pair_path(isa, f32_variant, tmp_path, compilation_cache):
 # avx512's (P and dS are rounded to bf16 before their products), while its
 # float32 problems and its bf16 backward at D = 40 are the avx512 kernels' own,
 # bit for bit.
-def test_amx_path(tmp_path, compilation_cache):
-  _run("avx512_amx", compilation_cache, str(tmp_path / "amx.npz"))
-  _run("avx512", compilation_cache, str(tmp_path / "avx512.npz"))
-  amx, avx512 = np.load(tmp_path / "amx.npz"), np.load(tmp_path / "avx512.npz")
+def test_amx_path(saved):
+  amx, avx512 = saved("avx512_amx"), saved("avx512")
   for key in avx512.files:
     if key.startswith(("f32", "bwd40_")):
       np.testing.assert_array_equal(amx[key], avx512[key], err_msg=key)

@@ -4,17 +4,18 @@
 //
 // ISA choice (made once per process): on x86-64, avx512_amx when the CPU has
 // avx512f+bw+vl+dq, amx_tile and amx_bf16 and the kernel grants this process
-// AMX tile data (the avx512 kernels, with the bf16 forward's products on AMX
-// tiles; see amx_permitted), else avx512_bf16 when the CPU has
+// AMX tile data (the avx512 kernels, with bf16 products on AMX tiles: the
+// forward, and the backward where the head dim is a multiple of 32; see
+// amx_permitted), else avx512_bf16 when the CPU has
 // avx512f+bw+vl+dq and avx512_bf16 and runs vdpbf16ps at full rate (AMD; see
 // bf16_dot_pays) (the avx512 kernels, with bf16 problems multiplied as bf16
 // pairs by vdpbf16ps), else avx512, else avx2 when it has
 // avx2+fma+f16c, else baseline; other architectures use baseline (NEON on
 // arm64). The environment variable JAX_FATRAIN_CPU_ISA selects a different
 // variant for testing, but only one the CPU supports: baseline, avx2, avx512,
-// avx512_bf16, avx512_amx, or avx2_bf16_emulated (the bf16 pair kernels with the dot
-// product emulated on AVX2, so machines without avx512_bf16 test their data
-// flow; never chosen otherwise). A value naming an unsupported or unknown
+// avx512_bf16, avx512_amx, or avx2_bf16_emulated (the bf16 pair kernels with
+// the dot product emulated on AVX2, so machines without avx512_bf16 test their
+// data flow; never chosen otherwise). A value naming an unsupported or unknown
 // variant is ignored and the detected choice stays.
 #include "attention_cpu.h"
 
@@ -141,8 +142,8 @@ Isa detect_isa() {
   return best;
 }
 
-// Whether the kernels multiply bf16 problems as bf16 pairs (avx512_amx: only
-// in its own forward, see attention_forward).
+// Whether the kernels multiply bf16 problems as bf16 pairs (avx512_amx: in its
+// own bf16 passes, see attention_forward and attention_backward).
 bool bf16_dot(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAvx2Bf16Emulated; }
 
 Isa current_isa() {

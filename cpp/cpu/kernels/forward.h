@@ -28,7 +28,7 @@ struct FwdState {
   // With bf16 pairs (words): K with pairs along D [B*KH][Sp][Dp / 2] and V
   // with pairs along keys [B*KH][Sp / 2][Dr], both in K's space; V's space is
   // the f32 packing scratch. On AMX (kAmx): K [B*KH][Sp][Da / 2] and Vᵀ by key
-  // tile [B*KH][Sp / BK][Da][BK / 2], Da = amx_dim (see fwd_amx_dim).
+  // tile [B*KH][Sp / BK][Da][BK / 2], Da = fwd_amx_dim.
   bool words;
   uint32_t* Kw;
   uint32_t* Vw;

@@ -209,7 +209,7 @@ inline const uint32_t* row_pair_tile<uint32_t>(const float* t, int64_t rows, int
 
 #if defined(FATRAIN_AMX)
 // ---------------------------------------------------------------------------
-// AMX tile products (the bf16 forward of the avx512_amx kernels).
+// AMX tile products (the bf16 passes of the avx512_amx kernels).
 // TDPBF16PS adds to a C tile [16 rows][16 f32] the products of an A tile
 // [16 rows][32 bf16] and a B tile [16 pair rows][16 pair words]:
 // C[m][n] += sum over k of A[m][2k] B[k][n].lo + A[m][2k + 1] B[k][n].hi.
@@ -267,8 +267,8 @@ static inline __attribute__((always_inline)) void amx_store(float* c, int64_t ld
 }
 
 // C[32 mb][32 nb] (ldc floats a row) = A . B over nk steps of 32 bf16: A rows
-// of bf16 pair words (lda words a row), B pair rows (ldb words a row). The
-// score product Sᵀ = K Qᵀ (A: K's rows, B: Qᵀ's pairs along D).
+// of bf16 pair words (lda words a row), B pair rows (ldb words a row): the
+// score products (e.g. Sᵀ = K Qᵀ, A K's rows, B Qᵀ's pairs along D).
 static void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
                      const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
   for (int64_t i = 0; i < mb; ++i)
@@ -283,8 +283,9 @@ static void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int6
     }
 }
 
-// C[32 mb][32 nb] += A . B, as amx_gemm (Oᵀ += Vᵀ Pᵀ: A Vᵀ's rows, keys
-// along them; B Pᵀ's pairs along keys).
+// C[32 mb][32 nb] += A . B, as amx_gemm: the products summed over keys or
+// queries (e.g. Oᵀ += Vᵀ Pᵀ, A Vᵀ's rows with keys along them, B Pᵀ's pairs
+// along keys).
 static void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
                          const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
   for (int64_t i = 0; i < mb; ++i)

@@ -15,6 +15,10 @@ def bf16_dot_peak_gflops(threads: int = 0, seconds: float = 0.2) -> float:
   """This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane;
   0 where the selected kernels do not run it."""
 
+def amx_bf16_peak_gflops(threads: int = 0, seconds: float = 0.2) -> float:
+  """This machine's AMX bf16 tile product (TDPBF16PS) rate in GFLOP/s; 0 where the
+  selected kernels do not run it."""
+
 def tile_visits(reset: bool = False) -> dict[str, int]:
   """Tiles each pass has computed so far ("forward", "backward_dq",
   "backward_dkdv", "bias_grad"); reset=True also sets the counts to zero."""

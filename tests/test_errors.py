@@ -86,7 +86,7 @@ def test_bhld_backward_checks_its_residuals(changes, message):
 
 def test_available_implementations():
   assert set(jax_fatrain.available_implementations()) >= {"cpu", "xla"}
-  assert jax_fatrain.cpu_isa() in ("avx512_bf16", "avx512", "avx2", "baseline",
+  assert jax_fatrain.cpu_isa() in ("avx512_amx", "avx512_bf16", "avx512", "avx2", "baseline",
                                    "avx2_bf16_emulated")
 
 

@@ -1,8 +1,8 @@
 """Every instruction-set variant of the CPU kernels gives the same results.
 
-The kernels are compiled once per ISA (baseline, avx2, avx512, and the bf16
+The kernels are compiled once per ISA (baseline, avx2, avx512, the bf16
 pair path: avx512_bf16 on vdpbf16ps, avx2_bf16_emulated with that instruction
-emulated) and chosen at run time; CI's machine would otherwise only ever
+emulated, and avx512_amx with the bf16 forward on AMX tiles) and chosen at run time; CI's machine would otherwise only ever
 exercise the best one. Each variant is forced through JAX_FATRAIN_CPU_ISA in a
 fresh process (the choice is made once per process) and checked against
 jax.nn on a few cases.
@@ -42,7 +42,8 @@ cases = [
          dtype=jnp.bfloat16, mask_shape=(1, 1, "T", "S"), fully_masked_row=True),
 ]
 # With an output path: only one bf16 and one f32 problem's values and
-# gradients, saved for comparing variants; else the cases against jax.nn.
+# gradients, and bf16 backwards alone (head dims 64 and 40) from a forward that
+# XLA computed, saved for comparing variants; else the cases against jax.nn.
 if len(sys.argv) == 2:
     for case in cases:
         x = make_inputs(case, seed=0)
@@ -54,6 +55,16 @@ else:
         x = make_inputs(case, seed=1)
         for i, r in enumerate(jax.tree.leaves(results(case, x, "cpu"))):
             saved[f"{name}_{i}"] = np.asarray(r, np.float32)
+    rng = np.random.default_rng(2)
+    for d in (64, 40):
+        q, k, v, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                       for shape in ((1, 4, 100, d), (1, 2, 90, d), (1, 2, 90, d), (1, 4, 100, d)))
+        o, lse = jax_fatrain.flash_attn_train_fwd(q, k, v, scale=0.125, causal=True,
+                                                  implementation="xla")
+        grads = jax_fatrain.flash_attn_train_bwd(q, k, v, o, lse, do, scale=0.125, causal=True,
+                                                 implementation="cpu")
+        for i, r in enumerate(grads):
+            saved[f"bwd{d}_bf16_{i}"] = np.asarray(r, np.float32)
     np.savez(sys.argv[2], **saved)
 print("ok", want_isa)
 """
@@ -79,7 +90,9 @@ def _supported(isa: str) -> bool:
   avx2 = {"avx2", "fma", "f16c"}
   avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
   needs = {"avx2": avx2, "avx2_bf16_emulated": avx2, "avx512": avx512,
-           "avx512_bf16": avx512 | {"avx512_bf16"}}
+           "avx512_bf16": avx512 | {"avx512_bf16"},
+           # Linux lists the AMX flags only where it supports the tile state.
+           "avx512_amx": avx512 | {"amx_tile", "amx_bf16"}}
   return needs[isa] <= flags
 
 
@@ -112,20 +125,48 @@ def _run(isa: str, cache, *extra: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx2_bf16_emulated", "avx512",
-                                 "avx512_bf16"])
+                                 "avx512_bf16", "avx512_amx"])
 def test_forced_isa_matches_reference(isa, compilation_cache):
   _run(isa, compilation_cache)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, compilation_cache):
+  """saved(isa): the variant's saved results (see SCRIPT), computed once per module,
+  so that the variants compared with avx512 share its run."""
+  paths = {}
+
+  def get(isa: str):
+    if isa not in paths:
+      path = tmp_path_factory.mktemp(isa) / "saved.npz"
+      _run(isa, compilation_cache, str(path))
+      paths[isa] = path
+    return np.load(paths[isa])
+  return get
 
 
 # The pair path must really run: its bf16 results differ from the f32 path's
 # (P and dS are rounded to bf16 before their products), its f32 ones do not.
 @pytest.mark.parametrize("isa,f32_variant", [("avx2_bf16_emulated", "avx2"),
                                              ("avx512_bf16", "avx512")])
-def test_bf16_pair_path(isa, f32_variant, tmp_path, compilation_cache):
-  _run(isa, compilation_cache, str(tmp_path / "pairs.npz"))
-  _run(f32_variant, compilation_cache, str(tmp_path / "f32.npz"))
-  pairs, f32 = np.load(tmp_path / "pairs.npz"), np.load(tmp_path / "f32.npz")
+def test_bf16_pair_path(isa, f32_variant, saved):
+  pairs, f32 = saved(isa), saved(f32_variant)
   for key in f32.files:
     if key.startswith("f32"):
       np.testing.assert_array_equal(pairs[key], f32[key], err_msg=key)
   assert any(not np.array_equal(pairs[k], f32[k]) for k in f32.files if k.startswith("bf16"))
+
+
+# The AMX variant must really run bf16 on the tiles: its bf16 forward outputs
+# and its bf16 backward at a head dim of whole AMX steps (64) differ from
+# avx512's (P and dS are rounded to bf16 before their products), while its
+# float32 problems and its bf16 backward at D = 40 are the avx512 kernels' own,
+# bit for bit.
+def test_amx_path(saved):
+  amx, avx512 = saved("avx512_amx"), saved("avx512")
+  for key in avx512.files:
+    if key.startswith(("f32", "bwd40_")):
+      np.testing.assert_array_equal(amx[key], avx512[key], err_msg=key)
+  assert not np.array_equal(amx["bf16_0"], avx512["bf16_0"])
+  for i in range(3):
+    assert not np.array_equal(amx[f"bwd64_bf16_{i}"], avx512[f"bwd64_bf16_{i}"]), i

@@ -248,6 +248,27 @@ def test_benchmark_rows_use_their_own_peak():
   assert (peaks["bf16 dot"] is not None) == (jax_fatrain.cpu_isa() == "avx512_bf16")
 
 
+def test_benchmark_amx_rows_use_the_amx_peak():
+  """On AMX (avx512_amx) bfloat16 forwards, and backwards at head dims that are
+  multiples of 32, are compared with the AMX bf16 peak, the other rows with the FMA
+  peak; the extension measures the AMX peak exactly where cpu_isa() is avx512_amx."""
+  import jax_fatrain
+  from jax_fatrain.bench import cpu as bench_cpu
+  cases = [bench_cpu.Case(T=128, D=d, causal=False, dtype=dt, mode=mode)
+           for dt, d, mode in (("float32", 64, "fwd"), ("bfloat16", 64, "fwd+bwd"),
+                               ("bfloat16", 40, "fwd"), ("bfloat16", 40, "fwd+bwd"))]
+  results = {(c, "ours"): bench_cpu.Measurement(seconds=c.flops / 100e9) for c in cases}
+  header, rows = bench_cpu.build_rows(cases, ["ours"], results, False,
+                                      {"f32 FMA": 200.0, "bf16 dot": None, "bf16 AMX": 1000.0})
+  cells = [dict(zip(header, r)) for r in rows]
+  assert [(c["ours % of peak"], c["peak"]) for c in cells] == [
+      ("50%", "f32 FMA"), ("10%", "bf16 AMX"), ("10%", "bf16 AMX"), ("50%", "f32 FMA")]
+  peaks = bench_cpu.measure_peaks()
+  assert (peaks["bf16 AMX"] is not None) == (jax_fatrain.cpu_isa() == "avx512_amx")
+  if peaks["bf16 AMX"] is not None:
+    assert peaks["bf16 AMX"] > peaks["f32 FMA"]
+
+
 def test_benchmark_memory_and_markdown(capsys):
   benchmark, _ = _bench_impls()
   result = benchmark.main([

@@ -2,16 +2,20 @@
 // Compiled with the baseline flags only; the kernels themselves live in
 // attention_cpu_impl.h, compiled once per ISA into fatrain::cpu::<isa>.
 //
-// ISA choice (made once per process): on x86-64, avx512_bf16 when the CPU has
+// ISA choice (made once per process): on x86-64, avx512_amx when the CPU has
+// avx512f+bw+vl+dq, amx_tile and amx_bf16 and the kernel grants this process
+// AMX tile data (the avx512 kernels, with bf16 products on AMX tiles: the
+// forward, and the backward where the head dim is a multiple of 32; see
+// amx_permitted), else avx512_bf16 when the CPU has
 // avx512f+bw+vl+dq and avx512_bf16 and runs vdpbf16ps at full rate (AMD; see
 // bf16_dot_pays) (the avx512 kernels, with bf16 problems multiplied as bf16
 // pairs by vdpbf16ps), else avx512, else avx2 when it has
 // avx2+fma+f16c, else baseline; other architectures use baseline (NEON on
 // arm64). The environment variable JAX_FATRAIN_CPU_ISA selects a different
 // variant for testing, but only one the CPU supports: baseline, avx2, avx512,
-// avx512_bf16, or avx2_bf16_emulated (the bf16 pair kernels with the dot
-// product emulated on AVX2, so machines without avx512_bf16 test their data
-// flow; never chosen otherwise). A value naming an unsupported or unknown
+// avx512_bf16, avx512_amx, or avx2_bf16_emulated (the bf16 pair kernels with
+// the dot product emulated on AVX2, so machines without avx512_bf16 test their
+// data flow; never chosen otherwise). A value naming an unsupported or unknown
 // variant is ignored and the detected choice stays.
 #include "attention_cpu.h"
 
@@ -27,6 +31,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace fatrain::cpu {
 
 #define FATRAIN_DECLARE_ISA(isa)                                                           \
@@ -39,6 +48,7 @@ namespace fatrain::cpu {
                                   const ParallelFor&);                                     \
   double fma_loop(int64_t iters);                                                          \
   double bf16_dot_loop(int64_t iters);                                                     \
+  double amx_loop(int64_t iters);                                                          \
   const char* vector_isa();                                                                \
   }
 FATRAIN_DECLARE_ISA(baseline)
@@ -46,12 +56,13 @@ FATRAIN_DECLARE_ISA(baseline)
 FATRAIN_DECLARE_ISA(avx2)
 FATRAIN_DECLARE_ISA(avx2_bf16_emulated)
 FATRAIN_DECLARE_ISA(avx512)
+FATRAIN_DECLARE_ISA(avx512_amx)
 #endif
 #undef FATRAIN_DECLARE_ISA
 
 namespace {
 
-enum class Isa { kBaseline, kAvx2, kAvx2Bf16Emulated, kAvx512, kAvx512Bf16 };
+enum class Isa { kBaseline, kAvx2, kAvx2Bf16Emulated, kAvx512, kAvx512Bf16, kAvx512Amx };
 
 struct IsaName {
   Isa isa;
@@ -61,7 +72,22 @@ constexpr IsaName kIsaNames[] = {{Isa::kBaseline, "baseline"},
                                  {Isa::kAvx2, "avx2"},
                                  {Isa::kAvx2Bf16Emulated, "avx2_bf16_emulated"},
                                  {Isa::kAvx512, "avx512"},
-                                 {Isa::kAvx512Bf16, "avx512_bf16"}};
+                                 {Isa::kAvx512Bf16, "avx512_bf16"},
+                                 {Isa::kAvx512Amx, "avx512_amx"}};
+
+// Whether this process may use AMX tile data: Linux enables the tile state
+// per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked
+// once per process.
+bool amx_permitted() {
+#if defined(__x86_64__) && defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
 
 bool cpu_supports(Isa isa) {
 #if defined(__x86_64__)
@@ -81,6 +107,9 @@ bool cpu_supports(Isa isa) {
       return avx512;
     case Isa::kAvx512Bf16:
       return avx512 && __builtin_cpu_supports("avx512bf16");
+    case Isa::kAvx512Amx:
+      return avx512 && __builtin_cpu_supports("amx-tile") &&
+             __builtin_cpu_supports("amx-bf16") && amx_permitted();
   }
   return false;
 #else
@@ -104,7 +133,7 @@ bool bf16_dot_pays() {
 
 Isa detect_isa() {
   Isa best = Isa::kBaseline;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16})
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAvx512Amx})
     if (cpu_supports(isa) && (isa != Isa::kAvx512Bf16 || bf16_dot_pays())) best = isa;
   if (const char* env = std::getenv("JAX_FATRAIN_CPU_ISA")) {
     for (const IsaName& n : kIsaNames)
@@ -113,7 +142,8 @@ Isa detect_isa() {
   return best;
 }
 
-// Whether the kernels multiply bf16 problems as bf16 pairs.
+// Whether the kernels multiply bf16 problems as bf16 pairs (avx512_amx: in its
+// own bf16 passes, see attention_forward and attention_backward).
 bool bf16_dot(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAvx2Bf16Emulated; }
 
 Isa current_isa() {
@@ -237,6 +267,7 @@ const char* selected_isa() {
   switch (current_isa()) {                                        \
     case Isa::kAvx512:                                            \
     case Isa::kAvx512Bf16:                                        \
+    case Isa::kAvx512Amx:                                         \
       return avx512::fn(__VA_ARGS__);                             \
     case Isa::kAvx2:                                              \
       return avx2::fn(__VA_ARGS__);                               \
@@ -274,6 +305,12 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   if (const char* e = validate_problem(problem)) return e;
   if (const char* e = check_operands(op, {})) return e;
   const ParallelFor pf = usable(parallel);
+#if defined(__x86_64__)
+  // avx512_amx: bf16 forwards on AMX tiles; all else runs the avx512 kernels
+  // (the backward: see attention_backward).
+  if (current_isa() == Isa::kAvx512Amx && op.q.dtype == DType::kBF16)
+    return avx512_amx::attention_forward(problem, op, pf, true);
+#endif
   FATRAIN_DISPATCH(attention_forward, problem, op, pf, bf16_dot(current_isa()))
 }
 
@@ -285,6 +322,13 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
     return e;
   }
   const ParallelFor pf = usable(parallel);
+#if defined(__x86_64__)
+  // avx512_amx: bf16 backwards on AMX tiles where the head dim is whole AMX
+  // steps (32 bf16; kernels/backward.h); all else runs the avx512 kernels.
+  if (current_isa() == Isa::kAvx512Amx && op.q.dtype == DType::kBF16 &&
+      problem.head_dim % 32 == 0)
+    return avx512_amx::attention_backward(problem, op, pf, true);
+#endif
   FATRAIN_DISPATCH(attention_backward, problem, op, pf, bf16_dot(current_isa()))
 }
 
@@ -339,6 +383,14 @@ double fma_peak_gflops(int threads, double seconds) {
 double bf16_dot_peak_gflops(int threads, double seconds) {
   if (!bf16_dot(current_isa()) || current_isa() == Isa::kAvx2Bf16Emulated) return 0.0;
   return loop_peak_gflops(bf16_dot_loop, threads, seconds);
+}
+
+double amx_bf16_peak_gflops(int threads, double seconds) {
+#if defined(__x86_64__)
+  if (current_isa() == Isa::kAvx512Amx)
+    return loop_peak_gflops(avx512_amx::amx_loop, threads, seconds);
+#endif
+  return 0.0;
 }
 
 }  // namespace fatrain::cpu

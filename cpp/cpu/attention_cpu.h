@@ -56,7 +56,8 @@ const char* attention_bias_grad(const AttentionProblem& problem,
                                 const ParallelFor& parallel);
 
 // The instruction set the kernels were dispatched to on this machine
-// ("avx512", "avx2", "baseline"), for benchmarks and bug reports.
+// ("avx512_amx", "avx512", "avx2", "baseline", ...), for benchmarks and bug
+// reports.
 const char* selected_isa();
 
 // The vector instructions the selected kernels were compiled for: "avx512",
@@ -73,6 +74,11 @@ double fma_peak_gflops(int threads, double seconds);
 // instruction the avx512_bf16 kernels multiply bfloat16 problems with; 0 where
 // the selected kernels do not run it natively.
 double bf16_dot_peak_gflops(int threads, double seconds);
+
+// The same for AMX bf16 tile products (TDPBF16PS), the instruction the
+// avx512_amx kernels multiply bfloat16 problems with; 0 where the selected
+// kernels are not those.
+double amx_bf16_peak_gflops(int threads, double seconds);
 
 // Tile sizes of every pass: query rows and keys per tile.
 constexpr int64_t kTileQ = 64;

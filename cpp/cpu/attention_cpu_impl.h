@@ -1,7 +1,7 @@
 // FlashAttention-2 training kernels for the CPU: the one implementation that
 // is compiled once per instruction set.
 //
-// Each ISA translation unit (attention_cpu_isa_{baseline,avx2,avx512}.cc)
+// Each ISA translation unit (attention_cpu_isa_{baseline,avx2,avx512,...}.cc)
 // defines FATRAIN_ISA and includes this header once, so everything below lands
 // in the distinct namespace fatrain::cpu::<isa>. All helpers live in an
 // anonymous namespace (internal linkage), and the code uses no standard
@@ -62,7 +62,9 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   s.fail = 0;
   s.words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
   void* handle = nullptr;
-  const int64_t packsz = g.B * g.KH * g.Sp * g.Dr;  // K's and V's space each (see FwdState)
+  // K's and V's space each (see FwdState; the AMX packs' rows may be wider).
+  const int64_t packsz =
+      g.B * g.KH * g.Sp * (kAmx && s.words ? imax(g.Dr, fwd_amx_dim(g)) : g.Dr);
   int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
   float* base = scratch_take(2 * carve_size(packsz) + carve_size(segsz), &handle);
   const char* err = nullptr;
@@ -217,6 +219,42 @@ double bf16_dot_loop(int64_t iters) {
   volatile float sink = hsum(r0 + r1 + r2 + r3 + r4 + r5 + r6 + r7 + r8 + r9 + r10 + r11);
   (void)sink;
   return double(iters) * 12 * W * 4;
+#else
+  (void)iters;
+  return 0.0;
+#endif
+}
+
+// Floating-point operations done by `iters` rounds of 4 independent
+// TDPBF16PS (each C tile [16][16] f32 += A [16][32 bf16] . B, 16 x 16 x 32 x 2
+// FLOPs) on tiles that stay in the tile registers: the AMX bf16 peak's loop,
+// like fma_loop. Only the avx512_amx kernels have it; elsewhere it does
+// nothing and returns 0.
+double amx_loop(int64_t iters) {
+#if defined(FATRAIN_AMX)
+  alignas(64) uint16_t ab[16 * 32];
+  for (int i = 0; i < 16 * 32; ++i) ab[i] = 0x3c00;  // bf16 2^-7
+  alignas(64) float c[16 * 16];
+  amx_begin();
+  _tile_loadd(4, ab, 64);
+  _tile_loadd(5, ab, 64);
+  _tile_loadd(6, ab, 64);
+  _tile_loadd(7, ab, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  amx_end();
+  volatile float sink = c[0];
+  (void)sink;
+  return double(iters) * 4 * 16 * 16 * 32 * 2;
 #else
   (void)iters;
   return 0.0;

@@ -187,6 +187,14 @@ NB_MODULE(_cpu_ffi, m) {
         nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
         "This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane; "
         "0 where the selected kernels do not run it.");
+  m.def("amx_bf16_peak_gflops",
+        [](int threads, double seconds) {
+          nb::gil_scoped_release release;
+          return fatrain::cpu::amx_bf16_peak_gflops(threads, seconds);
+        },
+        nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
+        "This machine's AMX bf16 tile product (TDPBF16PS) rate in GFLOP/s; 0 where the "
+        "selected kernels do not run it.");
 
   m.def("tile_visits", [](bool reset) {
     int64_t counts[fatrain::cpu::kTileVisitCounters];

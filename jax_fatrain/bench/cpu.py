@@ -26,10 +26,13 @@ them (XLA's large allocations slow the runs of whatever comes next); with
 The run also measures this machine's float32 FMA peak (a vector FMA loop on every
 core, from the cpu extension) and, where our bfloat16 products run on ``vdpbf16ps``
 (``cpu_isa()`` = ``avx512_bf16``), its bf16 dot-product peak (the same loop on that
-instruction, 4 FLOPs a lane), each before and after the grid (the larger reading
-counts), and reports our share of the peak of the instructions that run each row:
-bfloat16 rows against the bf16 dot-product peak where they run on it, every other
-row against the FMA peak. The full default
+instruction, 4 FLOPs a lane), or where they run on AMX tiles (``avx512_amx``) its
+AMX bf16 peak (a loop of ``TDPBF16PS`` on tiles held in the tile registers), each
+before and after the grid (the larger reading counts), and reports our share of
+the peak of the instructions that run each row: bfloat16 rows against the bf16
+dot-product or AMX peak where they run on it (on AMX: the forward, and the
+backward at head dims that are multiples of 32), every other row against the FMA
+peak. The full default
 grid (72 rows) is long on a small machine: on 2 cores expect 15 minutes or more,
 most of it in the T=4096 rows, where XLA is the slowest (``--xla-max-seq-len 2048``
 skips XLA's cells there; ``--seq-lens``/``--head-dims``/``--dtypes`` narrow the grid).
@@ -453,8 +456,13 @@ def _rel_err(a, b) -> str:
 
 
 def row_peak(case: Case, peaks: dict[str, float | None]) -> tuple[str, float | None]:
-  """The peak our kernels' products can reach on this row: ("bf16 dot", GFLOP/s) for
-  bfloat16 rows where they run on vdpbf16ps, else ("f32 FMA", GFLOP/s)."""
+  """The peak our kernels' products can reach on this row: ("bf16 AMX", GFLOP/s) for
+  bfloat16 rows that run on AMX tiles (the forward; the backward where D is a
+  multiple of 32), ("bf16 dot", GFLOP/s) for bfloat16 rows where they run on
+  vdpbf16ps, else ("f32 FMA", GFLOP/s)."""
+  if (case.dtype == "bfloat16" and peaks.get("bf16 AMX")
+      and (case.mode == "fwd" or case.D % 32 == 0)):
+    return "bf16 AMX", peaks["bf16 AMX"]
   if case.dtype == "bfloat16" and peaks.get("bf16 dot"):
     return "bf16 dot", peaks["bf16 dot"]
   return "f32 FMA", peaks.get("f32 FMA")
@@ -470,7 +478,7 @@ def build_rows(cases: Sequence[Case], impls: Sequence[str],
   header += [f"{i} GFLOP/s" for i in impls]
   if show_peak:
     header.append("ours % of peak")
-    if peaks.get("bf16 dot"):
+    if peaks.get("bf16 dot") or peaks.get("bf16 AMX"):
       header.append("peak")
   others = [i for i in impls if i != "ours"] if "ours" in impls else []
   header += [f"{o}/ours" for o in others]
@@ -488,7 +496,7 @@ def build_rows(cases: Sequence[Case], impls: Sequence[str],
       m = ms["ours"]
       name, peak = row_peak(c, peaks)
       row.append("-" if m is None or m.seconds is None else f"{100 * c.flops / m.seconds / 1e9 / peak:.0f}%")
-      if peaks.get("bf16 dot"):
+      if peaks.get("bf16 dot") or peaks.get("bf16 AMX"):
         row.append(name)
     row += [_fmt_ratio(ms[o], ms["ours"]) for o in others]
     if memory:
@@ -839,7 +847,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         m = results[futures[fut]]
         m.peak_mb, m.mem_error = fut.result()
 
-  peaks = {k: max(filter(None, (v, measure_peaks().get(k))), default=None)
+  peaks_after = measure_peaks()
+  peaks = {k: max(filter(None, (v, peaks_after.get(k))), default=None)
            for k, v in peaks_before.items()}
   print(describe_peaks(peaks))
   peak = peaks["f32 FMA"]
@@ -880,14 +889,17 @@ def _median(ms: list[Measurement]) -> Measurement:
 
 
 def measure_peaks() -> dict[str, float | None]:
-  """{"f32 FMA": GFLOP/s, "bf16 dot": GFLOP/s or None} on all cores, from the cpu
-  extension's loops; the bf16 dot-product peak only where our kernels run vdpbf16ps."""
+  """{"f32 FMA": GFLOP/s, "bf16 dot": GFLOP/s or None, "bf16 AMX": GFLOP/s or None} on
+  all cores, from the cpu extension's loops; the bf16 dot-product peak only where our
+  kernels run vdpbf16ps, the AMX peak only where they run AMX tiles."""
   try:
     from jax_fatrain import _cpu_ffi  # pylint: disable=import-outside-toplevel
   except ImportError:
-    return {"f32 FMA": None, "bf16 dot": None}
+    return {"f32 FMA": None, "bf16 dot": None, "bf16 AMX": None}
   bf16 = float(_cpu_ffi.bf16_dot_peak_gflops(0, 0.3))
-  return {"f32 FMA": float(_cpu_ffi.fma_peak_gflops(0, 0.3)), "bf16 dot": bf16 or None}
+  amx = float(_cpu_ffi.amx_bf16_peak_gflops(0, 0.3))
+  return {"f32 FMA": float(_cpu_ffi.fma_peak_gflops(0, 0.3)), "bf16 dot": bf16 or None,
+          "bf16 AMX": amx or None}
 
 
 def describe_peaks(peaks: dict[str, float | None]) -> str:
@@ -895,7 +907,11 @@ def describe_peaks(peaks: dict[str, float | None]) -> str:
     return "float32 FMA peak: not measured (no cpu extension)"
   text = (f"float32 FMA peak of this machine (a vector FMA loop on every core, the larger of "
           f"two readings, before and after the runs): {peaks['f32 FMA']:.0f} GFLOP/s")
-  if peaks.get("bf16 dot"):
+  if peaks.get("bf16 AMX"):
+    text += (f"; AMX bf16 peak (TDPBF16PS on tiles held in the tile registers): "
+             f"{peaks['bf16 AMX']:.0f} GFLOP/s, what our bfloat16 rows that run on AMX are "
+             "compared with")
+  elif peaks.get("bf16 dot"):
     text += (f"; bf16 dot-product peak (vdpbf16ps, 4 FLOPs a lane): {peaks['bf16 dot']:.0f} "
              "GFLOP/s, what our bfloat16 rows are compared with")
   else:
@@ -928,6 +944,7 @@ def _record(args, env, peaks, cases, impls, samples, results) -> dict:
   return {"command": "python -m jax_fatrain.benchmark " + " ".join(sys.argv[1:]),
           "date": time.strftime("%Y-%m-%d"), "environment": env,
           "fma_peak_gflops": peaks["f32 FMA"], "bf16_dot_peak_gflops": peaks.get("bf16 dot"),
+          "amx_bf16_peak_gflops": peaks.get("bf16 AMX"),
           "impls": list(impls), "rounds": args.rounds, "rows": rows}
 
 

@@ -35,6 +35,10 @@ struct BwdState {
   bool words;
   uint32_t *Qw, *dOw, *QTw, *dOTw, *Qi, *dOi;  // per q head
   uint32_t *Kw, *Vw, *KTw, *VTw, *Ki;          // per kv head
+  // On AMX (kAmx, words, D a multiple of 32): Kᵀ by key tile, keys along the
+  // rows, [B*KH][Sp / BK][Dp][BK / 2]: the A operand of the fused pass's
+  // dQᵀ += Kᵀ dSᵀ.
+  uint32_t* KTa;
   int fail;
 };
 
@@ -120,8 +124,17 @@ static void bwd_pack(BwdState& s, int64_t idx) {
     pack_rows(*s.v, b, h, g.S, g.Sp, D, Dr, V);
     pack_head_forms(s, K, g.Sp, BK, idx, s.Kw, s.KTw, s.Ki, s.KT);
     pack_head_forms(s, V, g.Sp, BK, idx, s.Vw, s.VTw, nullptr, s.VT);
+    if (s.KTa) pack_amx_transposed(K, g.Sp, g.Dp, Dr, g.Dp, BK, s.KTa + idx * g.Sp * g.Dp / 2);
   }
 }
+
+// The backward's AMX products (tile_products.h) compute whole 32 x 32 blocks
+// of C and whole 32-element steps of the summed dimension (D, a multiple of
+// 32 on this path, and 32 * amx_blocks(n) queries or keys): the computed
+// tiles' rows and columns past the real ones are finite (zero padding of the
+// packs, or P = 0), and operands summed over past the real keys are zero, so
+// that both backward forms add exactly the same terms to dQ.
+static inline int64_t amx_blocks(int64_t n) { return (n + 31) / 32; }
 
 // dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
 // (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
@@ -135,8 +148,14 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
   int64_t qh = b * g.N + n, kvh = b * g.KH + n / g.G;
   const int64_t Tq = (qh * g.Tp + i0) * o.lda, Tk = kvh * g.Sp * o.Dk + kt * o.Dk * BK;
-  score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
-  score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
+  if constexpr (kAmx && Lanes<Pk>::kPair == 2) {
+    amx_gemm(amx_blocks(ni), amx_blocks(nc), o.Dk / 16, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
+    amx_gemm(amx_blocks(ni), amx_blocks(nc), o.Dk / 16, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb,
+             BK);
+  } else {
+    score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
+    score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
+  }
   const float* Lb = s.Lb + qh * g.Tp;
   const float* drow = s.Drow + qh * g.Tp;
   const TileScores<true> scores(g, b, n, j0, nj, nc, cls, te, se);
@@ -181,15 +200,30 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
   int64_t te = q_eff(g, b), se = kv_eff(g, b);
   int64_t kt_begin, kt_end, visited = 0;
   key_tile_range(g, b, qt, &kt_begin, &kt_end);
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_begin();
+#endif
   for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
     int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
     ++visited;
     ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
-    acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
-                 o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr);
+    if constexpr (kAmx && kP == 2) {
+      // dS's columns past nj, up to the whole step, are +0 (see amx_blocks).
+      a_tile<Pk>(Sb, ni, BK, nj, dSw);
+      for (int64_t r = 0; r < ni; ++r)
+        for (int64_t w = (nj + 1) / 2; w < 16 * amx_blocks(nj); ++w) dSw[r * BK / 2 + w] = 0;
+      amx_acc_gemm(amx_blocks(ni), Dp / 32, amx_blocks(nj), dSw, BK / 2,
+                   o.Kb + (kvh * g.Sp + j0) / 2 * Dr, Dr, dQ, Dr);
+    } else {
+      acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
+                   o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr);
+    }
   }
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_end();
+#endif
   count_tile_visits(kTileVisitsBackwardDq, visited);
   for (int64_t r = 0; r < ni; ++r)
     store_row(row_ptr_mut(op.dq, b, i0 + r, n), op.dq.dtype, D, dQ + r * Dr, g.scale);
@@ -212,9 +246,17 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
   const float* Lb = s.Lb + qh * g.Tp;
   const float* drow = s.Drow + qh * g.Tp;
   const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
-  score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
-  score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
-                 BQ);
+  if constexpr (kAmx && kP == 2) {
+    amx_gemm(amx_blocks(nj), amx_blocks(ncq), o.Dk / 16, Kh, o.lda,
+             o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
+    amx_gemm(amx_blocks(nj), amx_blocks(ncq), o.Dk / 16, Vh, o.lda,
+             o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt, BQ);
+  } else {
+    score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St,
+                   BQ);
+    score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
+                   BQ);
+  }
   // Plain tiles: the exponentials apply the scale (see TileScores::plain).
   const bool plain = scores.plain() && nj % W == 0;
   const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
@@ -228,10 +270,21 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
       st(dprow + c, p * (ld(dprow + c) - ld(drow + i0 + c)));
     }
   }
-  acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
-               o.dOb + (qh * g.Tp + i0) / kP * Dr, Dr, dV, Dr);
-  acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
-               o.Qb + (qh * g.Tp + i0) / kP * Dr, Dr, dK, Dr);
+  if constexpr (kAmx && kP == 2) {
+    // Pᵀ and dSᵀ over whole 32-query steps: St's and dPt's columns past ncq
+    // hold the padded queries' raw (zero) products, and dO's and Q's rows
+    // there are zero.
+    const int64_t nq = 32 * amx_blocks(ni);
+    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), a_tile<Pk>(St, nj, BQ, nq, Pw), BQ / 2,
+                 o.dOb + (qh * g.Tp + i0) / 2 * Dr, Dr, dV, Dr);
+    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), a_tile<Pk>(dPt, nj, BQ, nq, dSw),
+                 BQ / 2, o.Qb + (qh * g.Tp + i0) / 2 * Dr, Dr, dK, Dr);
+  } else {
+    acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
+                 o.dOb + (qh * g.Tp + i0) / kP * Dr, Dr, dV, Dr);
+    acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
+                 o.Qb + (qh * g.Tp + i0) / kP * Dr, Dr, dK, Dr);
+  }
 }
 
 template <class Pk>
@@ -263,6 +316,9 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
   const Pk* Vh = o.Va + (bk * g.Sp + j0) * o.lda;
   int64_t qt_begin, qt_end, visited = 0;
   query_tile_range(g, b, kt, &qt_begin, &qt_end);
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_begin();
+#endif
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi;
     for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
@@ -274,6 +330,9 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
       dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK, dV);
     }
   }
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_end();
+#endif
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
   for (int64_t r = 0; r < nj; ++r) {
     store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dr, g.scale);
@@ -315,6 +374,13 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   Pk* dSq = dSw + BK * BQ / 2;
   memset(dQ, 0, static_cast<size_t>(g.G * g.Tp * Dr) * 4);
   int64_t te = q_eff(g, b), se = kv_eff(g, b), visited = 0;
+  // On AMX, dQ is kept transposed, dQᵀ [G][ntq][Dp][BQ] in dQ's space, and
+  // accumulates dQᵀ += Kᵀ dSᵀ: the same terms in the same order as pass 1's
+  // dQ += dS K (see amx_blocks), with no transpose of dSᵀ per tile.
+  constexpr bool kAmxDq = kAmx && kP == 2;
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_begin();
+#endif
   for (int64_t kt = 0; kt < g.ntk; ++kt) {
     int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
     const Pk* Kh = o.Ka + (idx * g.Sp + j0) * o.lda;
@@ -331,10 +397,21 @@ static void bwd_fused(BwdState& s, int64_t idx) {
         ++visited;
         dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
                       dV);
-        // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
-        acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
-                        BQ, o.Kb + (idx * g.Sp + j0) / kP * Dr, Dr, dQ + (gi * g.Tp + i0) * Dr,
-                        Dr);
+        if constexpr (kAmxDq) {
+          // dSᵀ's key pairs past nj, up to the whole step, are +0.
+          const int64_t nq = 32 * amx_blocks(ni);
+          row_pair_tile<Pk>(dPt, nj, BQ, nq, dSq);
+          for (int64_t u = (nj + 1) / 2; u < 16 * amx_blocks(nj); ++u)
+            memset(dSq + u * BQ, 0, static_cast<size_t>(nq) * sizeof(Pk));
+          amx_acc_gemm(Dp / 32, amx_blocks(ni), amx_blocks(nj),
+                       s.KTa + (idx * g.Sp + j0) * Dp / 2, BK / 2, dSq, BQ,
+                       dQ + (gi * g.Tp + i0) * Dp, BQ);
+        } else {
+          // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
+          acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
+                          BQ, o.Kb + (idx * g.Sp + j0) / kP * Dr, Dr, dQ + (gi * g.Tp + i0) * Dr,
+                          Dr);
+        }
       }
     }
     for (int64_t r = 0; r < nj; ++r) {
@@ -342,13 +419,24 @@ static void bwd_fused(BwdState& s, int64_t idx) {
       store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dr, 1.0f);
     }
   }
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_end();
+#endif
   // Each tile pair served both the dQ and the dK/dV sums of the two-pass form.
   count_tile_visits(kTileVisitsBackwardDq, visited);
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
+  float row[kMaxHeadDim];
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi;
-    for (int64_t t = 0; t < g.T; ++t)
-      store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, dQ + (gi * g.Tp + t) * Dr, g.scale);
+    for (int64_t t = 0; t < g.T; ++t) {
+      const float* src = dQ + (gi * g.Tp + t) * Dr;
+      if constexpr (kAmxDq) {
+        const float* tile = dQ + (gi * g.Tp + t / BQ * BQ) * Dp + t % BQ;
+        for (int64_t d = 0; d < D; ++d) row[d] = tile[d * BQ];
+        src = row;
+      }
+      store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, src, g.scale);
+    }
   }
   free(buf);
 }
@@ -381,7 +469,7 @@ static const char* backward_common(BwdState& s, const ParallelFor& parallel, boo
   int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
                   carve_size(segsz);
   if (words)
-    total += 4 * carve_size(qwsz) + 2 * carve_size(qtwsz) + 3 * carve_size(kwsz) +
+    total += 4 * carve_size(qwsz) + 2 * carve_size(qtwsz) + (kAmx ? 4 : 3) * carve_size(kwsz) +
              2 * carve_size(ktwsz);
   else
     total += 2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0);
@@ -408,6 +496,7 @@ static const char* backward_common(BwdState& s, const ParallelFor& parallel, boo
     s.Ki = w(kwsz);
     s.KTw = w(ktwsz);
     s.VTw = w(ktwsz);
+    s.KTa = kAmx ? w(kwsz) : nullptr;
   } else {
     s.QT = need_pass2 ? c.take(qtsz) : nullptr;
     s.dOT = need_pass2 ? c.take(qtsz) : nullptr;

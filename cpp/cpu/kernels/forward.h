@@ -27,7 +27,8 @@ struct FwdState {
   float* V;  // [B*KH][Sp][Dr] rows
   // With bf16 pairs (words): K with pairs along D [B*KH][Sp][Dp / 2] and V
   // with pairs along keys [B*KH][Sp / 2][Dr], both in K's space; V's space is
-  // the f32 packing scratch.
+  // the f32 packing scratch. On AMX (kAmx): K [B*KH][Sp][Da / 2] and Vᵀ by key
+  // tile [B*KH][Sp / BK][Da][BK / 2], Da = fwd_amx_dim.
   bool words;
   uint32_t* Kw;
   uint32_t* Vw;
@@ -35,10 +36,34 @@ struct FwdState {
   int fail;
 };
 
+// The head dim as the AMX forward computes it: whole steps of 32 bf16, the
+// padding zero in K, Qᵀ and Vᵀ (and Oᵀ's extra rows stay zero).
+static inline int64_t fwd_amx_dim(const Geo& g) { return round_up(g.D, 32); }
+
+// Rows of a tile's Qᵀ (Pk) and Oᵀ.
+template <class Pk>
+static inline int64_t fwd_qt_rows(const Geo& g) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
+  return kAmx && kP == 2 ? fwd_amx_dim(g) / 2 : (g.D + kP - 1) / kP;
+}
+template <class Pk>
+static inline int64_t fwd_ot_rows(const Geo& g) {
+  return kAmx && Lanes<Pk>::kPair == 2 ? fwd_amx_dim(g) : g.Dp;
+}
+
 static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
   const int64_t head = idx * g.Sp * g.Dr;
+  if (kAmx && s.words) {
+    const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
+    float* rows = s.V + head;
+    pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_amx_rows(rows, g.Sp, g.Dp, g.Dr, Da, s.Kw + hw);
+    pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_amx_transposed(rows, g.Sp, g.Dp, g.Dr, Da, BK, s.Vw + hw);
+    return;
+  }
   if (s.words) {
     float* rows = s.V + head;
     pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, rows);
@@ -51,9 +76,9 @@ static void fwd_pack(FwdState& s, int64_t idx) {
   pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, s.V + head);
 }
 
-// The running state of one query tile: Qᵀ [Dk][BQ] (Pk), Oᵀ [Dp][BQ] and,
-// per query, the running max m, the running sum l, this key tile's rescale
-// factor and the max its exponentials subtract.
+// The running state of one query tile: Qᵀ [fwd_qt_rows][BQ] (Pk), Oᵀ
+// [fwd_ot_rows][BQ] and, per query, the running max m, the running sum l,
+// this key tile's rescale factor and the max its exponentials subtract.
 template <class Pk>
 struct FwdTile {
   int64_t i0, ni, ncq, nqv, kt_begin, kt_end;
@@ -66,7 +91,7 @@ template <class Pk>
 static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>& t) {
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
-  const int64_t D = g.D, Dk = (D + kP - 1) / kP;
+  const int64_t D = g.D, Dk = (D + kP - 1) / kP, Dq = fwd_qt_rows<Pk>(g);
   float row[kMaxHeadDim + 1];
   for (int64_t r = 0; r < BQ; ++r) {
     if (r < t.ni)
@@ -81,7 +106,8 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
         t.QT[p * BQ + r] = bf16_pair(row[2 * p], row[2 * p + 1]);
     }
   }
-  memset(t.OT, 0, static_cast<size_t>(g.Dp * BQ) * 4);
+  if (Dq > Dk) memset(t.QT + Dk * BQ, 0, static_cast<size_t>((Dq - Dk) * BQ) * sizeof(Pk));
+  memset(t.OT, 0, static_cast<size_t>(fwd_ot_rows<Pk>(g) * BQ) * 4);
   for (int64_t r = 0; r < BQ; ++r) {
     t.mrow[r] = -kInf;
     t.lrow[r] = 0.0f;
@@ -108,7 +134,13 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
   int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
   if (cls == 0) return false;
-  score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ);
+  // On AMX: whole 32 x 32 blocks (St's rows past nj are K's zero padding,
+  // its columns past ncq Qᵀ's), the head dim 32 at a time.
+  const int64_t Da = fwd_amx_dim(g), nkb = (nj + 31) / 32, nqb = (ncq + 31) / 32;
+  if constexpr (kAmx && kP == 2)
+    amx_gemm(nkb, nqb, Da / 32, Kh + j0 * Da / 2, Da / 2, t.QT, BQ, St, BQ);
+  else
+    score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ);
   const TileScores<false> scores(g, b, n, t.i0, t.ni, ncq, cls, te, se);
   // Base-2 scores are c s: prep applies c (and masks, bias) a row at a time,
   // or, for plain tiles, the max and the exponentials apply it as they read.
@@ -152,8 +184,16 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
       for (int64_t v = 0; v < nqv; ++v)
         st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
   }
-  acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
-                  row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
+  if constexpr (kAmx && kP == 2) {
+    // Pᵀ's key pairs over whole 32-key steps: the pairs past nj are zero.
+    row_pair_tile<Pk>(St, nj, BQ, nqb * 32, Pw);
+    for (int64_t u = (nj + 1) / 2; u < nkb * 16; ++u)
+      memset(Pw + u * BQ, 0, static_cast<size_t>(nqb * 32) * sizeof(Pk));
+    amx_acc_gemm(Da / 32, nqb, nkb, Vh + kt * Da * BK / 2, BK / 2, Pw, BQ, t.OT, BQ);
+  } else {
+    acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
+                    row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
+  }
   return true;
 }
 
@@ -210,10 +250,10 @@ static void fwd_item(FwdState& s, int64_t idx) {
   int64_t grp = ngroups - 1 - idx % ngroups;
   int64_t b = bn / g.N, n = bn % g.N, kh = n / g.G;
   const int64_t qt0 = grp * s.qtiles, nt = imin(s.qtiles, g.ntq - qt0);
-  const int64_t Dp = g.Dp, Dk = (g.D + kP - 1) / kP;
+  const int64_t Dq = fwd_qt_rows<Pk>(g), Do = fwd_ot_rows<Pk>(g);
   // Per tile: Qᵀ, Oᵀ and four [BQ] rows; shared: Sᵀ [BK][BQ], a bias row
   // [BQ] and Pᵀ pairs [BK / 2][BQ] (bf16).
-  const int64_t per_tile = round_up(Dk * BQ, 16) + Dp * BQ + 4 * BQ;
+  const int64_t per_tile = round_up(Dq * BQ, 16) + Do * BQ + 4 * BQ;
   float* buf = falloc(nt * per_tile + BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
@@ -225,8 +265,8 @@ static void fwd_item(FwdState& s, int64_t idx) {
     FwdTile<Pk>& t = tiles[u];
     float* base = buf + u * per_tile;
     t.QT = reinterpret_cast<Pk*>(base);
-    t.OT = base + round_up(Dk * BQ, 16);
-    t.mrow = t.OT + Dp * BQ;
+    t.OT = base + round_up(Dq * BQ, 16);
+    t.mrow = t.OT + Do * BQ;
     t.lrow = t.mrow + BQ;
     t.alpha = t.lrow + BQ;
     t.mexp = t.alpha + BQ;
@@ -251,15 +291,24 @@ static void fwd_item(FwdState& s, int64_t idx) {
   if constexpr (kP == 1) {
     Kh = s.K + head;
     Vh = s.V + head;
+  } else if constexpr (kAmx) {
+    Kh = s.Kw + (b * g.KH + kh) * g.Sp * fwd_amx_dim(g) / 2;
+    Vh = s.Vw + (b * g.KH + kh) * g.Sp * fwd_amx_dim(g) / 2;
   } else {
     Kh = s.Kw + head / 2;
     Vh = s.Vw + head / 2;
   }
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_begin();
+#endif
   int64_t visited = 0;
   for (int64_t kt = kt_lo; kt < kt_hi; ++kt)
     for (int64_t u = 0; u < nt; ++u)
       if (kt >= tiles[u].kt_begin && kt < tiles[u].kt_end)
         visited += fwd_tile_step<Pk>(s, b, n, kt, Kh, Vh, te, se, tiles[u], St, brow, Pw);
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) amx_end();
+#endif
   count_tile_visits(kTileVisitsForward, visited);
   for (int64_t u = 0; u < nt; ++u) fwd_tile_end<Pk>(s, b, n, tiles[u]);
   free(buf);

@@ -71,5 +71,30 @@ static void pack_pair_interleaved(const float* rows, int64_t Lp, int64_t Dp, int
   }
 }
 
+// The AMX forward's packs (tile_products.h), from f32 row packs [Lp][ld]
+// whose values are bf16, Dp <= Da (the head dim padded to whole 32-element
+// AMX steps): rows of bf16, Da / 2 pair words a row, zero past Dp...
+static void pack_amx_rows(const float* rows, int64_t Lp, int64_t Dp, int64_t ld, int64_t Da,
+                          uint32_t* dst) {
+  for (int64_t t = 0; t < Lp; ++t) {
+    uint32_t* o = dst + t * Da / 2;
+    bf16_row(rows + t * ld, Dp, o);
+    for (int64_t p = Dp / 2; p < Da / 2; ++p) o[p] = 0;
+  }
+}
+// ... and the transpose blocked by tile, keys along the rows: block blk holds
+// bf16 rows[blk*bt + c][d] at element d * bt + c (bt / 2 words a row, Da
+// rows; zero for d >= Dp).
+static void pack_amx_transposed(const float* rows, int64_t Lp, int64_t Dp, int64_t ld,
+                                int64_t Da, int64_t bt, uint32_t* dst) {
+  for (int64_t blk = 0; blk < Lp / bt; ++blk) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(dst + blk * Da * bt / 2);
+    const float* r = rows + blk * bt * ld;
+    for (int64_t d = 0; d < Da; ++d)
+      for (int64_t c = 0; c < bt; ++c)
+        o[d * bt + c] = d < Dp ? static_cast<uint16_t>(bf16_bits(r[c * ld + d])) : 0;
+  }
+}
+
 }  // namespace
 }  // namespace fatrain::cpu::FATRAIN_ISA

@@ -207,5 +207,100 @@ inline const uint32_t* row_pair_tile<uint32_t>(const float* t, int64_t rows, int
   return words;
 }
 
+#if defined(FATRAIN_AMX)
+// ---------------------------------------------------------------------------
+// AMX tile products (the bf16 passes of the avx512_amx kernels).
+// TDPBF16PS adds to a C tile [16 rows][16 f32] the products of an A tile
+// [16 rows][32 bf16] and a B tile [16 pair rows][16 pair words]:
+// C[m][n] += sum over k of A[m][2k] B[k][n].lo + A[m][2k + 1] B[k][n].hi.
+// So A is a row-major tile with the summed dimension contiguous, and B is the
+// bf16 pair words of Lanes<uint32_t> (pairs along the summed dimension, the
+// other one along the row). Every tile here is 16 rows of 64 bytes: tiles 0-3
+// hold a 2 x 2 block of C (32 x 32 f32), 4 and 5 two A tiles (32 rows), 6 and
+// 7 two B tiles (32 columns). The summed dimension advances 32 bf16 (16 pair
+// rows of B) a step, in a fixed order, so results are deterministic.
+// ---------------------------------------------------------------------------
+struct alignas(64) AmxTileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Loads the tile configuration on this thread: at the start of a work item,
+// with amx_end at its end, so that no thread keeps AMX state between items.
+static inline void amx_begin() {
+  AmxTileConfig c;
+  memset(&c, 0, sizeof(c));
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+static inline void amx_end() { _tile_release(); }
+
+// The 2 x 2 C tiles' products over nk steps of 32 bf16: A rows at a (lda
+// bytes apart, the next step 64 bytes on), B pair rows at b (ldb bytes apart,
+// the next step 16 pair rows down).
+static inline __attribute__((always_inline)) void amx_block(int64_t nk, const char* a,
+                                                             int64_t lda, const char* b,
+                                                             int64_t ldb) {
+  for (int64_t k = 0; k < nk; ++k) {
+    _tile_loadd(4, a + k * 64, lda);
+    _tile_loadd(5, a + k * 64 + 16 * lda, lda);
+    _tile_loadd(6, b + k * 16 * ldb, ldb);
+    _tile_loadd(7, b + k * 16 * ldb + 64, ldb);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+static inline __attribute__((always_inline)) void amx_store(float* c, int64_t ldc) {
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  _tile_stored(2, c + 16 * ldc, ldc * 4);
+  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+// C[32 mb][32 nb] (ldc floats a row) = A . B over nk steps of 32 bf16: A rows
+// of bf16 pair words (lda words a row), B pair rows (ldb words a row): the
+// score products (e.g. Sᵀ = K Qᵀ, A K's rows, B Qᵀ's pairs along D).
+static void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
+                     const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = 0; j < nb; ++j) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      amx_block(nk, reinterpret_cast<const char*>(A + 32 * i * lda), lda * 4,
+                reinterpret_cast<const char*>(B + 32 * j), ldb * 4);
+      amx_store(C + 32 * i * ldc + 32 * j, ldc);
+    }
+}
+
+// C[32 mb][32 nb] += A . B, as amx_gemm: the products summed over keys or
+// queries (e.g. Oᵀ += Vᵀ Pᵀ, A Vᵀ's rows with keys along them, B Pᵀ's pairs
+// along keys).
+static void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
+                         const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = 0; j < nb; ++j) {
+      float* c = C + 32 * i * ldc + 32 * j;
+      _tile_loadd(0, c, ldc * 4);
+      _tile_loadd(1, c + 16, ldc * 4);
+      _tile_loadd(2, c + 16 * ldc, ldc * 4);
+      _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+      amx_block(nk, reinterpret_cast<const char*>(A + 32 * i * lda), lda * 4,
+                reinterpret_cast<const char*>(B + 32 * j), ldb * 4);
+      amx_store(c, ldc);
+    }
+}
+#endif  // FATRAIN_AMX
+
 }  // namespace
 }  // namespace fatrain::cpu::FATRAIN_ISA

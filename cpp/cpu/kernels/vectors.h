@@ -135,6 +135,16 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
+// FATRAIN_AMX (the avx512_amx TU, which also has FATRAIN_BF16_DOT = 1): the
+// bf16 pair path's products run on AMX tiles instead (tile_products.h: the
+// pair words are AMX's operand layout); its backward only where the head dim
+// is a multiple of 32 (attention_cpu.cc).
+#if defined(FATRAIN_AMX)
+constexpr bool kAmx = true;
+#else
+constexpr bool kAmx = false;
+#endif
+
 template <class Pk>
 struct Lanes;
 

@@ -30,7 +30,9 @@ if ((x86_64)); then
   "$CXX" "${common[@]}" "${isa_avx2[@]}" -c "$src/attention_cpu_isa_avx2_bf16_emulated.cc" \
     -o "$out/isa_avx2_bf16_emulated.o" &
   "$CXX" "${common[@]}" "${isa_avx512[@]}" -c "$src/attention_cpu_isa_avx512.cc" -o "$out/isa_avx512.o" &
-  objs+=("$out/isa_avx2.o" "$out/isa_avx2_bf16_emulated.o" "$out/isa_avx512.o")
+  "$CXX" "${common[@]}" "${isa_avx512[@]}" -mamx-tile -mamx-bf16 -c "$src/attention_cpu_isa_avx512_amx.cc" \
+    -o "$out/isa_avx512_amx.o" &
+  objs+=("$out/isa_avx2.o" "$out/isa_avx2_bf16_emulated.o" "$out/isa_avx512.o" "$out/isa_avx512_amx.o")
 fi
 "$CXX" "${common[@]}" -c "$here/test_attention_cpu.cc" -o "$out/test_attention_cpu.o" &
 # Wait for each compile by itself, so that one that fails stops the script here.
@@ -56,7 +58,7 @@ fi
 status=0
 # A variant the CPU lacks is ignored by the dispatcher (the best one runs).
 isas=(baseline)
-((x86_64)) && isas=(avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline)
+((x86_64)) && isas=(avx512_amx avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline)
 [[ -n "${FATRAIN_TEST_ISAS:-}" ]] && read -r -a isas <<<"$FATRAIN_TEST_ISAS"
 for isa in "${isas[@]}"; do
   echo "=== JAX_FATRAIN_CPU_ISA=$isa"

@@ -9,7 +9,7 @@
 //   test_attention_cpu bench [threads] [reps] [T] [ROW]
 //                                 time fwd and fwd+bwd at B=1 N=8 T=S=T (2048),
 //                                 D=64/128, causal or not, f32 and bf16, against
-//                                 the machine's FMA and bf16 dot-product peaks
+//                                 the machine's FMA, bf16 dot-product and AMX peaks
 //                                 (ROW, e.g. f32-64-causal: that row only)
 //
 // The cases, the double-precision reference and the comparisons are those of
@@ -142,23 +142,28 @@ static void test_validation() {
 // and 128, causal and not, float32 and bfloat16, and reports GFLOP/s (the
 // FlashAttention convention: forward 4 B N T S D, halved when causal;
 // forward+backward 3.5x that) against this machine's peak for the dtype's
-// products: the float32 FMA peak, or the bf16 dot-product peak where the
-// bfloat16 kernels run vdpbf16ps.
+// products: the float32 FMA peak, or for bfloat16 the bf16 dot-product peak
+// where the kernels run vdpbf16ps and the AMX bf16 peak where they run AMX
+// tiles (avx512_amx; at D = 64 and 128 its forward and backward both do).
 static void bench(int threads, int reps, int64_t T, const char* only) {
   ThreadedFor tf{threads};
   ParallelFor pf = tf.pf();
   const int64_t B = 1, N = 8;
   const double bf16_peak = bf16_dot_peak_gflops(threads, 0.3);
-  const bool bf16_dot = bf16_peak > 0;
+  const double amx_peak = amx_bf16_peak_gflops(threads, 0.3);
+  const bool bf16_dot = bf16_peak > 0, amx = amx_peak > 0;
   std::printf("bench: isa=%s threads=%d B=%lld N=%lld T=S=%lld, best of %d; peaks: f32 FMA %.1f, "
-              "bf16 dot %.1f GFLOP/s (0: the kernels do not run vdpbf16ps); each row against the "
-              "best peak measured between its runs (bf16: the %s peak)\n",
+              "bf16 dot %.1f, AMX bf16 %.1f GFLOP/s (0: the kernels do not run that "
+              "instruction); each row against the best peak measured between its runs (bf16: "
+              "the %s peak)\n",
               selected_isa(), threads, (long long)B, (long long)N, (long long)T, reps,
-              fma_peak_gflops(threads, 0.3), bf16_peak, bf16_dot ? "bf16 dot-product" : "f32 FMA");
+              fma_peak_gflops(threads, 0.3), bf16_peak, amx_peak,
+              amx ? "AMX bf16" : bf16_dot ? "bf16 dot-product" : "f32 FMA");
   std::printf("  %-5s %4s %-6s %10s %8s %6s %10s %8s %6s %8s\n", "dtype", "D", "causal", "fwd ms",
               "GFLOP/s", "%peak", "f+b ms", "GFLOP/s", "%peak", "peak");
   for (DType dt : {DType::kF32, DType::kBF16}) {
     auto measure_peak = [&] {
+      if (dt == DType::kBF16 && amx) return amx_bf16_peak_gflops(threads, 0.1);
       return dt == DType::kBF16 && bf16_dot ? bf16_dot_peak_gflops(threads, 0.1)
                                             : fma_peak_gflops(threads, 0.1);
     };

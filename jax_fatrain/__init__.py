@@ -16,9 +16,11 @@ from jax_fatrain._registry import available_implementations, explain_implementat
 
 
 def cpu_isa() -> str:
-  """The instruction set the CPU kernels use here: "avx512_bf16" (avx512 with
-  bf16 problems multiplied as bf16 pairs; the default where vdpbf16ps runs at
-  full rate, i.e. on AMD), "avx512", "avx2" or "baseline"; or another variant
+  """The instruction set the CPU kernels use here: "avx512_amx" (avx512 with
+  bf16 products on AMX tiles; the default where the CPU has AMX and Linux
+  grants the process its tile state), "avx512_bf16" (avx512 with bf16
+  problems multiplied as bf16 pairs; the default where vdpbf16ps runs at full
+  rate, i.e. on AMD), "avx512", "avx2" or "baseline"; or another variant
   the CPU supports that JAX_FATRAIN_CPU_ISA asks for (avx512_bf16 on Intel,
   the avx2_bf16_emulated test variant)."""
   from jax_fatrain._backends import cpu

@@ -170,3 +170,39 @@ def test_amx_path(saved):
   assert not np.array_equal(amx["bf16_0"], avx512["bf16_0"])
   for i in range(3):
     assert not np.array_equal(amx[f"bwd64_bf16_{i}"], avx512[f"bwd64_bf16_{i}"]), i
+
+
+PERMISSION_SCRIPT = r"""
+import ctypes
+import jax.numpy as jnp
+import jax_fatrain
+
+def amx_permitted():
+  # arch_prctl(ARCH_GET_XCOMP_PERM): the extended states this process may use;
+  # bit 18 is AMX's tile data.
+  bits = ctypes.c_ulong(0)
+  assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(bits)) == 0
+  return bool(bits.value >> 18 & 1)
+
+assert not amx_permitted()
+x = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+jax_fatrain.dot_product_attention(x, x, x, implementation="cpu").block_until_ready()
+print(jax_fatrain.cpu_isa(), amx_permitted())
+"""
+
+
+# Asking for AMX changes the process (docs/cpu.md, "Limits"): the kernels ask
+# only when they choose avx512_amx, never when JAX_FATRAIN_CPU_ISA names
+# another variant.
+@pytest.mark.parametrize("isa", [None, "avx512"])
+def test_amx_permission_is_asked_only_for_avx512_amx(isa):
+  if not (platform.system() == "Linux" and _supported("avx512_amx")):
+    pytest.skip("the CPU has no AMX (or this is not Linux)")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_FATRAIN_CPU_ISA"}
+  if isa:
+    env["JAX_FATRAIN_CPU_ISA"] = isa
+  result = subprocess.run([sys.executable, "-c", PERMISSION_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  want = "avx512 False" if isa else "avx512_amx True"
+  assert result.stdout.split("\n")[-2] == want, result.stdout

@@ -78,7 +78,10 @@ constexpr IsaName kIsaNames[] = {{Isa::kBaseline, "baseline"},
 // Whether this process may use AMX tile data: Linux enables the tile state
 // per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked
-// once per process.
+// once per process. Linux refuses the request while any thread has an
+// alternate signal stack too small for the tile state (then the next variant
+// runs), and once it is granted refuses such stacks (sigaltstack fails with
+// ENOMEM below the AT_MINSIGSTKSZ the kernel reports, about 12 KB).
 bool amx_permitted() {
 #if defined(__x86_64__) && defined(__linux__)
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -131,14 +134,17 @@ bool bf16_dot_pays() {
 #endif
 }
 
+// A variant named by JAX_FATRAIN_CPU_ISA is taken before any other is
+// probed, so that naming one other than avx512_amx never asks for the AMX
+// permission (which changes the process: see amx_permitted).
 Isa detect_isa() {
+  if (const char* env = std::getenv("JAX_FATRAIN_CPU_ISA")) {
+    for (const IsaName& n : kIsaNames)
+      if (std::strcmp(env, n.name) == 0 && cpu_supports(n.isa)) return n.isa;
+  }
   Isa best = Isa::kBaseline;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAvx512Amx})
     if (cpu_supports(isa) && (isa != Isa::kAvx512Bf16 || bf16_dot_pays())) best = isa;
-  if (const char* env = std::getenv("JAX_FATRAIN_CPU_ISA")) {
-    for (const IsaName& n : kIsaNames)
-      if (std::strcmp(env, n.name) == 0 && cpu_supports(n.isa)) best = n.isa;
-  }
   return best;
 }
 

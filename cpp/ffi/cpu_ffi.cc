@@ -130,6 +130,18 @@ ffi::Error BiasGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
       fatrain::cpu::attention_bias_grad(in.problem, ops, MakeParallelFor(pool)));
 }
 
+// A peak-rate loop of the CPU kernels as a Python function
+// f(threads=0, seconds=0.2), the GIL released while it runs.
+template <double (*Peak)(int, double)>
+void def_peak(nb::module_& m, const char* name, const char* doc) {
+  m.def(name,
+        [](int threads, double seconds) {
+          nb::gil_scoped_release release;
+          return Peak(threads, seconds);
+        },
+        nb::arg("threads") = 0, nb::arg("seconds") = 0.2, doc);
+}
+
 }  // namespace
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(Attributes, FATRAIN_ATTRIBUTE_MEMBERS);
@@ -172,29 +184,17 @@ NB_MODULE(_cpu_ffi, m) {
   });
   m.def("selected_isa", []() { return std::string(fatrain::cpu::selected_isa()); },
         "The instruction set the CPU kernels dispatch to on this machine.");
-  m.def("fma_peak_gflops",
-        [](int threads, double seconds) {
-          nb::gil_scoped_release release;
-          return fatrain::cpu::fma_peak_gflops(threads, seconds);
-        },
-        nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
-        "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all).");
-  m.def("bf16_dot_peak_gflops",
-        [](int threads, double seconds) {
-          nb::gil_scoped_release release;
-          return fatrain::cpu::bf16_dot_peak_gflops(threads, seconds);
-        },
-        nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
-        "This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane; "
-        "0 where the selected kernels do not run it.");
-  m.def("amx_bf16_peak_gflops",
-        [](int threads, double seconds) {
-          nb::gil_scoped_release release;
-          return fatrain::cpu::amx_bf16_peak_gflops(threads, seconds);
-        },
-        nb::arg("threads") = 0, nb::arg("seconds") = 0.2,
-        "This machine's AMX bf16 tile product (TDPBF16PS) rate in GFLOP/s; 0 where the "
-        "selected kernels do not run it.");
+  def_peak<fatrain::cpu::fma_peak_gflops>(
+      m, "fma_peak_gflops",
+      "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all).");
+  def_peak<fatrain::cpu::bf16_dot_peak_gflops>(
+      m, "bf16_dot_peak_gflops",
+      "This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane; "
+      "0 where the selected kernels do not run it.");
+  def_peak<fatrain::cpu::amx_bf16_peak_gflops>(
+      m, "amx_bf16_peak_gflops",
+      "This machine's AMX bf16 tile product (TDPBF16PS) rate in GFLOP/s; 0 where the "
+      "selected kernels do not run it.");
 
   m.def("tile_visits", [](bool reset) {
     int64_t counts[fatrain::cpu::kTileVisitCounters];

@@ -398,13 +398,10 @@ static void bwd_fused(BwdState& s, int64_t idx) {
         dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
                       dV);
         if constexpr (kAmxDq) {
-          // dSᵀ's key pairs past nj, up to the whole step, are +0.
-          const int64_t nq = 32 * amx_blocks(ni);
-          row_pair_tile<Pk>(dPt, nj, BQ, nq, dSq);
-          for (int64_t u = (nj + 1) / 2; u < 16 * amx_blocks(nj); ++u)
-            memset(dSq + u * BQ, 0, static_cast<size_t>(nq) * sizeof(Pk));
+          // dSᵀ's key pairs over whole 32-key steps.
           amx_acc_gemm(Dp / 32, amx_blocks(ni), amx_blocks(nj),
-                       s.KTa + (idx * g.Sp + j0) * Dp / 2, BK / 2, dSq, BQ,
+                       s.KTa + (idx * g.Sp + j0) * Dp / 2, BK / 2,
+                       amx_row_pair_tile(dPt, nj, BQ, 32 * amx_blocks(ni), dSq), BQ,
                        dQ + (gi * g.Tp + i0) * Dp, BQ);
         } else {
           // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.

@@ -185,11 +185,9 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
         st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
   }
   if constexpr (kAmx && kP == 2) {
-    // Pᵀ's key pairs over whole 32-key steps: the pairs past nj are zero.
-    row_pair_tile<Pk>(St, nj, BQ, nqb * 32, Pw);
-    for (int64_t u = (nj + 1) / 2; u < nkb * 16; ++u)
-      memset(Pw + u * BQ, 0, static_cast<size_t>(nqb * 32) * sizeof(Pk));
-    amx_acc_gemm(Da / 32, nqb, nkb, Vh + kt * Da * BK / 2, BK / 2, Pw, BQ, t.OT, BQ);
+    // Pᵀ's key pairs over whole 32-key steps.
+    amx_acc_gemm(Da / 32, nqb, nkb, Vh + kt * Da * BK / 2, BK / 2,
+                 amx_row_pair_tile(St, nj, BQ, nqb * 32, Pw), BQ, t.OT, BQ);
   } else {
     acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
                     row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);

@@ -266,39 +266,52 @@ static inline __attribute__((always_inline)) void amx_store(float* c, int64_t ld
   _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-// C[32 mb][32 nb] (ldc floats a row) = A . B over nk steps of 32 bf16: A rows
-// of bf16 pair words (lda words a row), B pair rows (ldb words a row): the
-// score products (e.g. Sᵀ = K Qᵀ, A K's rows, B Qᵀ's pairs along D).
-static void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
-                     const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
-  for (int64_t i = 0; i < mb; ++i)
-    for (int64_t j = 0; j < nb; ++j) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      amx_block(nk, reinterpret_cast<const char*>(A + 32 * i * lda), lda * 4,
-                reinterpret_cast<const char*>(B + 32 * j), ldb * 4);
-      amx_store(C + 32 * i * ldc + 32 * j, ldc);
-    }
-}
-
-// C[32 mb][32 nb] += A . B, as amx_gemm: the products summed over keys or
-// queries (e.g. Oᵀ += Vᵀ Pᵀ, A Vᵀ's rows with keys along them, B Pᵀ's pairs
-// along keys).
-static void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
-                         const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+// C[32 mb][32 nb] (ldc floats a row) = A . B, or += with kAccumulate, over
+// nk steps of 32 bf16: A rows of bf16 pair words (lda words a row), B pair
+// rows (ldb words a row).
+template <bool kAccumulate>
+static void amx_product(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
+                        const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t j = 0; j < nb; ++j) {
       float* c = C + 32 * i * ldc + 32 * j;
-      _tile_loadd(0, c, ldc * 4);
-      _tile_loadd(1, c + 16, ldc * 4);
-      _tile_loadd(2, c + 16 * ldc, ldc * 4);
-      _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+      if constexpr (kAccumulate) {
+        _tile_loadd(0, c, ldc * 4);
+        _tile_loadd(1, c + 16, ldc * 4);
+        _tile_loadd(2, c + 16 * ldc, ldc * 4);
+        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       amx_block(nk, reinterpret_cast<const char*>(A + 32 * i * lda), lda * 4,
                 reinterpret_cast<const char*>(B + 32 * j), ldb * 4);
       amx_store(c, ldc);
     }
+}
+// The score products (e.g. Sᵀ = K Qᵀ: A K's rows, B Qᵀ's pairs along D).
+static inline void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
+                            const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  amx_product<false>(mb, nb, nk, A, lda, B, ldb, C, ldc);
+}
+// The products summed over keys or queries (e.g. Oᵀ += Vᵀ Pᵀ: A Vᵀ's rows
+// with keys along them, B Pᵀ's pairs along keys).
+static inline void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A,
+                                int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                                int64_t ldc) {
+  amx_product<true>(mb, nb, nk, A, lda, B, ldb, C, ldc);
+}
+
+// row_pair_tile as an AMX B operand summed over whole 32-row steps: the pair
+// rows past the tile's, up to the step's end, are +0, so they add nothing.
+static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, int64_t ld,
+                                                int64_t n, uint32_t* words) {
+  row_pair_tile<uint32_t>(t, rows, ld, n, words);
+  for (int64_t u = (rows + 1) / 2; u < 16 * ((rows + 31) / 32); ++u)
+    memset(words + u * ld, 0, static_cast<size_t>(n) * sizeof(uint32_t));
+  return words;
 }
 #endif  // FATRAIN_AMX
 

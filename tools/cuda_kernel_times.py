@@ -47,6 +47,36 @@ def child(args):
     jax.block_until_ready(marker(xm))
 
 
+def summarise(page, problems, kernel_regex, impl):
+  """Lines of the table from ncu's --csv page (rows of "Kernel Name",
+  "Metric Value" in ns, in launch order): the kernels between the second
+  and third, fourth and fifth, ... separator of each problem ([untimed
+  call][marker][timed calls][marker] per problem), per problem and kernel
+  the median in µs, the range and the count. ncu writes values of four or
+  more digits with thousands separators."""
+  rows = list(csv.DictReader(io.StringIO(page)))
+  groups, cur, n_markers = [], [], 0
+  for r in rows:
+    name = r["Kernel Name"]
+    if re.search("cos", name) and not re.search(kernel_regex, name):
+      n_markers += 1
+      if n_markers % 2 == 0:
+        groups.append(cur)
+      cur = []
+      continue
+    cur.append((name, float(r["Metric Value"].replace(",", "")) / 1e3))
+  out = []
+  for spec, g in zip(problems, groups):
+    by = {}
+    for name, us in g:
+      short = re.sub(r"\(.*", "", name.replace("(anonymous namespace)::", ""))[:60]
+      by.setdefault(short, []).append(us)
+    for short, ts in by.items():
+      out.append(f"{impl:6s} {spec:18s} {short:60s} {statistics.median(ts):9.1f} "
+                 f"({min(ts):.1f}-{max(ts):.1f}) x{len(ts)}")
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("problems", nargs="+", help="D,T,N,K,causal")
@@ -68,26 +98,8 @@ def main():
   if p.returncode != 0 or not lines:
     print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
     return 1
-  rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
-  # Between the markers: [untimed][marker][reps timed][marker] per problem.
-  groups, cur, n_markers = [], [], 0
-  for r in rows:
-    name = r["Kernel Name"]
-    if re.search("cos", name) and not re.search(args.kernel, name):
-      n_markers += 1
-      if n_markers % 2 == 0:
-        groups.append(cur)
-      cur = []
-      continue
-    cur.append((name, float(r["Metric Value"].replace(",", "")) / 1e3))
-  for spec, g in zip(args.problems, groups):
-    by = {}
-    for name, us in g:
-      short = re.sub(r"\(.*", "", name.replace("(anonymous namespace)::", ""))[:60]
-      by.setdefault(short, []).append(us)
-    for short, ts in by.items():
-      print(f"{args.impl:6s} {spec:18s} {short:60s} {statistics.median(ts):9.1f} "
-            f"({min(ts):.1f}-{max(ts):.1f}) x{len(ts)}")
+  for line in summarise("\n".join(lines), args.problems, args.kernel, args.impl):
+    print(line)
   return 0
 
 

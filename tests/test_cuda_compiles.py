@@ -139,6 +139,32 @@ def test_ncu_summary_picks_one_kernel_of_a_page(tmp_path):
     tool.read_rows(str(path), "no_such_kernel")
 
 
+def test_cuda_kernel_times_groups_kernels_by_problem():
+  """tools/cuda_kernel_times.py on an ncu --csv page as it lays one out: per
+  problem an untimed call, a separator (the cosine kernel), the timed calls,
+  a separator; values in ns with thousands separators (the numbers here are
+  made up)."""
+  tool = _tool("cuda_kernel_times")
+  header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+  def row(name, ns):
+    return f'"0","{name}","gpu__time_duration.sum","ns","{ns}"'
+  fwd, bwd, cos = "void fatrain::<unnamed>::fwd_ws_kernel<bf16>(int)", "bwd_ws_kernel(int)", "loop_cosine_fusion"
+  page = "\n".join([
+      header,
+      row(fwd, "9,999,999"), row(bwd, "9,999,999"), row(cos, "1,000"),  # untimed
+      row(fwd, "1,100,000"), row(bwd, "2,000,000"), row(fwd, "1,300,000"), row(bwd, "2,100,000"),
+      row(fwd, "1,200,000"), row(bwd, "2,050,000"), row(cos, "900"),
+      row(fwd, "8,888,888"), row(cos, "1,000"),  # the second problem, untimed
+      row(fwd, "950"), row(cos, "1,000"),
+  ])
+  lines = tool.summarise(page, ["64,4096,32,32,0", "64,1024,32,32,1"], "fwd_ws|bwd_ws", "cuda")
+  assert [line.split()[1] for line in lines] == ["64,4096,32,32,0"] * 2 + ["64,1024,32,32,1"]
+  assert "fatrain::<unnamed>::fwd_ws_kernel<bf16> " in lines[0] and "(int)" not in lines[0]
+  assert lines[0].split()[-3:] == ["1200.0", "(1100.0-1300.0)", "x3"]
+  assert lines[1].split()[-3:] == ["2050.0", "(2000.0-2100.0)", "x3"]
+  assert lines[2].split()[-3:] == ["0.9", "(0.9-0.9)", "x1"]
+
+
 def test_cuda_one_step_runs_a_reference_implementation(capsys):
   """tools/cuda_one_step.py's arguments, with --impl xla (which runs here)."""
   tool = _tool("cuda_one_step")

@@ -304,6 +304,49 @@ static inline void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32
   amx_product<true>(mb, nb, nk, A, lda, B, ldb, C, ldc);
 }
 
+// C[32 mb][32 nb] (ldc floats a row) += the products of nk steps of 32 bf16
+// whose operands lie anywhere: step k's A rows at a[k] (lda words a row) and
+// B pair rows at b[k] (ldb words a row). Each C block is loaded once and
+// stored once for the whole chain.
+static void amx_acc_steps(int64_t mb, int64_t nb, int64_t nk, const uint32_t* const* a,
+                          int64_t lda, const uint32_t* const* b, int64_t ldb, float* C,
+                          int64_t ldc) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = 0; j < nb; ++j) {
+      float* c = C + 32 * i * ldc + 32 * j;
+      _tile_loadd(0, c, ldc * 4);
+      _tile_loadd(1, c + 16, ldc * 4);
+      _tile_loadd(2, c + 16 * ldc, ldc * 4);
+      _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+      for (int64_t k = 0; k < nk; ++k) {
+        const uint32_t* ak = a[k] + 32 * i * lda;
+        const uint32_t* bk = b[k] + 32 * j;
+        _tile_loadd(4, ak, lda * 4);
+        _tile_loadd(5, ak + 16 * lda, lda * 4);
+        _tile_loadd(6, bk, ldb * 4);
+        _tile_loadd(7, bk + 16, ldb * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      amx_store(c, ldc);
+    }
+}
+
+// The pair words (lo[c], hi[c]) of two f32 vectors, rounded to bf16 by
+// vcvtne2ps2bf16: the same bits as bf16_pair except that denormal inputs
+// become zero, which TDPBF16PS makes of denormal operands anyway.
+static inline __attribute__((always_inline)) vu amx_pair_words(vf lo, vf hi) {
+  const __m512i both = reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+  // 16-bit element 2c takes lo[c] (element c), 2c + 1 takes hi[c] (16 + c).
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return reinterpret_cast<vu>(_mm512_permutexvar_epi16(idx, both));
+}
+
 // row_pair_tile as an AMX B operand summed over whole 32-row steps: the pair
 // rows past the tile's, up to the step's end, are +0, so they add nothing.
 static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, int64_t ld,

@@ -86,6 +86,52 @@ struct FwdTile {
   float *OT, *mrow, *lrow, *alpha, *mexp;
 };
 
+// Zeroes tile t's Oᵀ and resets its running max and sum.
+template <class Pk>
+static void fwd_tile_reset(const Geo& g, FwdTile<Pk>& t) {
+  memset(t.OT, 0, static_cast<size_t>(fwd_ot_rows<Pk>(g) * BQ) * 4);
+  for (int64_t r = 0; r < BQ; ++r) {
+    t.mrow[r] = -kInf;
+    t.lrow[r] = 0.0f;
+  }
+}
+
+#if defined(FATRAIN_AMX)
+// fwd_tile_begin for AMX's bf16 Qᵀ when D is even and 16 rows of q are
+// int32-addressable from the first (else false, nothing done): the pair
+// words of a bf16 row are its own bits, NaNs made quiet as bf16_bits does,
+// so word p of rows r0..r0 + 15 is one masked gather (rows past ni and words
+// past D / 2 are zero, as in fwd_tile_begin).
+static bool fwd_amx_load_qt(const FwdState& s, int64_t b, int64_t n, FwdTile<uint32_t>& t) {
+  const Geo& g = s.g;
+  const SeqTensor& q = s.op->q;
+  const int64_t D = g.D, Dq = fwd_qt_rows<uint32_t>(g);
+  if (D % 2 != 0 || q.seq_stride < 0 || 15 * q.seq_stride + D > INT32_MAX) return false;
+  __m512i idx = _mm512_setzero_si512();
+  for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * q.seq_stride);
+  const vu lo_nan = vu{} + 0x7f80u, low = vu{} + 0xffffu;
+  for (int64_t r0 = 0; r0 < BQ; r0 += 16) {
+    const int64_t live = imax(0, imin(16, t.ni - r0));
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+    const char* base = live > 0 ? row_ptr(q, b, t.i0 + r0, n) : nullptr;
+    for (int64_t p = 0; p < D / 2; ++p) {
+      vu w = vu{};
+      if (live > 0)
+        w = reinterpret_cast<vu>(
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, base + 4 * p, 2));
+      const vu lo = w & low, hi = w >> 16;
+      w |= ((lo & 0x7fffu) > lo_nan) & 0x40u;
+      w |= ((hi & 0x7fffu) > lo_nan) & 0x400000u;
+      memcpy(t.QT + p * BQ + r0, &w, sizeof(w));
+    }
+  }
+  if (Dq > D / 2)
+    memset(t.QT + D / 2 * BQ, 0, static_cast<size_t>((Dq - D / 2) * BQ) * sizeof(uint32_t));
+  fwd_tile_reset<uint32_t>(g, t);
+  return true;
+}
+#endif
+
 // Loads query tile t.i0.. of head n transposed into t.QT and resets its state.
 template <class Pk>
 static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>& t) {
@@ -93,6 +139,11 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
   const Geo& g = s.g;
   const int64_t D = g.D, Dk = (D + kP - 1) / kP, Dq = fwd_qt_rows<Pk>(g);
   float row[kMaxHeadDim + 1];
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) {
+    if (fwd_amx_load_qt(s, b, n, t)) return;
+  }
+#endif
   for (int64_t r = 0; r < BQ; ++r) {
     if (r < t.ni)
       load_row(row_ptr(s.op->q, b, t.i0 + r, n), s.op->q.dtype, D, row);
@@ -107,11 +158,7 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
     }
   }
   if (Dq > Dk) memset(t.QT + Dk * BQ, 0, static_cast<size_t>((Dq - Dk) * BQ) * sizeof(Pk));
-  memset(t.OT, 0, static_cast<size_t>(fwd_ot_rows<Pk>(g) * BQ) * 4);
-  for (int64_t r = 0; r < BQ; ++r) {
-    t.mrow[r] = -kInf;
-    t.lrow[r] = 0.0f;
-  }
+  fwd_tile_reset<Pk>(g, t);
 }
 
 // One key tile (rows j0.. of the head's K and V, kt) of one query tile,
@@ -294,6 +341,40 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
 }
 #endif
 
+#if defined(FATRAIN_AMX)
+// fwd_tile_end for AMX's bf16 O (the words path has q's dtype, bf16): 16
+// elements of a row are one gather down Oᵀ's column, then the same products
+// and rounding as store_row's, a vector at a time.
+static void fwd_amx_store_o(const FwdState& s, int64_t b, int64_t n, const FwdTile<uint32_t>& t) {
+  const Geo& g = s.g;
+  const ForwardOperands& op = *s.op;
+  const int64_t D = g.D;
+  float* lse = op.lse + (b * g.N + n) * g.T;
+  __m512i idx = _mm512_setzero_si512();
+  for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * BQ);
+  for (int64_t r = 0; r < t.ni; ++r) {
+    const float l = t.lrow[r];
+    uint16_t* dst = reinterpret_cast<uint16_t*>(row_ptr_mut(op.o, b, t.i0 + r, n));
+    // As in fwd_tile_end: a query saw a key iff its max left -inf or l is NaN.
+    const bool seen = t.mrow[r] != -kInf || l != l;
+    const vf mul = bc(seen ? 1.0f / l : 1.0f);
+    for (int64_t d = 0; d < D; d += 16) {
+      vf o = vf{};
+      if (seen)
+        o = reinterpret_cast<vf>(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, idx,
+                                                          t.OT + d * BQ + r, 4)) *
+            mul;
+      // (Merge-masked forms with a full mask: see vexp2.)
+      const __m256i h = _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff,
+                                                   reinterpret_cast<__m512i>(vbf16_bits(o)));
+      const __mmask16 mask = static_cast<__mmask16>(D - d >= 16 ? 0xffffu : (1u << (D - d)) - 1u);
+      _mm256_mask_storeu_epi16(dst + d, mask, h);
+    }
+    lse[t.i0 + r] = seen ? t.mrow[r] * kLn2 + __builtin_logf(l) : -kInf;
+  }
+}
+#endif
+
 // Writes query tile t's rows of O (Oᵀ transposed back, divided by l) and L.
 template <class Pk>
 static void fwd_tile_end(const FwdState& s, int64_t b, int64_t n, const FwdTile<Pk>& t) {
@@ -302,6 +383,12 @@ static void fwd_tile_end(const FwdState& s, int64_t b, int64_t n, const FwdTile<
   const int64_t D = g.D;
   float* lse = op.lse + (b * g.N + n) * g.T;
   float orow[kMaxHeadDim];
+#if defined(FATRAIN_AMX)
+  if constexpr (Lanes<Pk>::kPair == 2) {
+    fwd_amx_store_o(s, b, n, t);
+    return;
+  }
+#endif
   for (int64_t r = 0; r < t.ni; ++r) {
     float l = t.lrow[r];
     char* dst = row_ptr_mut(op.o, b, t.i0 + r, n);

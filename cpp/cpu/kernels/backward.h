@@ -211,9 +211,7 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
     if constexpr (kAmx && kP == 2) {
       // dS's columns past nj, up to the whole step, are +0 (see amx_blocks).
-      a_tile<Pk>(Sb, ni, BK, nj, dSw);
-      for (int64_t r = 0; r < ni; ++r)
-        for (int64_t w = (nj + 1) / 2; w < 16 * amx_blocks(nj); ++w) dSw[r * BK / 2 + w] = 0;
+      amx_a_tile(Sb, ni, BK, nj, dSw);
       amx_acc_gemm(amx_blocks(ni), Dp / 32, amx_blocks(nj), dSw, BK / 2,
                    o.Kb + (kvh * g.Sp + j0) / 2 * Dr, Dr, dQ, Dr);
     } else {
@@ -275,9 +273,9 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
     // hold the padded queries' raw (zero) products, and dO's and Q's rows
     // there are zero.
     const int64_t nq = 32 * amx_blocks(ni);
-    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), a_tile<Pk>(St, nj, BQ, nq, Pw), BQ / 2,
+    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), amx_a_tile(St, nj, BQ, nq, Pw), BQ / 2,
                  o.dOb + (qh * g.Tp + i0) / 2 * Dr, Dr, dV, Dr);
-    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), a_tile<Pk>(dPt, nj, BQ, nq, dSw),
+    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), amx_a_tile(dPt, nj, BQ, nq, dSw),
                  BQ / 2, o.Qb + (qh * g.Tp + i0) / 2 * Dr, Dr, dK, Dr);
   } else {
     acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,

@@ -347,13 +347,40 @@ static inline __attribute__((always_inline)) vu amx_pair_words(vf lo, vf hi) {
   return reinterpret_cast<vu>(_mm512_permutexvar_epi16(idx, both));
 }
 
+// The AMX products' P and dS operands, rounded by vcvtne2ps2bf16 as
+// amx_pair_words rounds them (one rounding for every AMX operand computed
+// in the kernels, so the backward's two forms round dS alike).
+// a_tile as an AMX A operand: row r's columns [0, n) as pair words (ld / 2
+// words a row), the columns past n up to the whole 32-column step +0.
+static inline const uint32_t* amx_a_tile(const float* t, int64_t rows, int64_t ld, int64_t n,
+                                         uint32_t* words) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; c += 32) {
+      const int64_t left = n - c;
+      const __mmask16 mlo = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
+      const __mmask16 mhi =
+          static_cast<__mmask16>(left >= 32 ? 0xffffu : left <= 16 ? 0u : (1u << (left - 16)) - 1u);
+      const __m512 lo = _mm512_maskz_loadu_ps(mlo, t + r * ld + c);
+      const __m512 hi = _mm512_maskz_loadu_ps(mhi, t + r * ld + c + 16);
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+      memcpy(words + r * ld / 2 + c / 2, &w, sizeof(w));
+    }
+  return words;
+}
 // row_pair_tile as an AMX B operand summed over whole 32-row steps: the pair
 // rows past the tile's, up to the step's end, are +0, so they add nothing.
-static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, int64_t ld,
+static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, int64_t ldt,
                                                 int64_t n, uint32_t* words) {
-  row_pair_tile<uint32_t>(t, rows, ld, n, words);
+  for (int64_t u = 0; u < (rows + 1) / 2; ++u) {
+    const float* lo = t + 2 * u * ldt;
+    const bool has_hi = 2 * u + 1 < rows;
+    for (int64_t c = 0; c < n; c += W) {
+      const vu w = amx_pair_words(ld(lo + c), has_hi ? ld(lo + ldt + c) : vf{});
+      memcpy(words + u * ldt + c, &w, sizeof(w));
+    }
+  }
   for (int64_t u = (rows + 1) / 2; u < 16 * ((rows + 31) / 32); ++u)
-    memset(words + u * ld, 0, static_cast<size_t>(n) * sizeof(uint32_t));
+    memset(words + u * ldt, 0, static_cast<size_t>(n) * sizeof(uint32_t));
   return words;
 }
 #endif  // FATRAIN_AMX

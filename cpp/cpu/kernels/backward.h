@@ -443,16 +443,18 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   // Each tile pair served both the dQ and the dK/dV sums of the two-pass form.
   count_tile_visits(kTileVisitsBackwardDq, visited);
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
-  float row[kMaxHeadDim];
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi;
     for (int64_t t = 0; t < g.T; ++t) {
       const float* src = dQ + (gi * g.Tp + t) * Dr;
+#if defined(FATRAIN_AMX)
       if constexpr (kAmxDq) {
-        const float* tile = dQ + (gi * g.Tp + t / BQ * BQ) * Dp + t % BQ;
-        for (int64_t d = 0; d < D; ++d) row[d] = tile[d * BQ];
-        src = row;
+        // dQ is bf16 like q on this path.
+        amx_store_bf16_column(dQ + (gi * g.Tp + t / BQ * BQ) * Dp + t % BQ, BQ, D, g.scale,
+                              reinterpret_cast<uint16_t*>(row_ptr_mut(op.dq, b, t, n)));
+        continue;
       }
+#endif
       store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, src, g.scale);
     }
   }

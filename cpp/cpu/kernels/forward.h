@@ -342,35 +342,24 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
 #endif
 
 #if defined(FATRAIN_AMX)
-// fwd_tile_end for AMX's bf16 O (the words path has q's dtype, bf16): 16
-// elements of a row are one gather down Oᵀ's column, then the same products
-// and rounding as store_row's, a vector at a time.
+// fwd_tile_end for AMX's bf16 O (the words path has q's dtype, bf16), the
+// rows gathered down Oᵀ's columns (amx_store_bf16_column).
 static void fwd_amx_store_o(const FwdState& s, int64_t b, int64_t n, const FwdTile<uint32_t>& t) {
   const Geo& g = s.g;
   const ForwardOperands& op = *s.op;
   const int64_t D = g.D;
   float* lse = op.lse + (b * g.N + n) * g.T;
-  __m512i idx = _mm512_setzero_si512();
-  for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * BQ);
   for (int64_t r = 0; r < t.ni; ++r) {
     const float l = t.lrow[r];
     uint16_t* dst = reinterpret_cast<uint16_t*>(row_ptr_mut(op.o, b, t.i0 + r, n));
     // As in fwd_tile_end: a query saw a key iff its max left -inf or l is NaN.
-    const bool seen = t.mrow[r] != -kInf || l != l;
-    const vf mul = bc(seen ? 1.0f / l : 1.0f);
-    for (int64_t d = 0; d < D; d += 16) {
-      vf o = vf{};
-      if (seen)
-        o = reinterpret_cast<vf>(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, idx,
-                                                          t.OT + d * BQ + r, 4)) *
-            mul;
-      // (Merge-masked forms with a full mask: see vexp2.)
-      const __m256i h = _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff,
-                                                   reinterpret_cast<__m512i>(vbf16_bits(o)));
-      const __mmask16 mask = static_cast<__mmask16>(D - d >= 16 ? 0xffffu : (1u << (D - d)) - 1u);
-      _mm256_mask_storeu_epi16(dst + d, mask, h);
+    if (t.mrow[r] != -kInf || l != l) {
+      amx_store_bf16_column(t.OT + r, BQ, D, 1.0f / l, dst);
+      lse[t.i0 + r] = t.mrow[r] * kLn2 + __builtin_logf(l);
+    } else {
+      memset(dst, 0, static_cast<size_t>(D) * sizeof(uint16_t));
+      lse[t.i0 + r] = -kInf;
     }
-    lse[t.i0 + r] = seen ? t.mrow[r] * kLn2 + __builtin_logf(l) : -kInf;
   }
 }
 #endif

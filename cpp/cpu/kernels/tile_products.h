@@ -347,6 +347,27 @@ static inline __attribute__((always_inline)) vu amx_pair_words(vf lo, vf hi) {
   return reinterpret_cast<vu>(_mm512_permutexvar_epi16(idx, both));
 }
 
+// Row r of a tile held transposed (its element d at col[d * ldt], d < D
+// rounded up to 16 readable) times mul, written as D bf16 at dst with
+// store_row's rounding: 16 elements a gather. The AMX kernels' outputs O
+// (from Oᵀ) and dQ (from dQᵀ), bf16 like q on their path.
+static inline void amx_store_bf16_column(const float* col, int64_t ldt, int64_t D, float mul,
+                                         uint16_t* dst) {
+  __m512i idx = _mm512_setzero_si512();
+  for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * ldt);
+  const vf vmul = bc(mul);
+  for (int64_t d = 0; d < D; d += 16) {
+    // (Merge-masked forms with a full mask: see vexp2.)
+    const vf o = reinterpret_cast<vf>(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, idx,
+                                                               col + d * ldt, 4)) *
+                 vmul;
+    const __m256i h = _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff,
+                                                 reinterpret_cast<__m512i>(vbf16_bits(o)));
+    const __mmask16 mask = static_cast<__mmask16>(D - d >= 16 ? 0xffffu : (1u << (D - d)) - 1u);
+    _mm256_mask_storeu_epi16(dst + d, mask, h);
+  }
+}
+
 // The AMX products' P and dS operands, rounded by vcvtne2ps2bf16 as
 // amx_pair_words rounds them (one rounding for every AMX operand computed
 // in the kernels, so the backward's two forms round dS alike).

@@ -136,6 +136,9 @@ static void bwd_pack(BwdState& s, int64_t idx) {
 // that both backward forms add exactly the same terms to dQ.
 static inline int64_t amx_blocks(int64_t n) { return (n + 31) / 32; }
 
+// Key tiles per step of the fused pass on AMX (bwd_fused).
+constexpr int64_t kBwdAmxKeyTiles = 4;
+
 // dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
 // (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
 // clobbered. brow: scratch of BK floats.
@@ -211,9 +214,7 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
     if constexpr (kAmx && kP == 2) {
       // dS's columns past nj, up to the whole step, are +0 (see amx_blocks).
-      a_tile<Pk>(Sb, ni, BK, nj, dSw);
-      for (int64_t r = 0; r < ni; ++r)
-        for (int64_t w = (nj + 1) / 2; w < 16 * amx_blocks(nj); ++w) dSw[r * BK / 2 + w] = 0;
+      amx_a_tile(Sb, ni, BK, nj, dSw);
       amx_acc_gemm(amx_blocks(ni), Dp / 32, amx_blocks(nj), dSw, BK / 2,
                    o.Kb + (kvh * g.Sp + j0) / 2 * Dr, Dr, dQ, Dr);
     } else {
@@ -275,9 +276,9 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
     // hold the padded queries' raw (zero) products, and dO's and Q's rows
     // there are zero.
     const int64_t nq = 32 * amx_blocks(ni);
-    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), a_tile<Pk>(St, nj, BQ, nq, Pw), BQ / 2,
+    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), amx_a_tile(St, nj, BQ, nq, Pw), BQ / 2,
                  o.dOb + (qh * g.Tp + i0) / 2 * Dr, Dr, dV, Dr);
-    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), a_tile<Pk>(dPt, nj, BQ, nq, dSw),
+    amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), amx_a_tile(dPt, nj, BQ, nq, dSw),
                  BQ / 2, o.Qb + (qh * g.Tp + i0) / 2 * Dr, Dr, dK, Dr);
   } else {
     acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
@@ -356,16 +357,22 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   const PackView<Pk> o = pack_view<Pk>(s);
   int64_t b = idx / g.KH, kh = idx % g.KH;
   int64_t Dp = g.Dp, Dr = g.Dr, D = g.D;
-  float* buf = falloc(g.G * g.Tp * Dr + 2 * BK * Dr + 2 * BK * BQ + BQ +
+  // On AMX the key tiles go kBwdAmxKeyTiles at a time, each query tile
+  // visiting them all in turn, so that the query side's packs (Qᵀ, dOᵀ, Q
+  // and dO pairs, dQᵀ: megabytes per head, beyond L2) stream once per group
+  // instead of once per key tile. Each sum keeps its order (dQ: key tiles
+  // ascending; dK, dV: query heads, then query tiles), so the results are
+  // bitwise those of one key tile at a time.
+  constexpr int64_t kKG = kAmx && kP == 2 ? kBwdAmxKeyTiles : 1;
+  float* buf = falloc(g.G * g.Tp * Dr + kKG * 2 * BK * Dr + 2 * BK * BQ + BQ +
                       (kP == 1 ? 0 : 3 * BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
   }
   float* dQ = buf;
-  float* dK = dQ + g.G * g.Tp * Dr;
-  float* dV = dK + BK * Dr;
-  float* St = dV + BK * Dr;
+  float* dKV = dQ + g.G * g.Tp * Dr;  // per key tile of the group: dK [BK][Dr], dV [BK][Dr]
+  float* St = dKV + kKG * 2 * BK * Dr;
   float* dPt = St + BK * BQ;
   float* brow = dPt + BK * BQ;
   // Pᵀ and dSᵀ with pairs along queries, dSᵀ with pairs along keys (bf16 only).
@@ -381,39 +388,53 @@ static void bwd_fused(BwdState& s, int64_t idx) {
 #if defined(FATRAIN_AMX)
   if constexpr (kP == 2) amx_begin();
 #endif
-  for (int64_t kt = 0; kt < g.ntk; ++kt) {
-    int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
-    const Pk* Kh = o.Ka + (idx * g.Sp + j0) * o.lda;
-    const Pk* Vh = o.Va + (idx * g.Sp + j0) * o.lda;
-    memset(dK, 0, static_cast<size_t>(2 * BK * Dr) * 4);
-    int64_t qt_begin, qt_end;
-    query_tile_range(g, b, kt, &qt_begin, &qt_end);
+  for (int64_t k0 = 0; k0 < g.ntk; k0 += kKG) {
+    const int64_t k1 = imin(g.ntk, k0 + kKG);
+    memset(dKV, 0, static_cast<size_t>((k1 - k0) * 2 * BK * Dr) * 4);
+    int64_t qt_begin[kKG] = {}, qt_end[kKG] = {}, qt_lo = g.ntq, qt_hi = 0;
+    for (int64_t kt = k0; kt < k1; ++kt) {
+      query_tile_range(g, b, kt, &qt_begin[kt - k0], &qt_end[kt - k0]);
+      qt_lo = imin(qt_lo, qt_begin[kt - k0]);
+      qt_hi = imax(qt_hi, qt_end[kt - k0]);
+    }
     for (int64_t gi = 0; gi < g.G; ++gi) {
       int64_t n = kh * g.G + gi;
-      for (int64_t qt = qt_begin; qt < qt_end; ++qt) {
+      for (int64_t qt = qt_lo; qt < qt_hi; ++qt) {
         int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0), ncq = round_up(ni, W);
-        int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
-        if (cls == 0) continue;
-        ++visited;
-        dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
-                      dV);
-        if constexpr (kAmxDq) {
-          // dSᵀ's key pairs over whole 32-key steps.
-          amx_acc_gemm(Dp / 32, amx_blocks(ni), amx_blocks(nj),
-                       s.KTa + (idx * g.Sp + j0) * Dp / 2, BK / 2,
-                       amx_row_pair_tile(dPt, nj, BQ, 32 * amx_blocks(ni), dSq), BQ,
-                       dQ + (gi * g.Tp + i0) * Dp, BQ);
-        } else {
-          // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
-          acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
-                          BQ, o.Kb + (idx * g.Sp + j0) / kP * Dr, Dr, dQ + (gi * g.Tp + i0) * Dr,
-                          Dr);
+        for (int64_t kt = k0; kt < k1; ++kt) {
+          if (qt < qt_begin[kt - k0] || qt >= qt_end[kt - k0]) continue;
+          int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+          int cls = classify(g, b, i0, ni, j0, nj, nc, ncq, te, se);
+          if (cls == 0) continue;
+          ++visited;
+          const Pk* Kh = o.Ka + (idx * g.Sp + j0) * o.lda;
+          const Pk* Vh = o.Va + (idx * g.Sp + j0) * o.lda;
+          float* dK = dKV + (kt - k0) * 2 * BK * Dr;
+          dkdv_tile<Pk>(s, o, b, n, qt, cls, j0, nj, Kh, Vh, te, se, St, dPt, brow, Pw, dSw, dK,
+                        dK + BK * Dr);
+          if constexpr (kAmxDq) {
+            // dSᵀ's key pairs over whole 32-key steps.
+            amx_acc_gemm(Dp / 32, amx_blocks(ni), amx_blocks(nj),
+                         s.KTa + (idx * g.Sp + j0) * Dp / 2, BK / 2,
+                         amx_row_pair_tile(dPt, nj, BQ, 32 * amx_blocks(ni), dSq), BQ,
+                         dQ + (gi * g.Tp + i0) * Dp, BQ);
+          } else {
+            // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
+            acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
+                            BQ, o.Kb + (idx * g.Sp + j0) / kP * Dr, Dr,
+                            dQ + (gi * g.Tp + i0) * Dr, Dr);
+          }
         }
       }
     }
-    for (int64_t r = 0; r < nj; ++r) {
-      store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dr, g.scale);
-      store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dr, 1.0f);
+    for (int64_t kt = k0; kt < k1; ++kt) {
+      const int64_t j0 = kt * BK, nj = imin(BK, g.S - j0);
+      const float* dK = dKV + (kt - k0) * 2 * BK * Dr;
+      const float* dV = dK + BK * Dr;
+      for (int64_t r = 0; r < nj; ++r) {
+        store_row(row_ptr_mut(op.dk, b, j0 + r, kh), op.dk.dtype, D, dK + r * Dr, g.scale);
+        store_row(row_ptr_mut(op.dv, b, j0 + r, kh), op.dv.dtype, D, dV + r * Dr, 1.0f);
+      }
     }
   }
 #if defined(FATRAIN_AMX)
@@ -422,16 +443,18 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   // Each tile pair served both the dQ and the dK/dV sums of the two-pass form.
   count_tile_visits(kTileVisitsBackwardDq, visited);
   count_tile_visits(kTileVisitsBackwardDkDv, visited);
-  float row[kMaxHeadDim];
   for (int64_t gi = 0; gi < g.G; ++gi) {
     int64_t n = kh * g.G + gi;
     for (int64_t t = 0; t < g.T; ++t) {
       const float* src = dQ + (gi * g.Tp + t) * Dr;
+#if defined(FATRAIN_AMX)
       if constexpr (kAmxDq) {
-        const float* tile = dQ + (gi * g.Tp + t / BQ * BQ) * Dp + t % BQ;
-        for (int64_t d = 0; d < D; ++d) row[d] = tile[d * BQ];
-        src = row;
+        // dQ is bf16 like q on this path.
+        amx_store_bf16_column(dQ + (gi * g.Tp + t / BQ * BQ) * Dp + t % BQ, BQ, D, g.scale,
+                              reinterpret_cast<uint16_t*>(row_ptr_mut(op.dq, b, t, n)));
+        continue;
       }
+#endif
       store_row(row_ptr_mut(op.dq, b, t, n), op.dq.dtype, D, src, g.scale);
     }
   }

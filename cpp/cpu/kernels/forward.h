@@ -86,6 +86,52 @@ struct FwdTile {
   float *OT, *mrow, *lrow, *alpha, *mexp;
 };
 
+// Zeroes tile t's Oᵀ and resets its running max and sum.
+template <class Pk>
+static void fwd_tile_reset(const Geo& g, FwdTile<Pk>& t) {
+  memset(t.OT, 0, static_cast<size_t>(fwd_ot_rows<Pk>(g) * BQ) * 4);
+  for (int64_t r = 0; r < BQ; ++r) {
+    t.mrow[r] = -kInf;
+    t.lrow[r] = 0.0f;
+  }
+}
+
+#if defined(FATRAIN_AMX)
+// fwd_tile_begin for AMX's bf16 Qᵀ when D is even and 16 rows of q are
+// int32-addressable from the first (else false, nothing done): the pair
+// words of a bf16 row are its own bits, NaNs made quiet as bf16_bits does,
+// so word p of rows r0..r0 + 15 is one masked gather (rows past ni and words
+// past D / 2 are zero, as in fwd_tile_begin).
+static bool fwd_amx_load_qt(const FwdState& s, int64_t b, int64_t n, FwdTile<uint32_t>& t) {
+  const Geo& g = s.g;
+  const SeqTensor& q = s.op->q;
+  const int64_t D = g.D, Dq = fwd_qt_rows<uint32_t>(g);
+  if (D % 2 != 0 || q.seq_stride < 0 || 15 * q.seq_stride + D > INT32_MAX) return false;
+  __m512i idx = _mm512_setzero_si512();
+  for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * q.seq_stride);
+  const vu lo_nan = vu{} + 0x7f80u, low = vu{} + 0xffffu;
+  for (int64_t r0 = 0; r0 < BQ; r0 += 16) {
+    const int64_t live = imax(0, imin(16, t.ni - r0));
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+    const char* base = live > 0 ? row_ptr(q, b, t.i0 + r0, n) : nullptr;
+    for (int64_t p = 0; p < D / 2; ++p) {
+      vu w = vu{};
+      if (live > 0)
+        w = reinterpret_cast<vu>(
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, base + 4 * p, 2));
+      const vu lo = w & low, hi = w >> 16;
+      w |= ((lo & 0x7fffu) > lo_nan) & 0x40u;
+      w |= ((hi & 0x7fffu) > lo_nan) & 0x400000u;
+      memcpy(t.QT + p * BQ + r0, &w, sizeof(w));
+    }
+  }
+  if (Dq > D / 2)
+    memset(t.QT + D / 2 * BQ, 0, static_cast<size_t>((Dq - D / 2) * BQ) * sizeof(uint32_t));
+  fwd_tile_reset<uint32_t>(g, t);
+  return true;
+}
+#endif
+
 // Loads query tile t.i0.. of head n transposed into t.QT and resets its state.
 template <class Pk>
 static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>& t) {
@@ -93,6 +139,11 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
   const Geo& g = s.g;
   const int64_t D = g.D, Dk = (D + kP - 1) / kP, Dq = fwd_qt_rows<Pk>(g);
   float row[kMaxHeadDim + 1];
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) {
+    if (fwd_amx_load_qt(s, b, n, t)) return;
+  }
+#endif
   for (int64_t r = 0; r < BQ; ++r) {
     if (r < t.ni)
       load_row(row_ptr(s.op->q, b, t.i0 + r, n), s.op->q.dtype, D, row);
@@ -107,11 +158,7 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
     }
   }
   if (Dq > Dk) memset(t.QT + Dk * BQ, 0, static_cast<size_t>((Dq - Dk) * BQ) * sizeof(Pk));
-  memset(t.OT, 0, static_cast<size_t>(fwd_ot_rows<Pk>(g) * BQ) * 4);
-  for (int64_t r = 0; r < BQ; ++r) {
-    t.mrow[r] = -kInf;
-    t.lrow[r] = 0.0f;
-  }
+  fwd_tile_reset<Pk>(g, t);
 }
 
 // One key tile (rows j0.. of the head's K and V, kt) of one query tile,
@@ -134,13 +181,7 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
   int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
   if (cls == 0) return false;
-  // On AMX: whole 32 x 32 blocks (St's rows past nj are K's zero padding,
-  // its columns past ncq Qᵀ's), the head dim 32 at a time.
-  const int64_t Da = fwd_amx_dim(g), nkb = (nj + 31) / 32, nqb = (ncq + 31) / 32;
-  if constexpr (kAmx && kP == 2)
-    amx_gemm(nkb, nqb, Da / 32, Kh + j0 * Da / 2, Da / 2, t.QT, BQ, St, BQ);
-  else
-    score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ);
+  score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ);
   const TileScores<false> scores(g, b, n, t.i0, t.ni, ncq, cls, te, se);
   // Base-2 scores are c s: prep applies c (and masks, bias) a row at a time,
   // or, for plain tiles, the max and the exponentials apply it as they read.
@@ -184,16 +225,155 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
       for (int64_t v = 0; v < nqv; ++v)
         st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
   }
-  if constexpr (kAmx && kP == 2) {
-    // Pᵀ's key pairs over whole 32-key steps.
-    amx_acc_gemm(Da / 32, nqb, nkb, Vh + kt * Da * BK / 2, BK / 2,
-                 amx_row_pair_tile(St, nj, BQ, nqb * 32, Pw), BQ, t.OT, BQ);
-  } else {
-    acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
-                    row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
-  }
+  acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
+                  row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
   return true;
 }
+
+#if defined(FATRAIN_AMX)
+// vexp2 (AVX-512) with its clamp as one vmaxps instead of a compare and a
+// blend: the same results (a NaN x is max's second operand, so it passes).
+static inline __attribute__((always_inline)) vf amx_exp2(vf x) {
+  const vf xc = _mm512_mask_max_ps(x, 0xffff, bc(-150.0f), x);  // masked form: see vexp2
+  const vf r =
+      _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = xc - r;
+  const vf p = exp2_poly(f);
+  return _mm512_mask_scalef_ps(p, 0xffff, p, r);
+}
+
+// The AMX forward takes the key tiles kFwdAmxKeyTiles at a time (groups
+// aligned to multiples of it, so a query tile's groups do not depend on the
+// work items): one softmax update and one Oᵀ += Vᵀ Pᵀ per group, each C block
+// of Oᵀ loaded and stored once per group instead of once per key tile.
+constexpr int64_t kFwdAmxKeyTiles = 4;
+
+// Key tiles [ka, kb) of one group of query tile t, the group's steps as in
+// fwd_tile_step: Sᵀ = K Qᵀ per visible key tile into St (kFwdAmxKeyTiles x
+// [BK][BQ]), its max per query, then one running-max update for the group,
+// the exponentials written straight as Pᵀ's key pairs into Pw
+// (kFwdAmxKeyTiles x [BK / 2][BQ]) and Oᵀ += Vᵀ Pᵀ over all the group's
+// 32-key steps. Whole 32 x 32 blocks (St's rows past a tile's keys are K's
+// zero padding, its columns past ncq Qᵀ's; Pᵀ's pair rows past a tile's keys
+// and words past ncq are +0). Returns the key tiles visited.
+static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
+                             const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
+                             FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
+  constexpr int64_t kQV = BQ / W;
+  const Geo& g = s.g;
+  const int64_t Da = fwd_amx_dim(g), Dp = g.Dp, ncq = t.ncq, nqv = t.nqv;
+  const int64_t nqb = (ncq + 31) / 32;
+  int64_t kts[kFwdAmxKeyTiles], njs[kFwdAmxKeyTiles], m = 0;
+  float vcs[kFwdAmxKeyTiles];
+  vf mx[kQV];
+  for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
+  for (int64_t kt = ka; kt < kb; ++kt) {
+    const int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
+    const int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
+    if (cls == 0) continue;
+    float* S = St + m * BK * BQ;
+    amx_gemm((nj + 31) / 32, nqb, Da / 32, Kh + j0 * Da / 2, Da / 2, t.QT, BQ, S, BQ);
+    const TileScores<false> scores(g, b, n, t.i0, t.ni, ncq, cls, te, se);
+    // Base-2 scores are c s: prep applies c (and masks, bias) a row at a
+    // time, or, for plain tiles, the max and the exponentials apply it.
+    const bool plain = scores.plain();
+    if (!plain)
+      for (int64_t r = 0; r < nj; ++r) scores.prep(S + r * BQ, j0 + r, brow);
+    const float c = plain ? scores.exp2_scale() : 1.0f;
+    vf tmx[kQV];
+    for (int64_t v = 0; v < kQV; ++v) tmx[v] = bc(-kInf);
+    for (int64_t r = 0; r < nj; ++r)
+      for (int64_t v = 0; v < nqv; ++v) tmx[v] = vmax(tmx[v], ld(S + r * BQ + v * W));
+    for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], tmx[v] * c);
+    kts[m] = kt;
+    njs[m] = nj;
+    vcs[m] = c;
+    ++m;
+  }
+  if (m == 0) return 0;
+  // The running max, as in fwd_tile_step.
+  bool rescale = false;
+  for (int64_t v = 0; v < nqv; ++v) {
+    const vf mold = ld(t.mrow + v * W), mnew = vmax(mold, mx[v]);
+    const vi dead = mnew == bc(-kInf);
+    const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
+    st(t.mexp + v * W, dead ? bc(0.0f) : mnew);
+    st(t.mrow + v * W, mnew);
+    st(t.alpha + v * W, a);
+    for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
+  }
+  // The exponentials, summed per query in key order and stored as Pᵀ's key
+  // pairs: pair row u of a tile holds keys 2u (low halves) and 2u + 1.
+  vf sum[kQV];
+  for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
+  const vu zero = {};
+  const uint32_t* as[kFwdAmxKeyTiles * BK / 32];
+  const uint32_t* bs[kFwdAmxKeyTiles * BK / 32];
+  int64_t steps = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* S = St + i * BK * BQ;
+    uint32_t* P = Pw + i * BK / 2 * BQ;
+    const int64_t nj = njs[i], nkb = (nj + 31) / 32;
+    const vf vc = bc(vcs[i]);
+    for (int64_t u = 0; u < (nj + 1) / 2; ++u) {
+      const float* lo = S + 2 * u * BQ;
+      const bool has_hi = 2 * u + 1 < nj;
+      uint32_t* w = P + u * BQ;
+      for (int64_t v = 0; v < nqv; ++v) {
+        const vf mexp = ld(t.mexp + v * W);
+        const vf plo = amx_exp2(ld(lo + v * W) * vc - mexp);
+        sum[v] += plo;
+        vf phi = {};
+        if (has_hi) {
+          phi = amx_exp2(ld(lo + BQ + v * W) * vc - mexp);
+          sum[v] += phi;
+        }
+        const vu pw = amx_pair_words(plo, phi);
+        memcpy(w + v * W, &pw, sizeof(pw));
+      }
+      for (int64_t v = nqv; v < 2 * nqb; ++v) memcpy(w + v * W, &zero, sizeof(zero));
+    }
+    for (int64_t u = (nj + 1) / 2; u < 16 * nkb; ++u)
+      memset(P + u * BQ, 0, static_cast<size_t>(32 * nqb) * sizeof(uint32_t));
+    for (int64_t k = 0; k < nkb; ++k, ++steps) {
+      as[steps] = Vh + kts[i] * Da * BK / 2 + 16 * k;
+      bs[steps] = P + 16 * k * BQ;
+    }
+  }
+  for (int64_t v = 0; v < nqv; ++v)
+    st(t.lrow + v * W, ld(t.lrow + v * W) * ld(t.alpha + v * W) + sum[v]);
+  if (rescale) {
+    for (int64_t d = 0; d < Dp; ++d)
+      for (int64_t v = 0; v < nqv; ++v)
+        st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
+  }
+  amx_acc_steps(Da / 32, nqb, steps, as, BK / 2, bs, BQ, t.OT, BQ);
+  return m;
+}
+#endif
+
+#if defined(FATRAIN_AMX)
+// fwd_tile_end for AMX's bf16 O (the words path has q's dtype, bf16), the
+// rows gathered down Oᵀ's columns (amx_store_bf16_column).
+static void fwd_amx_store_o(const FwdState& s, int64_t b, int64_t n, const FwdTile<uint32_t>& t) {
+  const Geo& g = s.g;
+  const ForwardOperands& op = *s.op;
+  const int64_t D = g.D;
+  float* lse = op.lse + (b * g.N + n) * g.T;
+  for (int64_t r = 0; r < t.ni; ++r) {
+    const float l = t.lrow[r];
+    uint16_t* dst = reinterpret_cast<uint16_t*>(row_ptr_mut(op.o, b, t.i0 + r, n));
+    // As in fwd_tile_end: a query saw a key iff its max left -inf or l is NaN.
+    if (t.mrow[r] != -kInf || l != l) {
+      amx_store_bf16_column(t.OT + r, BQ, D, 1.0f / l, dst);
+      lse[t.i0 + r] = t.mrow[r] * kLn2 + __builtin_logf(l);
+    } else {
+      memset(dst, 0, static_cast<size_t>(D) * sizeof(uint16_t));
+      lse[t.i0 + r] = -kInf;
+    }
+  }
+}
+#endif
 
 // Writes query tile t's rows of O (Oᵀ transposed back, divided by l) and L.
 template <class Pk>
@@ -203,6 +383,12 @@ static void fwd_tile_end(const FwdState& s, int64_t b, int64_t n, const FwdTile<
   const int64_t D = g.D;
   float* lse = op.lse + (b * g.N + n) * g.T;
   float orow[kMaxHeadDim];
+#if defined(FATRAIN_AMX)
+  if constexpr (Lanes<Pk>::kPair == 2) {
+    fwd_amx_store_o(s, b, n, t);
+    return;
+  }
+#endif
   for (int64_t r = 0; r < t.ni; ++r) {
     float l = t.lrow[r];
     char* dst = row_ptr_mut(op.o, b, t.i0 + r, n);
@@ -250,9 +436,15 @@ static void fwd_item(FwdState& s, int64_t idx) {
   const int64_t qt0 = grp * s.qtiles, nt = imin(s.qtiles, g.ntq - qt0);
   const int64_t Dq = fwd_qt_rows<Pk>(g), Do = fwd_ot_rows<Pk>(g);
   // Per tile: Qᵀ, Oᵀ and four [BQ] rows; shared: Sᵀ [BK][BQ], a bias row
-  // [BQ] and Pᵀ pairs [BK / 2][BQ] (bf16).
+  // [BQ] and Pᵀ pairs [BK / 2][BQ] (bf16), on AMX Sᵀ and Pᵀ for a group of
+  // key tiles.
   const int64_t per_tile = round_up(Dq * BQ, 16) + Do * BQ + 4 * BQ;
-  float* buf = falloc(nt * per_tile + BK * BQ + BQ + (kP == 1 ? 0 : BK * BQ / 2));
+#if defined(FATRAIN_AMX)
+  const int64_t kgroup = kP == 2 ? kFwdAmxKeyTiles : 1;
+#else
+  const int64_t kgroup = 1;
+#endif
+  float* buf = falloc(nt * per_tile + kgroup * BK * BQ + BQ + (kP == 1 ? 0 : kgroup * BK * BQ / 2));
   if (!buf) {
     set_fail(&s.fail);
     return;
@@ -279,7 +471,7 @@ static void fwd_item(FwdState& s, int64_t idx) {
     fwd_tile_begin<Pk>(s, b, n, t);
   }
   float* St = buf + nt * per_tile;
-  float* brow = St + BK * BQ;
+  float* brow = St + kgroup * BK * BQ;
   Pk* Pw = reinterpret_cast<Pk*>(brow + BQ);
   const int64_t head = (b * g.KH + kh) * g.Sp * g.Dr;
   // A of Sᵀ = K Qᵀ: K's rows; A of Oᵀ += Vᵀ Pᵀ: V by columns (f32 rows, or
@@ -300,10 +492,22 @@ static void fwd_item(FwdState& s, int64_t idx) {
   if constexpr (kP == 2) amx_begin();
 #endif
   int64_t visited = 0;
-  for (int64_t kt = kt_lo; kt < kt_hi; ++kt)
-    for (int64_t u = 0; u < nt; ++u)
-      if (kt >= tiles[u].kt_begin && kt < tiles[u].kt_end)
-        visited += fwd_tile_step<Pk>(s, b, n, kt, Kh, Vh, te, se, tiles[u], St, brow, Pw);
+#if defined(FATRAIN_AMX)
+  if constexpr (kP == 2) {
+    for (int64_t k0 = kt_lo / kgroup * kgroup; k0 < kt_hi; k0 += kgroup)
+      for (int64_t u = 0; u < nt; ++u) {
+        FwdTile<Pk>& t = tiles[u];
+        const int64_t ka = imax(k0, t.kt_begin), kb = imin(k0 + kgroup, t.kt_end);
+        if (ka < kb) visited += fwd_amx_group(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+      }
+  } else
+#endif
+  {
+    for (int64_t kt = kt_lo; kt < kt_hi; ++kt)
+      for (int64_t u = 0; u < nt; ++u)
+        if (kt >= tiles[u].kt_begin && kt < tiles[u].kt_end)
+          visited += fwd_tile_step<Pk>(s, b, n, kt, Kh, Vh, te, se, tiles[u], St, brow, Pw);
+  }
 #if defined(FATRAIN_AMX)
   if constexpr (kP == 2) amx_end();
 #endif

@@ -304,13 +304,104 @@ static inline void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32
   amx_product<true>(mb, nb, nk, A, lda, B, ldb, C, ldc);
 }
 
+// C[32 mb][32 nb] (ldc floats a row) += the products of nk steps of 32 bf16
+// whose operands lie anywhere: step k's A rows at a[k] (lda words a row) and
+// B pair rows at b[k] (ldb words a row). Each C block is loaded once and
+// stored once for the whole chain.
+static void amx_acc_steps(int64_t mb, int64_t nb, int64_t nk, const uint32_t* const* a,
+                          int64_t lda, const uint32_t* const* b, int64_t ldb, float* C,
+                          int64_t ldc) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t j = 0; j < nb; ++j) {
+      float* c = C + 32 * i * ldc + 32 * j;
+      _tile_loadd(0, c, ldc * 4);
+      _tile_loadd(1, c + 16, ldc * 4);
+      _tile_loadd(2, c + 16 * ldc, ldc * 4);
+      _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+      for (int64_t k = 0; k < nk; ++k) {
+        const uint32_t* ak = a[k] + 32 * i * lda;
+        const uint32_t* bk = b[k] + 32 * j;
+        _tile_loadd(4, ak, lda * 4);
+        _tile_loadd(5, ak + 16 * lda, lda * 4);
+        _tile_loadd(6, bk, ldb * 4);
+        _tile_loadd(7, bk + 16, ldb * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      amx_store(c, ldc);
+    }
+}
+
+// The pair words (lo[c], hi[c]) of two f32 vectors, rounded to bf16 by
+// vcvtne2ps2bf16: the same bits as bf16_pair except that denormal inputs
+// become zero, which TDPBF16PS makes of denormal operands anyway.
+static inline __attribute__((always_inline)) vu amx_pair_words(vf lo, vf hi) {
+  const __m512i both = reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+  // 16-bit element 2c takes lo[c] (element c), 2c + 1 takes hi[c] (16 + c).
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return reinterpret_cast<vu>(_mm512_permutexvar_epi16(idx, both));
+}
+
+// Row r of a tile held transposed (its element d at col[d * ldt], d < D
+// rounded up to 16 readable) times mul, written as D bf16 at dst with
+// store_row's rounding: 16 elements a gather. The AMX kernels' outputs O
+// (from Oᵀ) and dQ (from dQᵀ), bf16 like q on their path.
+static inline void amx_store_bf16_column(const float* col, int64_t ldt, int64_t D, float mul,
+                                         uint16_t* dst) {
+  __m512i idx = _mm512_setzero_si512();
+  for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * ldt);
+  const vf vmul = bc(mul);
+  for (int64_t d = 0; d < D; d += 16) {
+    // (Merge-masked forms with a full mask: see vexp2.)
+    const vf o = reinterpret_cast<vf>(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, idx,
+                                                               col + d * ldt, 4)) *
+                 vmul;
+    const __m256i h = _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff,
+                                                 reinterpret_cast<__m512i>(vbf16_bits(o)));
+    const __mmask16 mask = static_cast<__mmask16>(D - d >= 16 ? 0xffffu : (1u << (D - d)) - 1u);
+    _mm256_mask_storeu_epi16(dst + d, mask, h);
+  }
+}
+
+// The AMX products' P and dS operands, rounded by vcvtne2ps2bf16 as
+// amx_pair_words rounds them (one rounding for every AMX operand computed
+// in the kernels, so the backward's two forms round dS alike).
+// a_tile as an AMX A operand: row r's columns [0, n) as pair words (ld / 2
+// words a row), the columns past n up to the whole 32-column step +0.
+static inline const uint32_t* amx_a_tile(const float* t, int64_t rows, int64_t ld, int64_t n,
+                                         uint32_t* words) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; c += 32) {
+      const int64_t left = n - c;
+      const __mmask16 mlo = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
+      const __mmask16 mhi =
+          static_cast<__mmask16>(left >= 32 ? 0xffffu : left <= 16 ? 0u : (1u << (left - 16)) - 1u);
+      const __m512 lo = _mm512_maskz_loadu_ps(mlo, t + r * ld + c);
+      const __m512 hi = _mm512_maskz_loadu_ps(mhi, t + r * ld + c + 16);
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+      memcpy(words + r * ld / 2 + c / 2, &w, sizeof(w));
+    }
+  return words;
+}
 // row_pair_tile as an AMX B operand summed over whole 32-row steps: the pair
 // rows past the tile's, up to the step's end, are +0, so they add nothing.
-static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, int64_t ld,
+static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, int64_t ldt,
                                                 int64_t n, uint32_t* words) {
-  row_pair_tile<uint32_t>(t, rows, ld, n, words);
+  for (int64_t u = 0; u < (rows + 1) / 2; ++u) {
+    const float* lo = t + 2 * u * ldt;
+    const bool has_hi = 2 * u + 1 < rows;
+    for (int64_t c = 0; c < n; c += W) {
+      const vu w = amx_pair_words(ld(lo + c), has_hi ? ld(lo + ldt + c) : vf{});
+      memcpy(words + u * ldt + c, &w, sizeof(w));
+    }
+  }
   for (int64_t u = (rows + 1) / 2; u < 16 * ((rows + 31) / 32); ++u)
-    memset(words + u * ld, 0, static_cast<size_t>(n) * sizeof(uint32_t));
+    memset(words + u * ldt, 0, static_cast<size_t>(n) * sizeof(uint32_t));
   return words;
 }
 #endif  // FATRAIN_AMX

@@ -309,6 +309,8 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
   const vu zero = {};
   const uint32_t* as[kFwdAmxKeyTiles * BK / 32];
   const uint32_t* bs[kFwdAmxKeyTiles * BK / 32];
+  vf mexp[kQV];
+  for (int64_t v = 0; v < kQV; ++v) mexp[v] = ld(t.mexp + v * W);
   int64_t steps = 0;
   for (int64_t i = 0; i < m; ++i) {
     const float* S = St + i * BK * BQ;
@@ -320,12 +322,11 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       const bool has_hi = 2 * u + 1 < nj;
       uint32_t* w = P + u * BQ;
       for (int64_t v = 0; v < nqv; ++v) {
-        const vf mexp = ld(t.mexp + v * W);
-        const vf plo = amx_exp2(ld(lo + v * W) * vc - mexp);
+        const vf plo = amx_exp2(ld(lo + v * W) * vc - mexp[v]);
         sum[v] += plo;
         vf phi = {};
         if (has_hi) {
-          phi = amx_exp2(ld(lo + BQ + v * W) * vc - mexp);
+          phi = amx_exp2(ld(lo + BQ + v * W) * vc - mexp[v]);
           sum[v] += phi;
         }
         const vu pw = amx_pair_words(plo, phi);

@@ -172,7 +172,7 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
     if (!plain) scores.prep(srow, i, brow);
     vf vL = bc(Lb[i]), vD = bc(drow[i]);
     for (int64_t c = 0; c < nc; c += W) {
-      vf p = vexp2(ld(srow + c) * vc - vL);
+      vf p = vexp2<Pk>(ld(srow + c) * vc - vL);
       st(srow + c, p * (ld(dprow + c) - vD));
     }
   }
@@ -266,7 +266,7 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
     float* dprow = dPt + r * BQ;
     if (!plain) scores.prep(srow, j0 + r, brow);
     for (int64_t c = 0; c < ncq; c += W) {
-      vf p = vexp2(ld(srow + c) * vc - ld(Lb + i0 + c));
+      vf p = vexp2<Pk>(ld(srow + c) * vc - ld(Lb + i0 + c));
       st(srow + c, p);
       st(dprow + c, p * (ld(dprow + c) - ld(drow + i0 + c)));
     }

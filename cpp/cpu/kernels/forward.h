@@ -213,7 +213,7 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   for (int64_t r = 0; r < nj; ++r) {
     float* srow = St + r * BQ;
     for (int64_t v = 0; v < nqv; ++v) {
-      const vf p = vexp2(ld(srow + v * W) * vc - ld(t.mexp + v * W));
+      const vf p = vexp2<Pk>(ld(srow + v * W) * vc - ld(t.mexp + v * W));
       sum[v] += p;
       st(srow + v * W, p);
     }
@@ -231,14 +231,14 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
 }
 
 #if defined(FATRAIN_AMX)
-// vexp2 (AVX-512) with its clamp as one vmaxps instead of a compare and a
-// blend: the same results (a NaN x is max's second operand, so it passes).
+// vexp2<uint32_t> (AVX-512) with its clamp as one vmaxps instead of a compare
+// and a blend: the same results (a NaN x is max's second operand, so it passes).
 static inline __attribute__((always_inline)) vf amx_exp2(vf x) {
   const vf xc = _mm512_mask_max_ps(x, 0xffff, bc(-150.0f), x);  // masked form: see vexp2
   const vf r =
       _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = xc - r;
-  const vf p = exp2_poly(f);
+  const vf p = exp2_poly_p<uint32_t>(f);
   return _mm512_mask_scalef_ps(p, 0xffff, p, r);
 }
 
@@ -309,6 +309,8 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
   const vu zero = {};
   const uint32_t* as[kFwdAmxKeyTiles * BK / 32];
   const uint32_t* bs[kFwdAmxKeyTiles * BK / 32];
+  vf mexp[kQV];
+  for (int64_t v = 0; v < kQV; ++v) mexp[v] = ld(t.mexp + v * W);
   int64_t steps = 0;
   for (int64_t i = 0; i < m; ++i) {
     const float* S = St + i * BK * BQ;
@@ -320,12 +322,11 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       const bool has_hi = 2 * u + 1 < nj;
       uint32_t* w = P + u * BQ;
       for (int64_t v = 0; v < nqv; ++v) {
-        const vf mexp = ld(t.mexp + v * W);
-        const vf plo = amx_exp2(ld(lo + v * W) * vc - mexp);
+        const vf plo = amx_exp2(ld(lo + v * W) * vc - mexp[v]);
         sum[v] += plo;
         vf phi = {};
         if (has_hi) {
-          phi = amx_exp2(ld(lo + BQ + v * W) * vc - mexp);
+          phi = amx_exp2(ld(lo + BQ + v * W) * vc - mexp[v]);
           sum[v] += phi;
         }
         const vu pw = amx_pair_words(plo, phi);

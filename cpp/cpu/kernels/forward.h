@@ -231,17 +231,6 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
 }
 
 #if defined(FATRAIN_AMX)
-// vexp2<uint32_t> (AVX-512) with its clamp as one vmaxps instead of a compare
-// and a blend: the same results (a NaN x is max's second operand, so it passes).
-static inline __attribute__((always_inline)) vf amx_exp2(vf x) {
-  const vf xc = _mm512_mask_max_ps(x, 0xffff, bc(-150.0f), x);  // masked form: see vexp2
-  const vf r =
-      _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf f = xc - r;
-  const vf p = exp2_poly_p<uint32_t>(f);
-  return _mm512_mask_scalef_ps(p, 0xffff, p, r);
-}
-
 // The AMX forward takes the key tiles kFwdAmxKeyTiles at a time (groups
 // aligned to multiples of it, so a query tile's groups do not depend on the
 // work items): one softmax update and one Oᵀ += Vᵀ Pᵀ per group, each C block
@@ -322,11 +311,11 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       const bool has_hi = 2 * u + 1 < nj;
       uint32_t* w = P + u * BQ;
       for (int64_t v = 0; v < nqv; ++v) {
-        const vf plo = amx_exp2(ld(lo + v * W) * vc - mexp[v]);
+        const vf plo = vexp2<uint32_t>(ld(lo + v * W) * vc - mexp[v]);
         sum[v] += plo;
         vf phi = {};
         if (has_hi) {
-          phi = amx_exp2(ld(lo + BQ + v * W) * vc - mexp[v]);
+          phi = vexp2<uint32_t>(ld(lo + BQ + v * W) * vc - mexp[v]);
           sum[v] += phi;
         }
         const vu pw = amx_pair_words(plo, phi);

@@ -292,9 +292,10 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   // AVX-512: round with vrndscaleps and apply 2^r with vscalefps, which
   // underflows x < -149 to +0 and keeps NaN: 11 vector operations instead of
   // 16, the same polynomial, and the same results where 2^x is a normal float.
-  const vf xc = x < bc(-150.0f) ? bc(-150.0f) : x;
+  // The clamp is one vmaxps; a NaN x is its second operand, so it passes.
   // (The merge-masked forms with a full mask are the same instructions; the
   // unmasked intrinsics trip GCC 12's uninitialized-value warning.)
+  const vf xc = _mm512_mask_max_ps(x, 0xffff, bc(-150.0f), x);
   const vf r = _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = xc - r;
   const vf p = exp2_poly_p<Pk>(f);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CPU kernels and their standalone test with g++ (the flags the
 # CMake build uses) and runs the suite once per ISA the machine supports.
-#   cpp/cpu/tests/build_and_test.sh          build + test every ISA
+#   cpp/cpu/tests/build_and_test.sh          build + test exp2 and every ISA
 #   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
 # A cross compiler in CXX builds for its target (the x86-64 ISAs only for
@@ -56,6 +56,18 @@ if [[ "${1:-}" == "bench" ]]; then
 fi
 
 status=0
+# exp2 against double precision, generic and (x86-64) AVX-512 forms.
+"$CXX" "${common[@]}" -o "$out/test_exp2" "$here/test_exp2.cc" "${objs[@]}" -pthread "${extra[@]}"
+${FATRAIN_TEST_RUNNER:-} "$out/test_exp2" || status=1
+if ((x86_64)); then
+  "$CXX" "${common[@]}" "${isa_avx512[@]}" -o "$out/test_exp2_avx512" "$here/test_exp2.cc" \
+    "${objs[@]}" -pthread "${extra[@]}"
+  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+    ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2_avx512" || status=1
+  else
+    echo "test_exp2 (AVX-512 form): skipped, this CPU has no AVX-512"
+  fi
+fi
 # A variant the CPU lacks is ignored by the dispatcher (the best one runs).
 isas=(baseline)
 ((x86_64)) && isas=(avx512_amx avx512_bf16 avx512 avx2_bf16_emulated avx2 baseline)

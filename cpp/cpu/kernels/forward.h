@@ -161,6 +161,25 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
   fwd_tile_reset<Pk>(g, t);
 }
 
+// The online softmax's running max: folds the scaled tile max mx (one vector
+// per query vector, nqv of them) into t.mrow, and stores the exponent offsets
+// t.mexp (0 for a query with no visible key yet) and the rescale factors
+// t.alpha. True when some factor is not 1, i.e. Oᵀ must be rescaled.
+template <class Pk>
+static inline bool update_running_max(FwdTile<Pk>& t, const vf* mx, int64_t nqv) {
+  bool rescale = false;
+  for (int64_t v = 0; v < nqv; ++v) {
+    const vf mold = ld(t.mrow + v * W), mnew = vmax(mold, mx[v]);
+    const vi dead = mnew == bc(-kInf);
+    const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
+    st(t.mexp + v * W, dead ? bc(0.0f) : mnew);
+    st(t.mrow + v * W, mnew);
+    st(t.alpha + v * W, a);
+    for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
+  }
+  return rescale;
+}
+
 // One key tile (rows j0.. of the head's K and V, kt) of one query tile,
 // computed key-major, Sᵀ = K Qᵀ (a key per row, the BQ queries along the
 // vectors), so that every query's softmax statistics are vectors of queries
@@ -198,16 +217,8 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
   for (int64_t r = 0; r < nj; ++r)
     for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], ld(St + r * BQ + v * W));
-  bool rescale = false;
-  for (int64_t v = 0; v < nqv; ++v) {
-    const vf mold = ld(t.mrow + v * W), mnew = vmax(mold, mx[v] * vc);
-    const vi dead = mnew == bc(-kInf);
-    const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
-    st(t.mexp + v * W, dead ? bc(0.0f) : mnew);
-    st(t.mrow + v * W, mnew);
-    st(t.alpha + v * W, a);
-    for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
-  }
+  for (int64_t v = 0; v < nqv; ++v) mx[v] = mx[v] * vc;
+  const bool rescale = update_running_max(t, mx, nqv);
   vf sum[kQV];
   for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
   for (int64_t r = 0; r < nj; ++r) {
@@ -280,17 +291,7 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
     ++m;
   }
   if (m == 0) return 0;
-  // The running max, as in fwd_tile_step.
-  bool rescale = false;
-  for (int64_t v = 0; v < nqv; ++v) {
-    const vf mold = ld(t.mrow + v * W), mnew = vmax(mold, mx[v]);
-    const vi dead = mnew == bc(-kInf);
-    const vf a = dead ? bc(1.0f) : vexp2(mold - mnew);
-    st(t.mexp + v * W, dead ? bc(0.0f) : mnew);
-    st(t.mrow + v * W, mnew);
-    st(t.alpha + v * W, a);
-    for (int k = 0; k < W; ++k) rescale |= a[k] != 1.0f;
-  }
+  const bool rescale = update_running_max(t, mx, nqv);
   // The exponentials, summed per query in key order and stored as Pᵀ's key
   // pairs: pair row u of a tile holds keys 2u (low halves) and 2u + 1.
   vf sum[kQV];

@@ -180,6 +180,20 @@ static inline bool update_running_max(FwdTile<Pk>& t, const vf* mx, int64_t nqv)
   return rescale;
 }
 
+// After the exponentials of a step: the running sums l = l * alpha + the
+// step's sums, and Oᵀ's Dp rows rescaled by alpha where some factor is not 1.
+template <class Pk>
+static inline void rescale_running_sums(FwdTile<Pk>& t, const vf* sum, int64_t nqv, int64_t Dp,
+                                        bool rescale) {
+  for (int64_t v = 0; v < nqv; ++v)
+    st(t.lrow + v * W, ld(t.lrow + v * W) * ld(t.alpha + v * W) + sum[v]);
+  if (rescale) {
+    for (int64_t d = 0; d < Dp; ++d)
+      for (int64_t v = 0; v < nqv; ++v)
+        st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
+  }
+}
+
 // One key tile (rows j0.. of the head's K and V, kt) of one query tile,
 // computed key-major, Sᵀ = K Qᵀ (a key per row, the BQ queries along the
 // vectors), so that every query's softmax statistics are vectors of queries
@@ -229,13 +243,7 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
       st(srow + v * W, p);
     }
   }
-  for (int64_t v = 0; v < nqv; ++v)
-    st(t.lrow + v * W, ld(t.lrow + v * W) * ld(t.alpha + v * W) + sum[v]);
-  if (rescale) {
-    for (int64_t d = 0; d < Dp; ++d)
-      for (int64_t v = 0; v < nqv; ++v)
-        st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
-  }
+  rescale_running_sums(t, sum, nqv, Dp, rescale);
   acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
                   row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
   return true;
@@ -331,13 +339,7 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       bs[steps] = P + 16 * k * BQ;
     }
   }
-  for (int64_t v = 0; v < nqv; ++v)
-    st(t.lrow + v * W, ld(t.lrow + v * W) * ld(t.alpha + v * W) + sum[v]);
-  if (rescale) {
-    for (int64_t d = 0; d < Dp; ++d)
-      for (int64_t v = 0; v < nqv; ++v)
-        st(t.OT + d * BQ + v * W, ld(t.OT + d * BQ + v * W) * ld(t.alpha + v * W));
-  }
+  rescale_running_sums(t, sum, nqv, Dp, rescale);
   amx_acc_steps(Da / 32, nqb, steps, as, BK / 2, bs, BQ, t.OT, BQ);
   return m;
 }

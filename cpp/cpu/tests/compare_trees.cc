@@ -1,0 +1,169 @@
+// Paired timing of two versions of the CPU kernels in one process: this
+// tree's AVX-512 kernels (namespace fatrain::cpu::avx512, from
+// attention_cpu_isa_avx512.cc) against another checkout's, compiled from its
+// attention_cpu_impl.h into namespace fatrain::cpu::other with the same flags
+// (build_and_test.sh compare). The two run alternately, call after call, and
+// the result is the median over rounds of each round's time ratio, so that a
+// machine whose speed drifts over seconds (a shared virtual machine) moves
+// both sides of every ratio alike. Both checkouts must share
+// cpp/cpu/attention_cpu.h's types.
+//
+//   compare_trees [threads] [rounds] [T] [D] [causal 0/1] [f32|bf16]
+//
+// B = 1, N = 8, T = S; bf16 runs the products in float32 (the `avx512`
+// variant's path). Prints per pass (forward, backward) the median times and
+// the median, lowest and highest of other / this.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "../attention_cpu.h"
+#include "testing/attention_check.h"
+
+namespace fatrain::cpu {
+namespace avx512 {
+const char* attention_forward(const AttentionProblem&, const ForwardOperands&, const ParallelFor&,
+                              bool bf16_dot);
+const char* attention_backward(const AttentionProblem&, const BackwardOperands&,
+                               const ParallelFor&, bool bf16_dot);
+}  // namespace avx512
+namespace other {
+const char* attention_forward(const AttentionProblem&, const ForwardOperands&, const ParallelFor&,
+                              bool bf16_dot);
+const char* attention_backward(const AttentionProblem&, const BackwardOperands&,
+                               const ParallelFor&, bool bf16_dot);
+}  // namespace other
+}  // namespace fatrain::cpu
+
+using namespace fatrain::cpu;
+using namespace fatrain::testing;
+
+namespace {
+
+// Threads claim items dynamically (as in test_attention_cpu.cc).
+struct ThreadedFor {
+  int threads;
+  static void run(void* self, int64_t count, void (*body)(void*, int64_t), void* ctx) {
+    const int nt = static_cast<ThreadedFor*>(self)->threads;
+    std::atomic<int64_t> next{0};
+    auto work = [&]() {
+      for (;;) {
+        const int64_t i = next.fetch_add(1);
+        if (i >= count) break;
+        body(ctx, i);
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
+    work();
+    for (auto& th : pool) th.join();
+  }
+  ParallelFor pf() {
+    ParallelFor p;
+    p.run = &ThreadedFor::run;
+    p.self = this;
+    p.num_threads = threads;
+    return p;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Summary {
+  std::vector<double> mine, theirs, ratio;
+  void print(const char* pass) const {
+    std::printf("  %-8s this %9.2f ms  other %9.2f ms  other/this median %.3f (%.3f-%.3f)\n", pass,
+                1e3 * median(mine), 1e3 * median(theirs), median(ratio),
+                *std::min_element(ratio.begin(), ratio.end()),
+                *std::max_element(ratio.begin(), ratio.end()));
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
+  const int rounds = argc > 2 ? std::atoi(argv[2]) : 12;
+  const int64_t T = argc > 3 ? std::atoll(argv[3]) : 2048;
+  const int64_t D = argc > 4 ? std::atoll(argv[4]) : 64;
+  const bool causal = argc > 5 && std::atoi(argv[5]) != 0;
+  const DType dt = argc > 6 && std::strcmp(argv[6], "bf16") == 0 ? DType::kBF16 : DType::kF32;
+  if (threads < 1 || rounds < 1 || T < 1 || D < 1 || D > 256) {
+    std::fprintf(stderr, "usage: compare_trees [threads] [rounds] [T] [D <= 256] [causal] [f32|bf16]\n");
+    return 2;
+  }
+  ThreadedFor tf{threads};
+  const ParallelFor pf = tf.pf();
+  const int64_t B = 1, N = 8;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Seq q(dt, B, T, N, D, false), k(dt, B, T, N, D, false), v(dt, B, T, N, D, false);
+  Seq o(dt, B, T, N, D, false), dO(dt, B, T, N, D, false), dq(dt, B, T, N, D, false),
+      dk(dt, B, T, N, D, false), dv(dt, B, T, N, D, false);
+  for (Seq* x : {&q, &k, &v, &dO})
+    for (int64_t i = 0; i < x->buf.n; ++i) x->buf.set(i, nd(rng));
+  std::vector<float> lse(B * N * T);
+  AttentionProblem p;
+  p.batch = B; p.q_heads = N; p.kv_heads = N; p.q_len = T; p.kv_len = T; p.head_dim = D;
+  p.scale = 1.0f / std::sqrt(float(D));
+  p.causal = causal;
+  ForwardOperands fo;
+  fo.q = q.view(); fo.k = k.view(); fo.v = v.view(); fo.o = o.view(); fo.lse = lse.data();
+  BackwardOperands bo;
+  bo.q = q.view(); bo.k = k.view(); bo.v = v.view(); bo.o = o.view(); bo.d_o = dO.view();
+  bo.lse = lse.data(); bo.dq = dq.view(); bo.dk = dk.view(); bo.dv = dv.view();
+
+  // One forward and one backward of one side: their times in f and b.
+  auto call = [&](bool theirs, double* f, double* b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const char* e1 = theirs ? other::attention_forward(p, fo, pf, false)
+                            : avx512::attention_forward(p, fo, pf, false);
+    const auto t1 = std::chrono::steady_clock::now();
+    const char* e2 = theirs ? other::attention_backward(p, bo, pf, false)
+                            : avx512::attention_backward(p, bo, pf, false);
+    const auto t2 = std::chrono::steady_clock::now();
+    if (e1 || e2) {
+      std::fprintf(stderr, "error: %s\n", e1 ? e1 : e2);
+      std::exit(1);
+    }
+    *f = std::chrono::duration<double>(t1 - t0).count();
+    *b = std::chrono::duration<double>(t2 - t1).count();
+  };
+  double f, b;
+  call(false, &f, &b);  // warm-up of both sides
+  call(true, &f, &b);
+  Summary fwd, bwd;
+  for (int r = 0; r < rounds; ++r) {
+    double fm, bm, ft, bt;
+    if (r % 2) {  // alternate which side goes first
+      call(true, &ft, &bt);
+      call(false, &fm, &bm);
+    } else {
+      call(false, &fm, &bm);
+      call(true, &ft, &bt);
+    }
+    fwd.mine.push_back(fm);
+    fwd.theirs.push_back(ft);
+    fwd.ratio.push_back(ft / fm);
+    bwd.mine.push_back(bm);
+    bwd.theirs.push_back(bt);
+    bwd.ratio.push_back(bt / bm);
+  }
+  std::printf("compare: threads=%d rounds=%d B=%lld N=%lld T=S=%lld D=%lld causal=%d %s\n", threads,
+              rounds, (long long)B, (long long)N, (long long)T, (long long)D, causal ? 1 : 0,
+              dt == DType::kBF16 ? "bf16 (float32 products)" : "f32");
+  fwd.print("forward");
+  bwd.print("backward");
+  return 0;
+}

@@ -36,8 +36,12 @@ constexpr int W = 16;  // floats per vector
 constexpr int kMR = FATRAIN_MR;
 constexpr int kNR = FATRAIN_NR;
 #else
-constexpr int kMR = 4;  // micro-kernel rows
-constexpr int kNR = 4;  // micro-kernel vectors per row (16 zmm accumulators)
+// 6 rows x 4 vectors: 24 zmm accumulators, the 4 vectors of B and the
+// broadcast of A take 29 of the 32 registers, and each pass over B's rows
+// serves 6 rows of A (10 loads per 24 FMAs, against 8 per 16 for 4 x 4;
+// docs/cpu.md, "Standalone test", gives the measured difference).
+constexpr int kMR = 6;  // micro-kernel rows
+constexpr int kNR = 4;  // micro-kernel vectors per row
 #endif
 #elif defined(__AVX2__)
 constexpr int W = 8;

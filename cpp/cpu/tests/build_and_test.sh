@@ -6,7 +6,8 @@
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
 #   cpp/cpu/tests/build_and_test.sh compare OTHER [threads rounds T D causal f32|bf16]
 #       build + time this tree's AVX-512 kernels against those of the checkout
-#       OTHER, alternating calls in one process (compare_trees.cc)
+#       OTHER, alternating calls in one process (compare_trees.cc); with
+#       FATRAIN_COMPARE_ISA=avx512_amx, the AMX kernels (bf16)
 # A cross compiler in CXX builds for its target (the x86-64 ISAs only for
 # x86-64) and FATRAIN_TEST_RUNNER runs the binary (e.g. qemu-aarch64, see
 # tools/arm64_check.sh). FATRAIN_TEST_CXXFLAGS adds compile and link flags and
@@ -54,11 +55,14 @@ if [[ "${1:-}" == "compare" ]]; then
   ((x86_64)) || { echo "compare: built for the AVX-512 kernels (x86-64)"; exit 2; }
   other="${2:?compare: name the root of the other checkout}"
   [[ -f "$other/cpp/cpu/attention_cpu_impl.h" ]] || { echo "compare: $other has no cpp/cpu/attention_cpu_impl.h"; exit 2; }
+  # FATRAIN_COMPARE_ISA=avx512_amx: the AMX variants (bf16 problems) instead.
+  amx=()
+  [[ "${FATRAIN_COMPARE_ISA:-avx512}" == avx512_amx ]] && amx=(-mamx-tile -mamx-bf16 -DFATRAIN_AMX=1)
   printf '#define FATRAIN_ISA other\n#define FATRAIN_BF16_DOT 1\n#include "%s/cpp/cpu/attention_cpu_impl.h"\n' \
     "$(cd "$other" && pwd)" > "$out/isa_other.cc"
-  "$CXX" "${common[@]}" "${isa_avx512[@]}" -c "$out/isa_other.cc" -o "$out/isa_other.o"
-  "$CXX" "${common[@]}" -o "$out/compare_trees" "$here/compare_trees.cc" "$out/isa_other.o" \
-    "${objs[@]}" -pthread "${extra[@]}"
+  "$CXX" "${common[@]}" "${isa_avx512[@]}" "${amx[@]}" -c "$out/isa_other.cc" -o "$out/isa_other.o"
+  "$CXX" "${common[@]}" ${amx:+-DFATRAIN_COMPARE_AMX} -o "$out/compare_trees" "$here/compare_trees.cc" \
+    "$out/isa_other.o" "${objs[@]}" -pthread "${extra[@]}"
   shift 2
   ${FATRAIN_TEST_RUNNER:-} "$out/compare_trees" "$@"
   exit 0

@@ -1,8 +1,9 @@
 // Paired timing of two versions of the CPU kernels in one process: this
 // tree's AVX-512 kernels (namespace fatrain::cpu::avx512, from
-// attention_cpu_isa_avx512.cc) against another checkout's, compiled from its
-// attention_cpu_impl.h into namespace fatrain::cpu::other with the same flags
-// (build_and_test.sh compare). The two run alternately, call after call, and
+// attention_cpu_isa_avx512.cc; with FATRAIN_COMPARE_AMX its AMX variant,
+// fatrain::cpu::avx512_amx, bfloat16 only) against another checkout's,
+// compiled from its attention_cpu_impl.h into namespace fatrain::cpu::other
+// with the same flags (build_and_test.sh compare). The two run alternately, call after call, and
 // the result is the median over rounds of each round's time ratio, so that a
 // machine whose speed drifts over seconds (a shared virtual machine) moves
 // both sides of every ratio alike. Both checkouts must share
@@ -11,7 +12,7 @@
 //   compare_trees [threads] [rounds] [T] [D] [causal 0/1] [f32|bf16]
 //
 // B = 1, N = 8, T = S; bf16 runs the products in float32 (the `avx512`
-// variant's path). Prints per pass (forward, backward) the median times and
+// variant's path), or on AMX tiles with FATRAIN_COMPARE_AMX. Prints per pass (forward, backward) the median times and
 // the median, lowest and highest of other / this.
 #include <algorithm>
 #include <atomic>
@@ -28,12 +29,16 @@
 #include "testing/attention_check.h"
 
 namespace fatrain::cpu {
+#if defined(FATRAIN_COMPARE_AMX)
+namespace avx512_amx {
+#else
 namespace avx512 {
+#endif
 const char* attention_forward(const AttentionProblem&, const ForwardOperands&, const ParallelFor&,
                               bool bf16_dot);
 const char* attention_backward(const AttentionProblem&, const BackwardOperands&,
                                const ParallelFor&, bool bf16_dot);
-}  // namespace avx512
+}  // namespace avx512 (avx512_amx)
 namespace other {
 const char* attention_forward(const AttentionProblem&, const ForwardOperands&, const ParallelFor&,
                               bool bf16_dot);
@@ -44,6 +49,13 @@ const char* attention_backward(const AttentionProblem&, const BackwardOperands&,
 
 using namespace fatrain::cpu;
 using namespace fatrain::testing;
+#if defined(FATRAIN_COMPARE_AMX)
+namespace mine = fatrain::cpu::avx512_amx;
+constexpr bool kBf16Products = true;  // bf16 problems as bf16 pairs on AMX tiles
+#else
+namespace mine = fatrain::cpu::avx512;
+constexpr bool kBf16Products = false;  // bf16 problems converted to float32
+#endif
 
 namespace {
 
@@ -103,6 +115,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: compare_trees [threads] [rounds] [T] [D <= 256] [causal] [f32|bf16]\n");
     return 2;
   }
+#if defined(FATRAIN_COMPARE_AMX)
+  // selected_isa() asks Linux for the AMX tile state (attention_cpu.cc).
+  if (dt != DType::kBF16 || std::strcmp(selected_isa(), "avx512_amx") != 0) {
+    std::fprintf(stderr, "compare: the AMX kernels need bf16 and a CPU running avx512_amx (got %s)\n",
+                 selected_isa());
+    return 2;
+  }
+#endif
   ThreadedFor tf{threads};
   const ParallelFor pf = tf.pf();
   const int64_t B = 1, N = 8;
@@ -127,11 +147,11 @@ int main(int argc, char** argv) {
   // One forward and one backward of one side: their times in f and b.
   auto call = [&](bool theirs, double* f, double* b) {
     const auto t0 = std::chrono::steady_clock::now();
-    const char* e1 = theirs ? other::attention_forward(p, fo, pf, false)
-                            : avx512::attention_forward(p, fo, pf, false);
+    const char* e1 = theirs ? other::attention_forward(p, fo, pf, kBf16Products)
+                            : mine::attention_forward(p, fo, pf, kBf16Products);
     const auto t1 = std::chrono::steady_clock::now();
-    const char* e2 = theirs ? other::attention_backward(p, bo, pf, false)
-                            : avx512::attention_backward(p, bo, pf, false);
+    const char* e2 = theirs ? other::attention_backward(p, bo, pf, kBf16Products)
+                            : mine::attention_backward(p, bo, pf, kBf16Products);
     const auto t2 = std::chrono::steady_clock::now();
     if (e1 || e2) {
       std::fprintf(stderr, "error: %s\n", e1 ? e1 : e2);
@@ -162,7 +182,7 @@ int main(int argc, char** argv) {
   }
   std::printf("compare: threads=%d rounds=%d B=%lld N=%lld T=S=%lld D=%lld causal=%d %s\n", threads,
               rounds, (long long)B, (long long)N, (long long)T, (long long)D, causal ? 1 : 0,
-              dt == DType::kBF16 ? "bf16 (float32 products)" : "f32");
+              dt != DType::kBF16 ? "f32" : kBf16Products ? "bf16 (AMX)" : "bf16 (float32 products)");
   fwd.print("forward");
   bwd.print("backward");
   return 0;

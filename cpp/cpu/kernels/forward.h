@@ -138,23 +138,40 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const int64_t D = g.D, Dk = (D + kP - 1) / kP, Dq = fwd_qt_rows<Pk>(g);
-  float row[kMaxHeadDim + 1];
 #if defined(FATRAIN_AMX)
   if constexpr (kP == 2) {
     if (fwd_amx_load_qt(s, b, n, t)) return;
   }
 #endif
-  for (int64_t r = 0; r < BQ; ++r) {
-    if (r < t.ni)
-      load_row(row_ptr(s.op->q, b, t.i0 + r, n), s.op->q.dtype, D, row);
-    else
-      for (int64_t d = 0; d < D; ++d) row[d] = 0.0f;
-    row[D] = 0.0f;  // the pair of an odd D's last element
-    for (int64_t p = 0; p < Dk; ++p) {
-      if constexpr (kP == 1)
-        t.QT[p * BQ + r] = row[p];
+  if constexpr (kP == 1) {
+    // W rows of q at a time, transposed a W x W block at a time.
+    const int64_t Dp = g.Dp;
+    float rows[W * kMaxHeadDim];
+    vf v[W];
+    for (int64_t r0 = 0; r0 < BQ; r0 += W) {
+      for (int64_t i = 0; i < W; ++i) {
+        float* dst = rows + i * Dp;
+        if (r0 + i < t.ni)
+          load_row(row_ptr(s.op->q, b, t.i0 + r0 + i, n), s.op->q.dtype, D, dst);
+        else
+          for (int64_t d = 0; d < D; ++d) dst[d] = 0.0f;
+        for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
+      }
+      for (int64_t d0 = 0; d0 < D; d0 += W) {
+        for (int64_t i = 0; i < W; ++i) v[i] = ld(rows + i * Dp + d0);
+        transpose_block(v);
+        for (int64_t k = 0; k < imin(W, D - d0); ++k) st(t.QT + (d0 + k) * BQ + r0, v[k]);
+      }
+    }
+  } else {
+    float row[kMaxHeadDim + 1];
+    for (int64_t r = 0; r < BQ; ++r) {
+      if (r < t.ni)
+        load_row(row_ptr(s.op->q, b, t.i0 + r, n), s.op->q.dtype, D, row);
       else
-        t.QT[p * BQ + r] = bf16_pair(row[2 * p], row[2 * p + 1]);
+        for (int64_t d = 0; d < D; ++d) row[d] = 0.0f;
+      row[D] = 0.0f;  // the pair of an odd D's last element
+      for (int64_t p = 0; p < Dk; ++p) t.QT[p * BQ + r] = bf16_pair(row[2 * p], row[2 * p + 1]);
     }
   }
   if (Dq > Dk) memset(t.QT + Dk * BQ, 0, static_cast<size_t>((Dq - Dk) * BQ) * sizeof(Pk));
@@ -375,26 +392,37 @@ static void fwd_tile_end(const FwdState& s, int64_t b, int64_t n, const FwdTile<
   const ForwardOperands& op = *s.op;
   const int64_t D = g.D;
   float* lse = op.lse + (b * g.N + n) * g.T;
-  float orow[kMaxHeadDim];
 #if defined(FATRAIN_AMX)
   if constexpr (Lanes<Pk>::kPair == 2) {
     fwd_amx_store_o(s, b, n, t);
     return;
   }
 #endif
-  for (int64_t r = 0; r < t.ni; ++r) {
-    float l = t.lrow[r];
-    char* dst = row_ptr_mut(op.o, b, t.i0 + r, n);
-    // A query saw a key iff its running max left -inf (then l >= 1), or a
-    // score was NaN (then l, O and L are NaN).
-    if (t.mrow[r] != -kInf || l != l) {
-      for (int64_t d = 0; d < D; ++d) orow[d] = t.OT[d * BQ + r];
-      store_row(dst, op.o.dtype, D, orow, 1.0f / l);
-      lse[t.i0 + r] = t.mrow[r] * kLn2 + __builtin_logf(l);
-    } else {
-      for (int64_t d = 0; d < D; ++d) orow[d] = 0.0f;
-      store_row(dst, op.o.dtype, D, orow, 1.0f);
-      lse[t.i0 + r] = -kInf;
+  // W rows of O at a time, Oᵀ's Dp rows (whole vectors) transposed a W x W
+  // block at a time.
+  const int64_t Dp = g.Dp;
+  float rows[W * kMaxHeadDim];
+  vf v[W];
+  for (int64_t r0 = 0; r0 < t.ni; r0 += W) {
+    for (int64_t d0 = 0; d0 < D; d0 += W) {
+      for (int64_t k = 0; k < W; ++k) v[k] = ld(t.OT + (d0 + k) * BQ + r0);
+      transpose_block(v);
+      for (int64_t i = 0; i < W; ++i) st(rows + i * Dp + d0, v[i]);
+    }
+    for (int64_t r = r0; r < imin(t.ni, r0 + W); ++r) {
+      float l = t.lrow[r];
+      float* orow = rows + (r - r0) * Dp;
+      char* dst = row_ptr_mut(op.o, b, t.i0 + r, n);
+      // A query saw a key iff its running max left -inf (then l >= 1), or a
+      // score was NaN (then l, O and L are NaN).
+      if (t.mrow[r] != -kInf || l != l) {
+        store_row(dst, op.o.dtype, D, orow, 1.0f / l);
+        lse[t.i0 + r] = t.mrow[r] * kLn2 + __builtin_logf(l);
+      } else {
+        for (int64_t d = 0; d < D; ++d) orow[d] = 0.0f;
+        store_row(dst, op.o.dtype, D, orow, 1.0f);
+        lse[t.i0 + r] = -kInf;
+      }
     }
   }
 }

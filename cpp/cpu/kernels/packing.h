@@ -26,14 +26,21 @@ static void pack_rows(const SeqTensor& x, int64_t b, int64_t h, int64_t L, int64
   }
   memset(dst + L * ld, 0, static_cast<size_t>((Lp - L) * ld) * 4);
 }
-// Transposed copy blocked by tile: dst[blk][d][c] = rows[blk*bt + c][d].
-static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ld, int64_t bt,
+// Transposed copy blocked by tile: dst[blk][d][c] = rows[blk*bt + c][d], a
+// W x W block at a time (rows ldr floats apart hold whole vectors, ldr >= D
+// rounded up to W, zero past D; bt is a multiple of W).
+static void pack_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ldr, int64_t bt,
                             float* dst) {
+  vf v[W];
   for (int64_t blk = 0; blk < Lp / bt; ++blk) {
     float* o = dst + blk * D * bt;
-    const float* r = rows + blk * bt * ld;
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t c = 0; c < bt; ++c) o[d * bt + c] = r[c * ld + d];
+    const float* r = rows + blk * bt * ldr;
+    for (int64_t c0 = 0; c0 < bt; c0 += W)
+      for (int64_t d0 = 0; d0 < D; d0 += W) {
+        for (int i = 0; i < W; ++i) v[i] = ld(r + (c0 + i) * ldr + d0);
+        transpose_block(v);
+        for (int64_t k = 0; k < imin(W, D - d0); ++k) st(o + (d0 + k) * bt + c0, v[k]);
+      }
   }
 }
 

@@ -101,6 +101,29 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
 static inline __attribute__((always_inline)) vf vmin(vf a, vf b) {
   return a < b ? a : b;
 }
+// Transposes in place the W x W block whose rows are r[0..W): log2(W)
+// stages, each swapping the off-diagonal b x b blocks of every 2b x 2b block
+// (b = W / 2, ..., 1), one two-source shuffle per row and stage (vpermt2ps on
+// AVX-512).
+static inline __attribute__((always_inline)) void transpose_block(vf* r) {
+#pragma GCC unroll 8
+  for (int b = W / 2; b >= 1; b /= 2) {
+    vi lo, hi;  // row i takes its own left and row i + b's left halves of each 2b block
+#pragma GCC unroll 16
+    for (int k = 0; k < W; ++k) {
+      lo[k] = (k & b) ? W + k - b : k;
+      hi[k] = (k & b) ? W + k : k + b;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i) {
+      if (i & b) continue;
+      const vf a = r[i], c = r[i + b];
+      r[i] = __builtin_shuffle(a, c, lo);
+      r[i + b] = __builtin_shuffle(a, c, hi);
+    }
+  }
+}
+
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t round_up(int64_t a, int64_t m) { return (a + m - 1) / m * m; }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../attention_cpu.h"
+#include "threaded_for.h"
 #include "testing/attention_check.h"
 
 namespace fatrain::cpu {
@@ -58,33 +59,6 @@ constexpr bool kBf16Products = false;  // bf16 problems converted to float32
 #endif
 
 namespace {
-
-// Threads claim items dynamically (as in test_attention_cpu.cc).
-struct ThreadedFor {
-  int threads;
-  static void run(void* self, int64_t count, void (*body)(void*, int64_t), void* ctx) {
-    const int nt = static_cast<ThreadedFor*>(self)->threads;
-    std::atomic<int64_t> next{0};
-    auto work = [&]() {
-      for (;;) {
-        const int64_t i = next.fetch_add(1);
-        if (i >= count) break;
-        body(ctx, i);
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
-    work();
-    for (auto& th : pool) th.join();
-  }
-  ParallelFor pf() {
-    ParallelFor p;
-    p.run = &ThreadedFor::run;
-    p.self = this;
-    p.num_threads = threads;
-    return p;
-  }
-};
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -30,40 +30,11 @@
 #include <vector>
 
 #include "../attention_cpu.h"
+#include "threaded_for.h"
 #include "testing/attention_check.h"
 
 using namespace fatrain::cpu;
 using namespace fatrain::testing;
-
-// ---------------------------------------------------------------------------
-// A simple multithreaded ParallelFor: threads claim items dynamically.
-// ---------------------------------------------------------------------------
-struct ThreadedFor {
-  int threads;
-  static void run(void* self, int64_t count, void (*body)(void*, int64_t), void* ctx) {
-    int nt = static_cast<ThreadedFor*>(self)->threads;
-    std::atomic<int64_t> next{0};
-    auto work = [&]() {
-      for (;;) {
-        int64_t i = next.fetch_add(1);
-        if (i >= count) break;
-        body(ctx, i);
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) pool.emplace_back(work);
-    work();
-    for (auto& th : pool) th.join();
-  }
-  ParallelFor pf() {
-    ParallelFor p;
-    p.run = &ThreadedFor::run;
-    p.self = this;
-    p.num_threads = threads;
-    return p;
-  }
-};
-
 
 // ---------------------------------------------------------------------------
 // The CPU kernels as a backend of the shared check: run 0 of the backward and

@@ -263,18 +263,19 @@ constexpr int64_t kFwdAmxKeyTiles = 4;
 // (kFwdAmxKeyTiles x [BK / 2][BQ]) and Oᵀ += Vᵀ Pᵀ over all the group's
 // 32-key steps. Whole 32 x 32 blocks (St's rows past a tile's keys are K's
 // zero padding, its columns past ncq Qᵀ's; Pᵀ's pair rows past a tile's keys
-// and words past ncq are +0). Returns the key tiles visited.
-static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
-                             const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
-                             FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
-  constexpr int64_t kQV = BQ / W;
+// and words past ncq are +0). kNqv = t.nqv, a constant so that the maxima and
+// sums of the query vectors stay in registers. Returns the key tiles visited.
+template <int64_t kNqv>
+static int64_t fwd_amx_group_n(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
+                               const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
+                               FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
   const Geo& g = s.g;
-  const int64_t Da = fwd_amx_dim(g), Dp = g.Dp, ncq = t.ncq, nqv = t.nqv;
+  const int64_t Da = fwd_amx_dim(g), Dp = g.Dp, ncq = t.ncq;
   const int64_t nqb = (ncq + 31) / 32;
   int64_t kts[kFwdAmxKeyTiles], njs[kFwdAmxKeyTiles], m = 0;
   float vcs[kFwdAmxKeyTiles];
-  vf mx[kQV];
-  for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
+  vf mx[kNqv];
+  for (int64_t v = 0; v < kNqv; ++v) mx[v] = bc(-kInf);
   for (int64_t kt = ka; kt < kb; ++kt) {
     const int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
     const int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
@@ -288,27 +289,27 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
     if (!plain)
       for (int64_t r = 0; r < nj; ++r) scores.prep(S + r * BQ, j0 + r, brow);
     const float c = plain ? scores.exp2_scale() : 1.0f;
-    vf tmx[kQV];
-    for (int64_t v = 0; v < kQV; ++v) tmx[v] = bc(-kInf);
+    vf tmx[kNqv];
+    for (int64_t v = 0; v < kNqv; ++v) tmx[v] = bc(-kInf);
     for (int64_t r = 0; r < nj; ++r)
-      for (int64_t v = 0; v < nqv; ++v) tmx[v] = vmax(tmx[v], ld(S + r * BQ + v * W));
-    for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], tmx[v] * c);
+      for (int64_t v = 0; v < kNqv; ++v) tmx[v] = vmax(tmx[v], ld(S + r * BQ + v * W));
+    for (int64_t v = 0; v < kNqv; ++v) mx[v] = vmax(mx[v], tmx[v] * c);
     kts[m] = kt;
     njs[m] = nj;
     vcs[m] = c;
     ++m;
   }
   if (m == 0) return 0;
-  const bool rescale = update_running_max(t, mx, nqv);
+  const bool rescale = update_running_max(t, mx, kNqv);
   // The exponentials, summed per query in key order and stored as Pᵀ's key
   // pairs: pair row u of a tile holds keys 2u (low halves) and 2u + 1.
-  vf sum[kQV];
-  for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
+  vf sum[kNqv];
+  for (int64_t v = 0; v < kNqv; ++v) sum[v] = vf{};
   const vu zero = {};
   const uint32_t* as[kFwdAmxKeyTiles * BK / 32];
   const uint32_t* bs[kFwdAmxKeyTiles * BK / 32];
-  vf mexp[kQV];
-  for (int64_t v = 0; v < kQV; ++v) mexp[v] = ld(t.mexp + v * W);
+  vf mexp[kNqv];
+  for (int64_t v = 0; v < kNqv; ++v) mexp[v] = ld(t.mexp + v * W);
   int64_t steps = 0;
   for (int64_t i = 0; i < m; ++i) {
     const float* S = St + i * BK * BQ;
@@ -319,7 +320,7 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       const float* lo = S + 2 * u * BQ;
       const bool has_hi = 2 * u + 1 < nj;
       uint32_t* w = P + u * BQ;
-      for (int64_t v = 0; v < nqv; ++v) {
+      for (int64_t v = 0; v < kNqv; ++v) {
         const vf plo = vexp2<uint32_t>(ld(lo + v * W) * vc - mexp[v]);
         sum[v] += plo;
         vf phi = {};
@@ -330,7 +331,7 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
         const vu pw = amx_pair_words(plo, phi);
         memcpy(w + v * W, &pw, sizeof(pw));
       }
-      for (int64_t v = nqv; v < 2 * nqb; ++v) memcpy(w + v * W, &zero, sizeof(zero));
+      for (int64_t v = kNqv; v < 2 * nqb; ++v) memcpy(w + v * W, &zero, sizeof(zero));
     }
     for (int64_t u = (nj + 1) / 2; u < 16 * nkb; ++u)
       memset(P + u * BQ, 0, static_cast<size_t>(32 * nqb) * sizeof(uint32_t));
@@ -339,9 +340,21 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       bs[steps] = P + 16 * k * BQ;
     }
   }
-  rescale_running_sums(t, sum, nqv, Dp, rescale);
+  rescale_running_sums(t, sum, kNqv, Dp, rescale);
   amx_acc_steps(Da / 32, nqb, steps, as, BK / 2, bs, BQ, t.OT, BQ);
   return m;
+}
+
+static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
+                             const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
+                             FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
+  static_assert(BQ / W == 4, "the AMX forward takes 1 to 4 query vectors per tile");
+  switch (t.nqv) {
+    case 1: return fwd_amx_group_n<1>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+    case 2: return fwd_amx_group_n<2>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+    case 3: return fwd_amx_group_n<3>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+    default: return fwd_amx_group_n<4>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+  }
 }
 #endif
 

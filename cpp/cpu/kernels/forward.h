@@ -51,10 +51,76 @@ static inline int64_t fwd_ot_rows(const Geo& g) {
   return kAmx && Lanes<Pk>::kPair == 2 ? fwd_amx_dim(g) : g.Dp;
 }
 
+#if defined(FATRAIN_AMX)
+// bf16 elements with NaNs made quiet as bf16_bits does (the bits of every
+// other bf16 value are its own).
+static inline __attribute__((always_inline)) __m512i amx_quiet_bf16(__m512i x) {
+  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7fff)),
+                                                _mm512_set1_epi16(0x7f80));
+  return _mm512_mask_mov_epi16(x, nan, _mm512_or_si512(x, _mm512_set1_epi16(0x40)));
+}
+
+// fwd_pack for AMX when k and v are bf16, D is even and 16 rows of v are
+// int32-addressable from the first (else false, nothing done): the packs of
+// pack_amx_rows and pack_amx_transposed (the same bits) straight from the
+// bf16 rows. K: each row's D elements copied, zero up to Da and past S. Vᵀ:
+// the pair word p of 16 rows is one masked gather, its low and high halves
+// elements 2p and 2p + 1 of each key.
+static bool fwd_amx_pack_bf16(FwdState& s, int64_t b, int64_t h, uint32_t* Kw, uint32_t* Vw) {
+  const Geo& g = s.g;
+  const SeqTensor &k = s.op->k, &v = s.op->v;
+  const int64_t D = g.D, Da = fwd_amx_dim(g);
+  if (k.dtype != DType::kBF16 || v.dtype != DType::kBF16 || D % 2 != 0 || v.seq_stride < 0 ||
+      15 * v.seq_stride + D > INT32_MAX)
+    return false;
+  const __mmask32 none = 0;
+  for (int64_t t = 0; t < g.Sp; ++t) {
+    const uint16_t* src =
+        t < g.S ? reinterpret_cast<const uint16_t*>(row_ptr(k, b, t, h)) : nullptr;
+    for (int64_t d = 0; d < Da; d += 32) {
+      const int64_t left = src ? imax(0, imin(32, D - d)) : 0;
+      const __mmask32 mask = left == 32 ? ~none : static_cast<__mmask32>((1u << left) - 1u);
+      const __m512i x = left > 0 ? amx_quiet_bf16(_mm512_maskz_loadu_epi16(mask, src + d))
+                                 : _mm512_setzero_si512();
+      _mm512_storeu_si512(Kw + t * Da / 2 + d / 2, x);
+    }
+  }
+  __m512i idx = _mm512_setzero_si512();
+  for (int i = 0; i < 16; ++i) reinterpret_cast<vi&>(idx)[i] = static_cast<int32_t>(i * v.seq_stride);
+  for (int64_t blk = 0; blk < g.Sp / BK; ++blk) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(Vw + blk * Da * BK / 2);
+    for (int64_t c0 = 0; c0 < BK; c0 += 16) {
+      const int64_t t0 = blk * BK + c0, live = imax(0, imin(16, g.S - t0));
+      const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+      const char* base = live > 0 ? row_ptr(v, b, t0, h) : nullptr;
+      for (int64_t p = 0; p < D / 2; ++p) {
+        __m512i w = _mm512_setzero_si512();
+        if (live > 0) w = _mm512_mask_i32gather_epi32(w, mask, idx, base + 4 * p, 2);
+        w = amx_quiet_bf16(w);
+        const __m512i hi = reinterpret_cast<__m512i>(reinterpret_cast<vu>(w) >> 16);
+        // (Merge-masked forms with a full mask: see vexp2.)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * p * BK + c0),
+                            _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, w));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (2 * p + 1) * BK + c0),
+                            _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, hi));
+      }
+    }
+    memset(o + D * BK, 0, static_cast<size_t>((Da - D) * BK) * sizeof(uint16_t));
+  }
+  return true;
+}
+#endif
+
 static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
   const int64_t head = idx * g.Sp * g.Dr;
+#if defined(FATRAIN_AMX)
+  if (s.words) {
+    const int64_t hw = idx * g.Sp * fwd_amx_dim(g) / 2;
+    if (fwd_amx_pack_bf16(s, b, h, s.Kw + hw, s.Vw + hw)) return;
+  }
+#endif
   if (kAmx && s.words) {
     const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
     float* rows = s.V + head;

@@ -51,10 +51,76 @@ static inline int64_t fwd_ot_rows(const Geo& g) {
   return kAmx && Lanes<Pk>::kPair == 2 ? fwd_amx_dim(g) : g.Dp;
 }
 
+#if defined(FATRAIN_AMX)
+// bf16 elements with NaNs made quiet as bf16_bits does (the bits of every
+// other bf16 value are its own).
+static inline __attribute__((always_inline)) __m512i amx_quiet_bf16(__m512i x) {
+  const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(x, _mm512_set1_epi16(0x7fff)),
+                                                _mm512_set1_epi16(0x7f80));
+  return _mm512_mask_mov_epi16(x, nan, _mm512_or_si512(x, _mm512_set1_epi16(0x40)));
+}
+
+// fwd_pack for AMX when k and v are bf16, D is even and 16 rows of v are
+// int32-addressable from the first (else false, nothing done): the packs of
+// pack_amx_rows and pack_amx_transposed (the same bits) straight from the
+// bf16 rows. K: each row's D elements copied, zero up to Da and past S. Vᵀ:
+// the pair word p of 16 rows is one masked gather, its low and high halves
+// elements 2p and 2p + 1 of each key.
+static bool fwd_amx_pack_bf16(FwdState& s, int64_t b, int64_t h, uint32_t* Kw, uint32_t* Vw) {
+  const Geo& g = s.g;
+  const SeqTensor &k = s.op->k, &v = s.op->v;
+  const int64_t D = g.D, Da = fwd_amx_dim(g);
+  if (k.dtype != DType::kBF16 || v.dtype != DType::kBF16 || D % 2 != 0 || v.seq_stride < 0 ||
+      15 * v.seq_stride + D > INT32_MAX)
+    return false;
+  const __mmask32 none = 0;
+  for (int64_t t = 0; t < g.Sp; ++t) {
+    const uint16_t* src =
+        t < g.S ? reinterpret_cast<const uint16_t*>(row_ptr(k, b, t, h)) : nullptr;
+    for (int64_t d = 0; d < Da; d += 32) {
+      const int64_t left = src ? imax(0, imin(32, D - d)) : 0;
+      const __mmask32 mask = left == 32 ? ~none : static_cast<__mmask32>((1u << left) - 1u);
+      const __m512i x = left > 0 ? amx_quiet_bf16(_mm512_maskz_loadu_epi16(mask, src + d))
+                                 : _mm512_setzero_si512();
+      _mm512_storeu_si512(Kw + t * Da / 2 + d / 2, x);
+    }
+  }
+  __m512i idx = _mm512_setzero_si512();
+  for (int i = 0; i < 16; ++i) reinterpret_cast<vi&>(idx)[i] = static_cast<int32_t>(i * v.seq_stride);
+  for (int64_t blk = 0; blk < g.Sp / BK; ++blk) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(Vw + blk * Da * BK / 2);
+    for (int64_t c0 = 0; c0 < BK; c0 += 16) {
+      const int64_t t0 = blk * BK + c0, live = imax(0, imin(16, g.S - t0));
+      const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+      const char* base = live > 0 ? row_ptr(v, b, t0, h) : nullptr;
+      for (int64_t p = 0; p < D / 2; ++p) {
+        __m512i w = _mm512_setzero_si512();
+        if (live > 0) w = _mm512_mask_i32gather_epi32(w, mask, idx, base + 4 * p, 2);
+        w = amx_quiet_bf16(w);
+        const __m512i hi = reinterpret_cast<__m512i>(reinterpret_cast<vu>(w) >> 16);
+        // (Merge-masked forms with a full mask: see vexp2.)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * p * BK + c0),
+                            _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, w));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (2 * p + 1) * BK + c0),
+                            _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, hi));
+      }
+    }
+    memset(o + D * BK, 0, static_cast<size_t>((Da - D) * BK) * sizeof(uint16_t));
+  }
+  return true;
+}
+#endif
+
 static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
   const int64_t head = idx * g.Sp * g.Dr;
+#if defined(FATRAIN_AMX)
+  if (s.words) {
+    const int64_t hw = idx * g.Sp * fwd_amx_dim(g) / 2;
+    if (fwd_amx_pack_bf16(s, b, h, s.Kw + hw, s.Vw + hw)) return;
+  }
+#endif
   if (kAmx && s.words) {
     const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
     float* rows = s.V + head;
@@ -280,18 +346,19 @@ constexpr int64_t kFwdAmxKeyTiles = 4;
 // (kFwdAmxKeyTiles x [BK / 2][BQ]) and Oᵀ += Vᵀ Pᵀ over all the group's
 // 32-key steps. Whole 32 x 32 blocks (St's rows past a tile's keys are K's
 // zero padding, its columns past ncq Qᵀ's; Pᵀ's pair rows past a tile's keys
-// and words past ncq are +0). Returns the key tiles visited.
-static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
-                             const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
-                             FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
-  constexpr int64_t kQV = BQ / W;
+// and words past ncq are +0). kNqv = t.nqv, a constant so that the maxima and
+// sums of the query vectors stay in registers. Returns the key tiles visited.
+template <int64_t kNqv>
+static int64_t fwd_amx_group_n(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
+                               const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
+                               FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
   const Geo& g = s.g;
-  const int64_t Da = fwd_amx_dim(g), Dp = g.Dp, ncq = t.ncq, nqv = t.nqv;
+  const int64_t Da = fwd_amx_dim(g), Dp = g.Dp, ncq = t.ncq;
   const int64_t nqb = (ncq + 31) / 32;
   int64_t kts[kFwdAmxKeyTiles], njs[kFwdAmxKeyTiles], m = 0;
   float vcs[kFwdAmxKeyTiles];
-  vf mx[kQV];
-  for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
+  vf mx[kNqv];
+  for (int64_t v = 0; v < kNqv; ++v) mx[v] = bc(-kInf);
   for (int64_t kt = ka; kt < kb; ++kt) {
     const int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
     const int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
@@ -305,27 +372,27 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
     if (!plain)
       for (int64_t r = 0; r < nj; ++r) scores.prep(S + r * BQ, j0 + r, brow);
     const float c = plain ? scores.exp2_scale() : 1.0f;
-    vf tmx[kQV];
-    for (int64_t v = 0; v < kQV; ++v) tmx[v] = bc(-kInf);
+    vf tmx[kNqv];
+    for (int64_t v = 0; v < kNqv; ++v) tmx[v] = bc(-kInf);
     for (int64_t r = 0; r < nj; ++r)
-      for (int64_t v = 0; v < nqv; ++v) tmx[v] = vmax(tmx[v], ld(S + r * BQ + v * W));
-    for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], tmx[v] * c);
+      for (int64_t v = 0; v < kNqv; ++v) tmx[v] = vmax(tmx[v], ld(S + r * BQ + v * W));
+    for (int64_t v = 0; v < kNqv; ++v) mx[v] = vmax(mx[v], tmx[v] * c);
     kts[m] = kt;
     njs[m] = nj;
     vcs[m] = c;
     ++m;
   }
   if (m == 0) return 0;
-  const bool rescale = update_running_max(t, mx, nqv);
+  const bool rescale = update_running_max(t, mx, kNqv);
   // The exponentials, summed per query in key order and stored as Pᵀ's key
   // pairs: pair row u of a tile holds keys 2u (low halves) and 2u + 1.
-  vf sum[kQV];
-  for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
+  vf sum[kNqv];
+  for (int64_t v = 0; v < kNqv; ++v) sum[v] = vf{};
   const vu zero = {};
   const uint32_t* as[kFwdAmxKeyTiles * BK / 32];
   const uint32_t* bs[kFwdAmxKeyTiles * BK / 32];
-  vf mexp[kQV];
-  for (int64_t v = 0; v < kQV; ++v) mexp[v] = ld(t.mexp + v * W);
+  vf mexp[kNqv];
+  for (int64_t v = 0; v < kNqv; ++v) mexp[v] = ld(t.mexp + v * W);
   int64_t steps = 0;
   for (int64_t i = 0; i < m; ++i) {
     const float* S = St + i * BK * BQ;
@@ -336,7 +403,7 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       const float* lo = S + 2 * u * BQ;
       const bool has_hi = 2 * u + 1 < nj;
       uint32_t* w = P + u * BQ;
-      for (int64_t v = 0; v < nqv; ++v) {
+      for (int64_t v = 0; v < kNqv; ++v) {
         const vf plo = vexp2<uint32_t>(ld(lo + v * W) * vc - mexp[v]);
         sum[v] += plo;
         vf phi = {};
@@ -347,7 +414,7 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
         const vu pw = amx_pair_words(plo, phi);
         memcpy(w + v * W, &pw, sizeof(pw));
       }
-      for (int64_t v = nqv; v < 2 * nqb; ++v) memcpy(w + v * W, &zero, sizeof(zero));
+      for (int64_t v = kNqv; v < 2 * nqb; ++v) memcpy(w + v * W, &zero, sizeof(zero));
     }
     for (int64_t u = (nj + 1) / 2; u < 16 * nkb; ++u)
       memset(P + u * BQ, 0, static_cast<size_t>(32 * nqb) * sizeof(uint32_t));
@@ -356,9 +423,21 @@ static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka
       bs[steps] = P + 16 * k * BQ;
     }
   }
-  rescale_running_sums(t, sum, nqv, Dp, rescale);
+  rescale_running_sums(t, sum, kNqv, Dp, rescale);
   amx_acc_steps(Da / 32, nqb, steps, as, BK / 2, bs, BQ, t.OT, BQ);
   return m;
+}
+
+static int64_t fwd_amx_group(const FwdState& s, int64_t b, int64_t n, int64_t ka, int64_t kb,
+                             const uint32_t* Kh, const uint32_t* Vh, int64_t te, int64_t se,
+                             FwdTile<uint32_t>& t, float* St, float* brow, uint32_t* Pw) {
+  static_assert(BQ / W == 4, "the AMX forward takes 1 to 4 query vectors per tile");
+  switch (t.nqv) {
+    case 1: return fwd_amx_group_n<1>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+    case 2: return fwd_amx_group_n<2>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+    case 3: return fwd_amx_group_n<3>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+    default: return fwd_amx_group_n<4>(s, b, n, ka, kb, Kh, Vh, te, se, t, St, brow, Pw);
+  }
 }
 #endif
 

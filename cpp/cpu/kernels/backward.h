@@ -136,8 +136,8 @@ static void bwd_pack(BwdState& s, int64_t idx) {
 // that both backward forms add exactly the same terms to dQ.
 static inline int64_t amx_blocks(int64_t n) { return (n + 31) / 32; }
 
-// Key tiles per step of the fused pass on AMX (bwd_fused).
-constexpr int64_t kBwdAmxKeyTiles = 4;
+// Key tiles per step of the fused pass (bwd_fused).
+constexpr int64_t kBwdKeyTiles = 4;
 
 // dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
 // (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
@@ -357,13 +357,13 @@ static void bwd_fused(BwdState& s, int64_t idx) {
   const PackView<Pk> o = pack_view<Pk>(s);
   int64_t b = idx / g.KH, kh = idx % g.KH;
   int64_t Dp = g.Dp, Dr = g.Dr, D = g.D;
-  // On AMX the key tiles go kBwdAmxKeyTiles at a time, each query tile
-  // visiting them all in turn, so that the query side's packs (Qᵀ, dOᵀ, Q
-  // and dO pairs, dQᵀ: megabytes per head, beyond L2) stream once per group
+  // The key tiles go kBwdKeyTiles at a time, each query tile visiting them
+  // all in turn, so that the query side's packs (Q, dO and their transposes
+  // or pairs, dQ: megabytes per head, beyond L2) stream once per group
   // instead of once per key tile. Each sum keeps its order (dQ: key tiles
   // ascending; dK, dV: query heads, then query tiles), so the results are
   // bitwise those of one key tile at a time.
-  constexpr int64_t kKG = kAmx && kP == 2 ? kBwdAmxKeyTiles : 1;
+  constexpr int64_t kKG = kBwdKeyTiles;
   float* buf = falloc(g.G * g.Tp * Dr + kKG * 2 * BK * Dr + 2 * BK * BQ + BQ +
                       (kP == 1 ? 0 : 3 * BK * BQ / 2));
   if (!buf) {

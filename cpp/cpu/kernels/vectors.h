@@ -108,7 +108,10 @@ static inline __attribute__((always_inline)) vf vmin(vf a, vf b) {
 static inline __attribute__((always_inline)) void transpose_block(vf* r) {
 #pragma GCC unroll 8
   for (int b = W / 2; b >= 1; b /= 2) {
-    vi lo, hi;  // row i takes its own left and row i + b's left halves of each 2b block
+    // Within each 2b-wide block: row i keeps its left half and takes row
+    // i + b's left half (lo); row i + b takes row i's right half and keeps
+    // its own right half (hi).
+    vi lo, hi;
 #pragma GCC unroll 16
     for (int k = 0; k < W; ++k) {
       lo[k] = (k & b) ? W + k - b : k;

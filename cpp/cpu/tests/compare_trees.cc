@@ -21,11 +21,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <thread>
 #include <vector>
 
 #include "../attention_cpu.h"
+#include "bench_problem.h"
 #include "threaded_for.h"
 #include "testing/attention_check.h"
 
@@ -99,33 +99,17 @@ int main(int argc, char** argv) {
 #endif
   ThreadedFor tf{threads};
   const ParallelFor pf = tf.pf();
-  const int64_t B = 1, N = 8;
-  std::mt19937_64 rng(1);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  Seq q(dt, B, T, N, D, false), k(dt, B, T, N, D, false), v(dt, B, T, N, D, false);
-  Seq o(dt, B, T, N, D, false), dO(dt, B, T, N, D, false), dq(dt, B, T, N, D, false),
-      dk(dt, B, T, N, D, false), dv(dt, B, T, N, D, false);
-  for (Seq* x : {&q, &k, &v, &dO})
-    for (int64_t i = 0; i < x->buf.n; ++i) x->buf.set(i, nd(rng));
-  std::vector<float> lse(B * N * T);
-  AttentionProblem p;
-  p.batch = B; p.q_heads = N; p.kv_heads = N; p.q_len = T; p.kv_len = T; p.head_dim = D;
-  p.scale = 1.0f / std::sqrt(float(D));
-  p.causal = causal;
-  ForwardOperands fo;
-  fo.q = q.view(); fo.k = k.view(); fo.v = v.view(); fo.o = o.view(); fo.lse = lse.data();
-  BackwardOperands bo;
-  bo.q = q.view(); bo.k = k.view(); bo.v = v.view(); bo.o = o.view(); bo.d_o = dO.view();
-  bo.lse = lse.data(); bo.dq = dq.view(); bo.dk = dk.view(); bo.dv = dv.view();
+  BenchProblem bp(dt, T, D, causal);
+  const AttentionProblem& p = bp.p;
 
   // One forward and one backward of one side: their times in f and b.
   auto call = [&](bool theirs, double* f, double* b) {
     const auto t0 = std::chrono::steady_clock::now();
-    const char* e1 = theirs ? other::attention_forward(p, fo, pf, kBf16Products)
-                            : mine::attention_forward(p, fo, pf, kBf16Products);
+    const char* e1 = theirs ? other::attention_forward(p, bp.fo, pf, kBf16Products)
+                            : mine::attention_forward(p, bp.fo, pf, kBf16Products);
     const auto t1 = std::chrono::steady_clock::now();
-    const char* e2 = theirs ? other::attention_backward(p, bo, pf, kBf16Products)
-                            : mine::attention_backward(p, bo, pf, kBf16Products);
+    const char* e2 = theirs ? other::attention_backward(p, bp.bo, pf, kBf16Products)
+                            : mine::attention_backward(p, bp.bo, pf, kBf16Products);
     const auto t2 = std::chrono::steady_clock::now();
     if (e1 || e2) {
       std::fprintf(stderr, "error: %s\n", e1 ? e1 : e2);
@@ -155,7 +139,8 @@ int main(int argc, char** argv) {
     bwd.ratio.push_back(bt / bm);
   }
   std::printf("compare: threads=%d rounds=%d B=%lld N=%lld T=S=%lld D=%lld causal=%d %s\n", threads,
-              rounds, (long long)B, (long long)N, (long long)T, (long long)D, causal ? 1 : 0,
+              rounds, (long long)BenchProblem::kB, (long long)BenchProblem::kN, (long long)T,
+              (long long)D, causal ? 1 : 0,
               dt != DType::kBF16 ? "f32" : kBf16Products ? "bf16 (AMX)" : "bf16 (float32 products)");
   fwd.print("forward");
   bwd.print("backward");

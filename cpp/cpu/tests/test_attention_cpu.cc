@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "../attention_cpu.h"
+#include "bench_problem.h"
 #include "threaded_for.h"
 #include "testing/attention_check.h"
 
@@ -119,7 +120,7 @@ static void test_validation() {
 static void bench(int threads, int reps, int64_t T, const char* only) {
   ThreadedFor tf{threads};
   ParallelFor pf = tf.pf();
-  const int64_t B = 1, N = 8;
+  const int64_t B = BenchProblem::kB, N = BenchProblem::kN;
   const double bf16_peak = bf16_dot_peak_gflops(threads, 0.3);
   const double amx_peak = amx_bf16_peak_gflops(threads, 0.3);
   const bool bf16_dot = bf16_peak > 0, amx = amx_peak > 0;
@@ -144,31 +145,14 @@ static void bench(int threads, int reps, int64_t T, const char* only) {
         std::snprintf(name, sizeof(name), "%s-%lld-%s", dname(dt), (long long)D,
                       causal ? "causal" : "full");
         if (only && std::strcmp(only, name) != 0) continue;
-        std::mt19937_64 rng(1);
-        std::normal_distribution<float> nd(0.0f, 1.0f);
-        Seq q(dt, B, T, N, D, false), k(dt, B, T, N, D, false), v(dt, B, T, N, D, false);
-        Seq o(dt, B, T, N, D, false), dO(dt, B, T, N, D, false), dq(dt, B, T, N, D, false),
-            dk(dt, B, T, N, D, false), dv(dt, B, T, N, D, false);
-        for (Seq* x : {&q, &k, &v, &dO})
-          for (int64_t i = 0; i < x->buf.n; ++i) x->buf.set(i, nd(rng));
-        std::vector<float> lse(B * N * T);
-        AttentionProblem p;
-        p.batch = B; p.q_heads = N; p.kv_heads = N; p.q_len = T; p.kv_len = T;
-        p.head_dim = D;
-        p.scale = 1.0f / std::sqrt(float(D));
-        p.causal = causal;
-        ForwardOperands fo;
-        fo.q = q.view(); fo.k = k.view(); fo.v = v.view(); fo.o = o.view(); fo.lse = lse.data();
-        BackwardOperands bo;
-        bo.q = q.view(); bo.k = k.view(); bo.v = v.view(); bo.o = o.view(); bo.d_o = dO.view();
-        bo.lse = lse.data(); bo.dq = dq.view(); bo.dk = dk.view(); bo.dv = dv.view();
+        BenchProblem bp(dt, T, D, causal);
         double best_f = 1e9, best_fb = 1e9, peak = 0;
         for (int r = 0; r < reps; ++r) {
           peak = std::max(peak, measure_peak());
           auto t0 = std::chrono::steady_clock::now();
-          const char* e1 = attention_forward(p, fo, pf);
+          const char* e1 = attention_forward(bp.p, bp.fo, pf);
           auto t1 = std::chrono::steady_clock::now();
-          const char* e2 = attention_backward(p, bo, pf);
+          const char* e2 = attention_backward(bp.p, bp.bo, pf);
           auto t2 = std::chrono::steady_clock::now();
           if (e1 || e2) {
             std::printf("error: %s\n", e1 ? e1 : e2);

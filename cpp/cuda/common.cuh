@@ -228,6 +228,26 @@ struct HeadMask {
   __device__ __forceinline__ bool tile_is_full(int i0, int i1, int j0, int j1) const {
     return tile_in_bounds(i0, i1, j0, j1) && qseg == nullptr;
   }
+  // The key tiles of `tile` keys (tile x: keys [x * tile, (x + 1) * tile))
+  // that tile_in_bounds<EB>(i0, i1, ...) accepts for query rows [i0, i1):
+  // tiles [*lo, *hi), empty where *hi <= *lo. Each bound cuts the keys at
+  // one end, so those tiles are consecutive and a tile loop tests its index
+  // against two numbers computed once per block of rows, not the five bounds
+  // of every tile. Unsigned divisions: every numerator is >= 0.
+  template <int EB = 0>
+  __device__ __forceinline__ void full_key_tiles(int i0, int i1, int tile, int* lo,
+                                                 int* hi) const {
+    const uint32_t t = static_cast<uint32_t>(tile);
+    int l = 0, h = static_cast<int>(static_cast<uint32_t>(kv_end) / t);  // j1 <= kv_end
+    if ((EB == 0 && (bias || mask)) || i1 > q_end) h = 0;
+    if (causal) h = min(h, static_cast<int>(static_cast<uint32_t>(i0 + 1) / t));  // j1 - 1 <= i0
+    // j1 - 1 <= i0 + wr; a wr past kv_end adds nothing to j1 <= kv_end.
+    if (wr >= 0) h = min(h, static_cast<int>(static_cast<uint32_t>(i0 + 1 + min(wr, kv_end)) / t));
+    if (wl >= 0 && i1 - 1 - wl > 0)  // j0 >= i1 - 1 - wl
+      l = static_cast<int>((static_cast<uint32_t>(i1 - 1 - wl) + t - 1) / t);
+    *lo = l;
+    *hi = h;
+  }
   // Keys a block of query rows [i0, i1) can see: [lo, hi).
   __device__ __forceinline__ void key_range(int i0, int i1, int* lo, int* hi) const {
     int h = kv_end;

@@ -26,27 +26,30 @@ __device__ __forceinline__ void init_fwd_state(float (&o)[D / 2], float (&s)[BK 
 }
 
 // Issues (and commits, without waiting) S = Q Kᵀ for the warpgroup's 64
-// query rows from row q_row of the SW128 Q tile at sQ (QROWS rows in all)
-// and the BK-key SW128 tile at cK.
+// query rows: q_desc, the step-0 descriptor of those rows of the SW128 Q tile
+// (QROWS rows in all; desc_k_major<QROWS>(sQ, row, 0)), and k_desc, that of
+// the BK-key SW128 tile (desc_k_major<BK>(cK, 0, 0)). Each reduction step adds
+// its offset to them (desc_advance), so descriptors built once per block
+// serve every tile.
 template <class E, int D, int BK, int QROWS>
-__device__ __forceinline__ void issue_qk(float (&s)[BK / 2], uint32_t sQ, int q_row,
-                                         uint32_t cK) {
+__device__ __forceinline__ void issue_qk(float (&s)[BK / 2], uint64_t q_desc, uint64_t k_desc) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    Wgmma<E, BK>::template ss<0, 0>(s, desc_k_major<QROWS>(sQ, q_row, kk),
-                                    desc_k_major<BK>(cK, 0, kk), kk > 0);
+    Wgmma<E, BK>::template ss<0, 0>(s, desc_advance(q_desc, k_major_step<QROWS>(kk) / 16),
+                                    desc_advance(k_desc, k_major_step<BK>(kk) / 16), kk > 0);
   wgmma_commit();
 }
 
 // Issues (and commits, without waiting) O += P V for a BK-key tile: P from
-// registers (pv, 16-bit pairs), V the SW128 tile at shared address cV.
+// registers (pv, 16-bit pairs), V the SW128 tile whose step-0 descriptor is
+// v_desc (desc_mn_major<BK>(cV, 0, 0)).
 template <class E, int D, int BK>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pv)[BK / 4],
-                                         uint32_t cV) {
+                                         uint64_t v_desc) {
 #pragma unroll
   for (int kk = 0; kk < BK / 16; ++kk) {
     const uint32_t a[4] = {pv[4 * kk], pv[4 * kk + 1], pv[4 * kk + 2], pv[4 * kk + 3]};
-    Wgmma<E, D>::template rs<1>(o, a, desc_mn_major<BK>(cV, 0, kk), 1);
+    Wgmma<E, D>::template rs<1>(o, a, desc_advance(v_desc, mn_major_step(kk) / 16), 1);
   }
   wgmma_commit();
 }

@@ -39,6 +39,22 @@ namespace {
 
 constexpr int kStages = 2;
 
+// A tile's place in the kStages-slot ring of K (or V) tiles: its slot and the
+// parity of the slot's fill, stepped tile by tile. The fills of slot s are
+// numbered u = 0, 1, ...; the consumers wait for fill u on the full barrier
+// with parity u & 1 (phase), the producer for the consumers' release of fill
+// u - 1 on the empty barrier with parity (u - 1) & 1 = phase ^ 1, which a
+// fresh barrier, still in its first phase, reports as done for u = 0.
+struct RingPos {
+  uint32_t slot = 0, phase = 0;
+  __device__ __forceinline__ void step() {
+    if (++slot == kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
 struct FwdTensorMaps {
   CUtensorMap q, k, v;
 };
@@ -109,8 +125,10 @@ struct FwdWalk {
 
 // Tile::EB > 0: the mask or bias is staged (see the top of the file).
 // LOADED (with EB = 0): a mask or bias is read one score at a time; neither:
-// the problem has no mask or bias.
-template <class E, class Tile, bool LOADED>
+// the problem has no mask or bias. SEGS: the problem may have segment ids
+// (launch_e chooses: false only where it has none, so that such problems
+// skip the per-tile segment test).
+template <class E, class Tile, bool LOADED, bool SEGS>
 __global__ void __launch_bounds__(Tile::kNT, 1)
     fwd_ws_kernel(const __grid_constant__ FwdTensorMaps maps, const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -123,10 +141,10 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   const uint32_t sScore = sV + kStages * Tile::kKVBytes;  // 2 slots, when EB > 0
   const uint32_t bars = sScore + 2 * Tile::kScoreSlotBytes;
   const uint32_t q_full = bars, q_empty = bars + 8;
-  auto k_full = [&](int s) { return bars + 8 * (2 + s); };
-  auto v_full = [&](int s) { return bars + 8 * (2 + kStages + s); };
-  auto k_empty = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
-  auto v_empty = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
+  auto k_full = [&](uint32_t s) { return bars + 8 * (2 + s); };
+  auto v_full = [&](uint32_t s) { return bars + 8 * (2 + kStages + s); };
+  auto k_empty = [&](uint32_t s) { return bars + 8 * (2 + 2 * kStages + s); };
+  auto v_empty = [&](uint32_t s) { return bars + 8 * (2 + 3 * kStages + s); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2;
@@ -147,27 +165,28 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   if (wg == 0) {
     setmaxnreg_dec<24>();
     if (tid != 0) return;
-    // Tiles are numbered across the block's items (g): slot g % kStages
-    // holds tile g, and its u-th fill (u = g / kStages >= 1) waits for the
-    // u-th completion of its empty barrier, parity (u - 1) & 1. Q's one slot
-    // likewise, once per item (item counts them).
-    auto load_k = [&](int g, int j0, int kvh, int b) {
-      const int s = g % kStages, use = g / kStages;
-      if (use > 0) mbar_wait(k_empty(s), (use - 1) & 1);
+    // The K and V rings run on across the block's items (RingPos); Q's one
+    // slot is filled once per item (item counts them).
+    RingPos kpos, vpos;
+    auto load_k = [&](int j0, int kvh, int b) {
+      const uint32_t s = kpos.slot;
+      mbar_wait(k_empty(s), kpos.phase ^ 1u);
       mbar_arrive_expect_tx(k_full(s), Tile::kKVBytes);
       for (int cb = 0; cb < D / 64; ++cb)
         tma_load_4d(sK + s * Tile::kKVBytes + cb * BK * 128, &maps.k, k_full(s), 64 * cb, j0,
                     kvh, b);
+      kpos.step();
     };
-    auto load_v = [&](int g, int j0, int kvh, int b) {
-      const int s = g % kStages, use = g / kStages;
-      if (use > 0) mbar_wait(v_empty(s), (use - 1) & 1);
+    auto load_v = [&](int j0, int kvh, int b) {
+      const uint32_t s = vpos.slot;
+      mbar_wait(v_empty(s), vpos.phase ^ 1u);
       mbar_arrive_expect_tx(v_full(s), Tile::kKVBytes);
       for (int cb = 0; cb < D / 64; ++cb)
         tma_load_4d(sV + s * Tile::kKVBytes + cb * BK * 128, &maps.v, v_full(s), 64 * cb, j0,
                     kvh, b);
+      vpos.step();
     };
-    int g = 0, item = 0;
+    int item = 0;
     for (FwdWalk<kBQ> walk(p); walk.valid(); walk.advance(), ++item) {
       int b, n, i0;
       walk.get(&b, &n, &i0);
@@ -179,17 +198,16 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
       // The item's first K tile goes before its Q: K's slot frees as the
       // consumers finish the previous item's second-to-last tile, Q's only
       // after their last S = Q Kᵀ.
-      if (n_tiles > 0) load_k(g, t_begin * BK, kvh, b);
+      if (n_tiles > 0) load_k(t_begin * BK, kvh, b);
       if (item > 0) mbar_wait(q_empty, (item - 1) & 1);
       mbar_arrive_expect_tx(q_full, Tile::kQBytes);
       for (int cb = 0; cb < D / 64; ++cb)
         tma_load_4d(sQ + cb * kBQ * 128, &maps.q, q_full, 64 * cb, i0, n, b);
       for (int t = 0; t < n_tiles; ++t) {
         const int j0 = (t_begin + t) * BK;
-        if (t > 0) load_k(g + t, j0, kvh, b);
-        load_v(g + t, j0, kvh, b);
+        if (t > 0) load_k(j0, kvh, b);
+        load_v(j0, kvh, b);
       }
-      g += n_tiles;
     }
     return;
   }
@@ -219,7 +237,18 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
   constexpr int kStageBarrier0 = kTurnBarrier0 + kConsumers;  // then one per consumer
   const int consumer_tid = tid - 128 * wg;
 
-  int g0 = 0, item = 0;  // tiles and items of the block's earlier items
+  // The step-0 descriptors of this consumer's 64 rows of Q and of ring slot
+  // 0's K and V tiles, built once: a tile's are these moved on by its slot's
+  // offset (desc_advance), and each reduction step's by the step's.
+  // Read through a shuffle (uniform_value), so that ptxas keeps them in
+  // uniform registers rather than rebuilding them from the shared-memory
+  // base before every tile's products.
+  const uint64_t q_desc = uniform_value(desc_k_major<kBQ>(sQ, c * 64, 0));
+  const uint64_t k_desc = uniform_value(desc_k_major<BK>(sK, 0, 0));
+  const uint64_t v_desc = uniform_value(desc_mn_major<BK>(sV, 0, 0));
+
+  RingPos pos;  // the ring position of the next K tile, run on across items
+  int item = 0;
   for (FwdWalk<kBQ> walk(p); walk.valid(); walk.advance(), ++item) {
     int b, n, i0;
     walk.get(&b, &n, &i0);
@@ -229,6 +258,13 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
     hm.key_tiles(p, b, i0, min(i0 + kBQ, p.T), BK, &t_begin, &n_tiles);
     const int warp_row0 = i0 + c * 64 + wq * 16;  // the warp's 16 rows
     const int row0 = warp_row0 + (lane >> 2);     // this thread's rows: row0, row0 + 8
+
+    // The key tiles that need no bounds for this warp's 16 rows (tile
+    // t_begin + t for t in [full_first, full_first + full_count)).
+    int full_lo, full_hi;
+    hm.full_key_tiles<EB>(warp_row0, warp_row0 + 16, BK, &full_lo, &full_hi);
+    const int full_first = full_lo - t_begin;
+    const uint32_t full_count = static_cast<uint32_t>(max(full_hi - full_lo, 0));
 
     float o[D / 2], s[BK / 2];
     uint32_t pv[BK / 4];
@@ -252,12 +288,13 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
 
     mbar_wait(q_full, item & 1);
     if (n_tiles == 0) mbar_arrive(q_empty);
+    RingPos prev;  // tile t - 1's (V's) ring position, for t > 0
     for (int t = 0; t < n_tiles; ++t) {
-      const int j0 = (t_begin + t) * BK, g = g0 + t;
-      const int s_cur = g % kStages, s_prev = (g + kStages - 1) % kStages;
+      const int j0 = (t_begin + t) * BK;
+      const uint32_t s_cur = pos.slot, s_prev = prev.slot;
       // Read before the products, so that the table reads' latency hides
       // behind them.
-      const bool one_seg = hm.one_segment(p, b, warp_row0, warp_row0 + 16, j0, j0 + BK);
+      const bool one_seg = !SEGS || hm.one_segment(p, b, warp_row0, warp_row0 + 16, j0, j0 + BK);
       if constexpr (EB > 0) {
         cp_async_wait<0>();
         // This consumer's copies of tile t landed, and its threads are all done
@@ -266,19 +303,19 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
         if (t + 1 < n_tiles) stage_scores(t + 1);
         cp_async_commit();
       }
-      mbar_wait(k_full(s_cur), (g / kStages) & 1);
-      if (t > 0) mbar_wait(v_full(s_prev), ((g - 1) / kStages) & 1);
+      mbar_wait(k_full(s_cur), pos.phase);
+      if (t > 0) mbar_wait(v_full(s_prev), prev.phase);
 
       named_bar_sync(my_turn, 2 * 128);
       fence_regs(s);
       fence_regs(o);
       fence_regs(pv);
       wgmma_fence();
-      issue_qk<E, D, BK, kBQ>(s, sQ, c * 64, sK + s_cur * Tile::kKVBytes);
+      issue_qk<E, D, BK, kBQ>(s, q_desc, desc_advance(k_desc, s_cur * (Tile::kKVBytes / 16)));
       // (No branch may sit between the issue and the wait other than this one:
       // ptxas serialises wgmma across compiler-inserted fences in divergent code.)
       if (t > 0) {
-        issue_pv<E, D, BK>(o, pv, sV + s_prev * Tile::kKVBytes);
+        issue_pv<E, D, BK>(o, pv, desc_advance(v_desc, s_prev * (Tile::kKVBytes / 16)));
         named_bar_arrive(next_turn, 2 * 128);
         wgmma_wait<1>();
       } else {
@@ -289,7 +326,7 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
       mbar_arrive(k_empty(s_cur));  // S_t is done with K_t
       if (t == n_tiles - 1) mbar_arrive(q_empty);  // and the item's last with Q
 
-      const bool full = hm.tile_in_bounds<EB>(warp_row0, warp_row0 + 16, j0, j0 + BK) && one_seg;
+      const bool full = static_cast<uint32_t>(t - full_first) < full_count && one_seg;
       float alpha[2];
       const uint8_t* staged_row0 = nullptr;
       if constexpr (EB > 0)
@@ -303,29 +340,30 @@ __global__ void __launch_bounds__(Tile::kNT, 1)
       fence_regs(pv);
       if (t > 0) mbar_arrive(v_empty(s_prev));  // O += P V is done with V_{t-1}
       rescale_o_keep_p<E, D, BK>(o, alpha, s, pv);
+      prev = pos;
+      pos.step();
     }
     if (n_tiles > 0) {
-      const int g_last = g0 + n_tiles - 1, s_last = g_last % kStages;
-      mbar_wait(v_full(s_last), (g_last / kStages) & 1);
+      const uint32_t s_last = prev.slot;
+      mbar_wait(v_full(s_last), prev.phase);
       fence_regs(o);
       fence_regs(pv);
       wgmma_fence();
-      issue_pv<E, D, BK>(o, pv, sV + s_last * Tile::kKVBytes);
+      issue_pv<E, D, BK>(o, pv, desc_advance(v_desc, s_last * (Tile::kKVBytes / 16)));
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pv);
       mbar_arrive(v_empty(s_last));
     }
     store_o_lse<E, D>(p, o, m, l, b, n, row0, lane);
-    g0 += n_tiles;
   }
   if (c == 0) named_bar_sync(kTurnBarrier0, 2 * 128);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL: other targets get an empty kernel, never launched
 }
 
-template <class E, class Tile, bool LOADED>
+template <class E, class Tile, bool LOADED, bool SEGS>
 cudaError_t launch(const KParams& p, cudaStream_t stream) {
-  auto* kernel = fwd_ws_kernel<E, Tile, LOADED>;
+  auto* kernel = fwd_ws_kernel<E, Tile, LOADED, SEGS>;
   if (!has_sm90a_code(kernel)) return cudaErrorNotSupported;
   FwdTensorMaps maps;
   const int D = Tile::D;
@@ -351,24 +389,27 @@ cudaError_t launch(const KParams& p, cudaStream_t stream) {
 }
 
 // The tiles hopper_fwd_consumers and hopper_fwd_key_tile choose.
-template <class E, bool LOADED>
+template <class E, bool LOADED, bool SEGS>
 cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
   switch (p.D) {
     case 64:
       if constexpr (!LOADED) {
-        if (hopper_fwd_consumers(p) == 3) return launch<E, WsTile<64, 128, 0, 3>, false>(p, stream);
+        if (hopper_fwd_consumers(p) == 3)
+          return launch<E, WsTile<64, 128, 0, 3>, false, SEGS>(p, stream);
       }
-      return launch<E, WsTile<64, 128>, LOADED>(p, stream);
+      return launch<E, WsTile<64, 128>, LOADED, SEGS>(p, stream);
     case 128:
       if constexpr (!LOADED) {
-        if (hopper_fwd_key_tile(p, false) == 176) return launch<E, WsTile<128, 176>, false>(p, stream);
+        if (hopper_fwd_key_tile(p, false) == 176)
+          return launch<E, WsTile<128, 176>, false, SEGS>(p, stream);
       }
-      return launch<E, WsTile<128, 128>, LOADED>(p, stream);
+      return launch<E, WsTile<128, 128>, LOADED, SEGS>(p, stream);
     case 256:
       if constexpr (!LOADED) {
-        if (hopper_fwd_key_tile(p, false) == 80) return launch<E, WsTile<256, 80>, false>(p, stream);
+        if (hopper_fwd_key_tile(p, false) == 80)
+          return launch<E, WsTile<256, 80>, false, SEGS>(p, stream);
       }
-      return launch<E, WsTile<256, 64>, LOADED>(p, stream);
+      return launch<E, WsTile<256, 64>, LOADED, SEGS>(p, stream);
     default: return cudaErrorNotSupported;
   }
 }
@@ -376,22 +417,28 @@ cudaError_t launch_d(const KParams& p, cudaStream_t stream) {
 // A staged mask or bias: the default tiles where its two slots fit in shared
 // memory; a bias at D = 128 takes 64-key tiles (two 128 x 128 bias slots do
 // not fit beside 128-key K and V stages), and at D = 256 only a mask fits, so
-// a bias there is read one score at a time.
+// a bias there is read one score at a time. Never with segment ids
+// (staged_score_bytes in attention_cuda.cu stages nothing then).
 template <class E>
 cudaError_t launch_staged(const KParams& p, cudaStream_t stream) {
-  if (p.staged == 1 && p.D == 64) return launch<E, WsTile<64, 128, 1>, false>(p, stream);
-  if (p.staged == 2 && p.D == 64) return launch<E, WsTile<64, 128, 2>, false>(p, stream);
-  if (p.staged == 1 && p.D == 128) return launch<E, WsTile<128, 128, 1>, false>(p, stream);
-  if (p.staged == 2 && p.D == 128) return launch<E, WsTile<128, 64, 2>, false>(p, stream);
-  if (p.staged == 1 && p.D == 256) return launch<E, WsTile<256, 64, 1>, false>(p, stream);
-  return launch_d<E, true>(p, stream);
+  if (p.staged == 1 && p.D == 64) return launch<E, WsTile<64, 128, 1>, false, false>(p, stream);
+  if (p.staged == 2 && p.D == 64) return launch<E, WsTile<64, 128, 2>, false, false>(p, stream);
+  if (p.staged == 1 && p.D == 128) return launch<E, WsTile<128, 128, 1>, false, false>(p, stream);
+  if (p.staged == 2 && p.D == 128) return launch<E, WsTile<128, 64, 2>, false, false>(p, stream);
+  if (p.staged == 1 && p.D == 256) return launch<E, WsTile<256, 64, 1>, false, false>(p, stream);
+  return launch_d<E, true, true>(p, stream);
 }
 
+// The instances, chosen here alone: a staged mask or bias; a mask or bias
+// read score by score, segment ids tested at run time (one instance per
+// tile); else without a mask or bias, one instance for problems with segment
+// ids and one, whose tiles skip the segment test, for problems without.
 template <class E>
 cudaError_t launch_e(const KParams& p, cudaStream_t stream) {
   if (p.staged != 0) return launch_staged<E>(p, stream);
-  return fwd_needs_general_softmax(p) ? launch_d<E, true>(p, stream)
-                                     : launch_d<E, false>(p, stream);
+  if (fwd_needs_general_softmax(p)) return launch_d<E, true, true>(p, stream);
+  return p.q_seg != nullptr ? launch_d<E, false, true>(p, stream)
+                            : launch_d<E, false, false>(p, stream);
 }
 
 }  // namespace

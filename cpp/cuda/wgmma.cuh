@@ -65,6 +65,26 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lead, uin
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// A product's reduction steps from one descriptor: the descriptor of step 0
+// (desc_k_major / desc_mn_major with kk = 0, or any SW128 descriptor) moved
+// on by `units` x 16 bytes, added to the low word alone (it never carries out
+// of the start-address field: see sw128_desc). With the step-0 descriptor
+// kept in uniform registers across a tile loop, a step costs one add; a slot
+// of a multi-stage ring likewise (units = slot x slot bytes / 16: in 16-byte
+// units, so that no mask of a shifted byte offset is needed).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t units) {
+  return (d & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d) + units);
+}
+// The byte offsets of reduction step kk in a K-major tile of R rows and in an
+// MN-major one (what desc_k_major and desc_mn_major add for kk).
+template <int R>
+__device__ __forceinline__ constexpr uint32_t k_major_step(int kk) {
+  return static_cast<uint32_t>(((kk * 16) >> 6) * (R * 128) + ((kk * 16) & 63) * 2);
+}
+__device__ __forceinline__ constexpr uint32_t mn_major_step(int kk) {
+  return static_cast<uint32_t>(kk * 16 * 128);
+}
+
 // How desc_k_major and desc_mn_major build a product's descriptors:
 // kHoisted passes the reduction step's part of the address as sw128_desc's
 // offset (one add per wgmma; every kernel but one); kPerStep builds each
@@ -77,8 +97,7 @@ enum class DescBuild : int { kHoisted, kPerStep };
 // 16 columns sit inside one 128-byte row (the leading offset is unused).
 template <int R, DescBuild B = DescBuild::kHoisted>
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int row0, int kk) {
-  const int col = kk * 16;
-  const uint32_t step = (col >> 6) * (R * 128) + (col & 63) * 2;
+  const uint32_t step = k_major_step<R>(kk);
   return B == DescBuild::kHoisted ? sw128_desc(tile + row0 * 128, 16, 1024, step)
                                   : sw128_desc(tile + row0 * 128 + step, 16, 1024);
 }
@@ -89,8 +108,8 @@ __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int row0, int kk
 template <int R, DescBuild B = DescBuild::kHoisted>
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int col0, int kk) {
   const uint32_t base = tile + (col0 >> 6) * (R * 128) + (col0 & 63) * 2;
-  return B == DescBuild::kHoisted ? sw128_desc(base, R * 128, 1024, kk * 16 * 128)
-                                  : sw128_desc(base + kk * 16 * 128, R * 128, 1024);
+  return B == DescBuild::kHoisted ? sw128_desc(base, R * 128, 1024, mn_major_step(kk))
+                                  : sw128_desc(base + mn_major_step(kk), R * 128, 1024);
 }
 
 template <class E, int N> struct Wgmma;
@@ -103,6 +122,14 @@ template <class E, int N> struct Wgmma;
 // registers instead of being moved there (R2UR) before every wgmma.
 __device__ __forceinline__ int warp_index_uniform() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0);
+}
+
+// A value every lane of the warp holds, read from lane 0 like
+// warp_index_uniform: ptxas then keeps it in a uniform register where it
+// would otherwise rebuild it from its inputs at each use (a wgmma
+// descriptor from the shared-memory base, say).
+__device__ __forceinline__ uint64_t uniform_value(uint64_t v) {
+  return __shfl_sync(0xffffffffu, static_cast<unsigned long long>(v), 0);
 }
 
 // Orders register accesses around asynchronous wgmma: the compiler must not

@@ -17,11 +17,18 @@ jax_fatrain.bench.cuda does.
 """
 
 import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from jax_fatrain.bench import cuda as benchmark_cuda
+# The checkout this tool belongs to, ahead of any installed copy: Python puts
+# tools/ on sys.path, not the repository root, and on the GPU machine the
+# package is built in place (tools/cuda_device_build.sh), not installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax_fatrain.bench import cuda as benchmark_cuda  # noqa: E402
 
 
 def main(argv=None):

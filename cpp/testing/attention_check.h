@@ -687,13 +687,6 @@ inline std::vector<Case> standard_cases() {
     c.B = 1; c.N = 2; c.K = 1; c.T = 70; c.S = 2200; c.D = 64; c.dt = DType::kBF16;
     add(c);
   }
-  {
-    Case c;
-    c.name = "long_causal_d128_bf16";
-    c.B = 1; c.N = 1; c.K = 1; c.T = 1100; c.S = 1100; c.D = 128; c.dt = DType::kBF16;
-    c.causal = true;
-    add(c);
-  }
   // Packed sequences: B, N, K, T = S or T, S, D, dtype, causality, layout.
   auto packed = [&](const char* name, int64_t B, int64_t N, int64_t K, int64_t T, int64_t S,
                     int64_t D, DType dt, bool causal, Segments segments, int64_t documents) {

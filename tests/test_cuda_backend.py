@@ -113,11 +113,12 @@ LARGE = [
     # items of different heads and batches, their K/V tiles and Q loads
     # running on from one item into the next: causal with sequence lengths
     # (items without any key tile among them), a staged mask, and D = 256's
-    # 80-key tiles; and three consumers at D = 64, one block per item
-    # (kernel_choice.h, hopper_fwd_grid).
+    # 80-key tiles; and three consumers at D = 64 (T >= 2048 without
+    # causality), one block per item (kernel_choice.h, hopper_fwd_consumers,
+    # hopper_fwd_grid).
     Case(batch=4, q_len=1100, kv_len=1000, q_heads=16, kv_heads=4, head_dim=128,
          dtype=jnp.bfloat16, is_causal=True, q_lengths=True, kv_lengths=True),
-    Case(batch=3, q_len=1000, kv_len=900, q_heads=16, kv_heads=8, head_dim=64,
+    Case(batch=2, q_len=2100, kv_len=900, q_heads=16, kv_heads=8, head_dim=64,
          dtype=jnp.float16, kv_lengths=True),
     Case(batch=2, q_len=1024, kv_len=512, q_heads=16, kv_heads=2, head_dim=128,
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S)),

@@ -36,17 +36,20 @@ inline KernelFamily first_family(DType dtype, int64_t head_dim, bool operands_al
 }
 
 // Hopper forward: consumer warpgroups of 64 query rows each. Three at D = 64
-// without a mask, bias or window, with causality only from T = 4096 on
-// (there a 64 x 128 tile's softmax takes about as long as its two products,
-// so a third consumer keeps the tensor cores busy); else two. With
-// causality at T = 1024 the 192-row blocks (six per head, 11% of their rows
-// past T) took 21% longer than two consumers' persistent grid, at T = 4096
-// and 8192 5% and 10% less (docs/cuda.md); a mask or bias read one score at
-// a time, or the general softmax a non-positive scale takes, spills at a
-// third consumer's 160 registers.
+// without a mask, bias or window, from T = 2048 on without causality and from
+// T = 4096 on with it (there a 64 x 128 tile's softmax takes about as long as
+// its two products, so a third consumer keeps the tensor cores busy); else
+// two. At T = 1024 a head has six 192-row blocks, 11% of their rows past T:
+// without causality they took 386 µs against two consumers' 347 on the
+// persistent grid, at T = 2048 (3% past T) 607 against 635; with causality
+// at T = 1024 21% longer, at T = 4096 and 8192 5% and 10% less
+// (docs/cuda.md). A mask or bias read one score at a time, or the general
+// softmax a non-positive scale takes, spills at a third consumer's 160
+// registers.
 inline int hopper_fwd_consumers(const KParams& p) {
   const bool plain = p.mask == nullptr && p.bias == nullptr && p.scale_log2 > 0.f;
-  return p.D == 64 && plain && (!p.causal || p.T >= 4096) && p.wl < 0 && p.wr < 0 ? 3 : 2;
+  const bool long_enough = p.T >= (p.causal ? 4096 : 2048);
+  return p.D == 64 && plain && long_enough && p.wl < 0 && p.wr < 0 ? 3 : 2;
 }
 
 // Hopper forward without a staged mask or bias: keys per K and V tile. A

@@ -687,6 +687,15 @@ inline std::vector<Case> standard_cases() {
     c.B = 1; c.N = 2; c.K = 1; c.T = 70; c.S = 2200; c.D = 64; c.dt = DType::kBF16;
     add(c);
   }
+  // Queries enough for the CUDA forward's three-consumer kernel at D = 64
+  // without causality (kernel_choice.h, hopper_fwd_consumers: T >= 2048),
+  // the last of its 192-row blocks partly past T.
+  {
+    Case c;
+    c.name = "long_queries_d64_bf16";
+    c.B = 1; c.N = 2; c.K = 1; c.T = 2100; c.S = 130; c.D = 64; c.dt = DType::kBF16;
+    add(c);
+  }
   // Packed sequences: B, N, K, T = S or T, S, D, dtype, causality, layout.
   auto packed = [&](const char* name, int64_t B, int64_t N, int64_t K, int64_t T, int64_t S,
                     int64_t D, DType dt, bool causal, Segments segments, int64_t documents) {

@@ -1,7 +1,8 @@
 // Paired timing of two versions of the CPU kernels in one process: this
 // tree's AVX-512 kernels (namespace fatrain::cpu::avx512, from
 // attention_cpu_isa_avx512.cc; with FATRAIN_COMPARE_AMX its AMX variant,
-// fatrain::cpu::avx512_amx, bfloat16 only) against another checkout's,
+// fatrain::cpu::avx512_amx, bfloat16 only; with FATRAIN_COMPARE_AVX2 its
+// AVX2 kernels, fatrain::cpu::avx2) against another checkout's,
 // compiled from its attention_cpu_impl.h into namespace fatrain::cpu::other
 // with the same flags (build_and_test.sh compare). The two run alternately, call after call, and
 // the result is the median over rounds of each round's time ratio, so that a
@@ -32,6 +33,8 @@
 namespace fatrain::cpu {
 #if defined(FATRAIN_COMPARE_AMX)
 namespace avx512_amx {
+#elif defined(FATRAIN_COMPARE_AVX2)
+namespace avx2 {
 #else
 namespace avx512 {
 #endif
@@ -39,7 +42,7 @@ const char* attention_forward(const AttentionProblem&, const ForwardOperands&, c
                               bool bf16_dot);
 const char* attention_backward(const AttentionProblem&, const BackwardOperands&,
                                const ParallelFor&, bool bf16_dot);
-}  // namespace avx512 (avx512_amx)
+}  // namespace avx512 (avx512_amx, avx2)
 namespace other {
 const char* attention_forward(const AttentionProblem&, const ForwardOperands&, const ParallelFor&,
                               bool bf16_dot);
@@ -53,6 +56,9 @@ using namespace fatrain::testing;
 #if defined(FATRAIN_COMPARE_AMX)
 namespace mine = fatrain::cpu::avx512_amx;
 constexpr bool kBf16Products = true;  // bf16 problems as bf16 pairs on AMX tiles
+#elif defined(FATRAIN_COMPARE_AVX2)
+namespace mine = fatrain::cpu::avx2;
+constexpr bool kBf16Products = false;  // bf16 problems converted to float32
 #else
 namespace mine = fatrain::cpu::avx512;
 constexpr bool kBf16Products = false;  // bf16 problems converted to float32

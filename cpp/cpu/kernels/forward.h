@@ -308,23 +308,36 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   // New running max per query. A query that has seen no finite score keeps
   // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
   // score); any NaN score makes its query's l, and so its O and L, NaN.
-  // The tile's max per query: rows outer, so that the query vectors are
-  // independent chains of maxima.
+  // Both passes run a query vector at a time down the key rows, so that its
+  // max and its sum stay in registers (with nqv a runtime count, arrays of
+  // them indexed in the inner loop live in memory, and with 16 vector
+  // registers each row's update became a load and a store per vector); the
+  // tile's max uses two chains (even and odd rows), the sum adds in row
+  // order.
   vf mx[kQV];
-  for (int64_t v = 0; v < kQV; ++v) mx[v] = bc(-kInf);
-  for (int64_t r = 0; r < nj; ++r)
-    for (int64_t v = 0; v < nqv; ++v) mx[v] = vmax(mx[v], ld(St + r * BQ + v * W));
-  for (int64_t v = 0; v < nqv; ++v) mx[v] = mx[v] * vc;
+  for (int64_t v = 0; v < nqv; ++v) {
+    const float* col = St + v * W;
+    vf m0 = bc(-kInf), m1 = m0;
+    int64_t r = 0;
+    for (; r + 1 < nj; r += 2) {
+      m0 = vmax(m0, ld(col + r * BQ));
+      m1 = vmax(m1, ld(col + (r + 1) * BQ));
+    }
+    if (r < nj) m0 = vmax(m0, ld(col + r * BQ));
+    mx[v] = vmax(m0, m1) * vc;
+  }
   const bool rescale = update_running_max(t, mx, nqv);
   vf sum[kQV];
-  for (int64_t v = 0; v < kQV; ++v) sum[v] = vf{};
-  for (int64_t r = 0; r < nj; ++r) {
-    float* srow = St + r * BQ;
-    for (int64_t v = 0; v < nqv; ++v) {
-      const vf p = vexp2<Pk>(ld(srow + v * W) * vc - ld(t.mexp + v * W));
-      sum[v] += p;
-      st(srow + v * W, p);
+  for (int64_t v = 0; v < nqv; ++v) {
+    float* col = St + v * W;
+    const vf mexp = ld(t.mexp + v * W);
+    vf acc = vf{};
+    for (int64_t r = 0; r < nj; ++r) {
+      const vf p = vexp2<Pk>(ld(col + r * BQ) * vc - mexp);
+      acc += p;
+      st(col + r * BQ, p);
     }
+    sum[v] = acc;
   }
   rescale_running_sums(t, sum, nqv, Dp, rescale);
   acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,

@@ -84,10 +84,17 @@ if [[ "${1:-}" == "bench" ]]; then
 fi
 
 status=0
-# exp2 against double precision, generic and (x86-64) AVX-512 forms.
+# exp2 against double precision, generic and (x86-64) AVX2 and AVX-512 forms.
 "$CXX" "${common[@]}" -o "$out/test_exp2" "$here/test_exp2.cc" "${objs[@]}" -pthread "${extra[@]}"
 ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2" || status=1
 if ((x86_64)); then
+  "$CXX" "${common[@]}" "${isa_avx2[@]}" -o "$out/test_exp2_avx2" "$here/test_exp2.cc" \
+    "${objs[@]}" -pthread "${extra[@]}"
+  if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+    ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2_avx2" || status=1
+  else
+    echo "test_exp2 (AVX2 form): skipped, this CPU has no AVX2"
+  fi
   "$CXX" "${common[@]}" "${isa_avx512[@]}" -o "$out/test_exp2_avx512" "$here/test_exp2.cc" \
     "${objs[@]}" -pthread "${extra[@]}"
   if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then

@@ -3,8 +3,9 @@
 // products and for the running max's rescale factors) and vexp2<uint32_t>
 // (the shorter one, for probabilities rounded to bf16 pairs). Built by
 // build_and_test.sh once with the TU's baseline flags and, on x86-64, once
-// with the AVX-512 flags, so that both the generic and the
-// vrndscaleps/vscalefps forms of vexp2 are checked.
+// with the AVX2 flags and once with the AVX-512 flags, so that the generic,
+// the vmaxps/vminps-clamped and the vrndscaleps/vscalefps forms of vexp2 are
+// checked.
 //
 // Over x in [-126, 0] (the normal range the softmax reaches: every argument
 // is a score minus its row's running max) the relative error must stay
@@ -51,6 +52,16 @@ bool underflows_to_zero() {
   return true;
 }
 
+// A NaN argument gives NaN (a NaN score must make its query's sums NaN).
+bool keeps_nan() {
+  vf x;
+  for (int k = 0; k < W; ++k) x[k] = k % 2 ? __builtin_nanf("") : -1.0f;
+  const vf y1 = vexp2<float>(x), y2 = vexp2<uint32_t>(x);
+  for (int k = 0; k < W; ++k)
+    if ((y1[k] != y1[k]) != (k % 2 == 1) || (y2[k] != y2[k]) != (k % 2 == 1)) return false;
+  return true;
+}
+
 }  // namespace
 }  // namespace fatrain::cpu::FATRAIN_ISA
 
@@ -76,6 +87,9 @@ int main() {
   const bool zero = underflows_to_zero();
   std::printf("%s 2^x for x < -150 is +0\n", zero ? "ok  " : "FAIL");
   failed += !zero;
+  const bool nan = keeps_nan();
+  std::printf("%s 2^NaN is NaN\n", nan ? "ok  " : "FAIL");
+  failed += !nan;
   std::printf(failed ? "exp2: %d FAILED\n" : "exp2: ALL PASSED\n", failed);
   return failed ? 1 : 0;
 }

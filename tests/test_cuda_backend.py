@@ -178,7 +178,8 @@ def _expected_kernels(case, deterministic, family):
   must.append(r"\bfwd_ws_kernel<")
   three = r"WsTile<64, 128, 0, 3>"
   never = [r"\bfwd_tc_kernel<"]
-  if d == 64 and plain and (not case.is_causal or case.q_len >= 4096) and case.window is None:
+  if (d == 64 and plain and case.q_len >= (4096 if case.is_causal else 2048)
+      and case.window is None):
     must.append(three)
   else:
     never.append(three)

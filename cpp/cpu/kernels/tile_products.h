@@ -53,12 +53,28 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
     const int64_t k1 = imin(K, k0 + chunk);
     const bool add = kSum != kChunks || k0 > 0;
     vf c[M][N];
+    int64_t k = k0;
+    if constexpr (kScores && Lanes<Pk>::kPair == 1) {
+      // A score chunk's first products start its sums (a product is what
+      // 0 + a b rounds to), so that no instructions go to zeroing them.
+      V b[N];
 #pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
+      for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
 #pragma GCC unroll 8
-      for (int j = 0; j < N; ++j) c[i][j] = (add && !kScores) ? ld(C + i * ldc + j * W) : vf{};
+      for (int i = 0; i < M; ++i) {
+        V a = L::bcast(A[i * sa + k * sk]);
+#pragma GCC unroll 8
+        for (int j = 0; j < N; ++j) c[i][j] = a * b[j];
+      }
+      ++k;
+    } else {
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 8
+        for (int j = 0; j < N; ++j) c[i][j] = (add && !kScores) ? ld(C + i * ldc + j * W) : vf{};
+      }
     }
-    for (int64_t k = k0; k < k1; ++k) {
+    for (; k < k1; ++k) {
       V b[N];
 #pragma GCC unroll 8
       for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);

@@ -88,20 +88,17 @@ status=0
 "$CXX" "${common[@]}" -o "$out/test_exp2" "$here/test_exp2.cc" "${objs[@]}" -pthread "${extra[@]}"
 ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2" || status=1
 if ((x86_64)); then
-  "$CXX" "${common[@]}" "${isa_avx2[@]}" -o "$out/test_exp2_avx2" "$here/test_exp2.cc" \
-    "${objs[@]}" -pthread "${extra[@]}"
-  if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
-    ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2_avx2" || status=1
-  else
-    echo "test_exp2 (AVX2 form): skipped, this CPU has no AVX2"
-  fi
-  "$CXX" "${common[@]}" "${isa_avx512[@]}" -o "$out/test_exp2_avx512" "$here/test_exp2.cc" \
-    "${objs[@]}" -pthread "${extra[@]}"
-  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
-    ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2_avx512" || status=1
-  else
-    echo "test_exp2 (AVX-512 form): skipped, this CPU has no AVX-512"
-  fi
+  for form in avx2 avx512; do
+    flags_name="isa_$form[@]" cpu_flag=$form
+    [[ $form == avx512 ]] && cpu_flag=avx512f
+    "$CXX" "${common[@]}" "${!flags_name}" -o "$out/test_exp2_$form" "$here/test_exp2.cc" \
+      "${objs[@]}" -pthread "${extra[@]}"
+    if grep -qw "$cpu_flag" /proc/cpuinfo 2>/dev/null; then
+      ${FATRAIN_TEST_RUNNER:-} "$out/test_exp2_$form" || status=1
+    else
+      echo "test_exp2 ($form form): skipped, this CPU has no $cpu_flag"
+    fi
+  done
 fi
 # A variant the CPU lacks is ignored by the dispatcher (the best one runs).
 isas=(baseline)

@@ -309,11 +309,10 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   // m = -inf and exponentiates against 0 (its p are 0, or NaN from a NaN
   // score); any NaN score makes its query's l, and so its O and L, NaN.
   // Both passes run a query vector at a time down the key rows, so that its
-  // max and its sum stay in registers (with nqv a runtime count, arrays of
-  // them indexed in the inner loop live in memory, and with 16 vector
-  // registers each row's update became a load and a store per vector); the
-  // tile's max uses two chains (even and odd rows), the sum adds in row
-  // order.
+  // max and its sum stay in registers (arrays of them indexed by a runtime
+  // count in an inner loop live in memory, a load and a store per vector and
+  // row); the tile's max uses two chains (even and odd rows), the sum adds
+  // in row order.
   vf mx[kQV];
   for (int64_t v = 0; v < nqv; ++v) {
     const float* col = St + v * W;

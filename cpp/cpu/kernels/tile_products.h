@@ -32,6 +32,30 @@ constexpr int64_t kScoreSumChunk = 16;
 // kMoreChunks, C += A.B in such chunks (a score product's later K blocks).
 enum Sum { kSequential, kChunks, kMoreChunks };
 
+// One step k of mk: c += A[:, k] B[k, :] over an M x N block of vectors;
+// with kStart (float32 only), c = A[:, k] B[k, :].
+template <int M, int N, bool kStart, class Pk>
+static inline __attribute__((always_inline)) void mk_step(int64_t k, const Pk* __restrict A,
+                                                          int64_t sa, int64_t sk,
+                                                          const Pk* __restrict B, int64_t ldb,
+                                                          vf (&c)[M][N]) {
+  using L = Lanes<Pk>;
+  typename L::V b[N];
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) {
+    const typename L::V a = L::bcast(A[i * sa + k * sk]);
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) {
+      if constexpr (kStart)
+        c[i][j] = a * b[j];
+      else
+        c[i][j] = L::madd(c[i][j], a, b[j]);
+    }
+  }
+}
+
 // K counts Pk elements (pairs for bf16), the strides too. Element (i, k) of
 // A is A[i * sa + k * sk]: sk = 1 for A stored by rows (the usual case),
 // sa = 1 for A stored by columns (A is the transpose of a row-major tile, read
@@ -55,18 +79,9 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
     vf c[M][N];
     int64_t k = k0;
     if constexpr (kScores && Lanes<Pk>::kPair == 1) {
-      // A score chunk's first products start its sums (a product is what
-      // 0 + a b rounds to), so that no instructions go to zeroing them.
-      V b[N];
-#pragma GCC unroll 8
-      for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) {
-        V a = L::bcast(A[i * sa + k * sk]);
-#pragma GCC unroll 8
-        for (int j = 0; j < N; ++j) c[i][j] = a * b[j];
-      }
-      ++k;
+      // A float32 score chunk's first products start its sums (a product is
+      // what 0 + a b rounds to), so that no instructions go to zeroing them.
+      mk_step<M, N, true>(k++, A, sa, sk, B, ldb, c);
     } else {
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
@@ -74,17 +89,7 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
         for (int j = 0; j < N; ++j) c[i][j] = (add && !kScores) ? ld(C + i * ldc + j * W) : vf{};
       }
     }
-    for (; k < k1; ++k) {
-      V b[N];
-#pragma GCC unroll 8
-      for (int j = 0; j < N; ++j) b[j] = L::load(B + k * ldb + j * W);
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) {
-        V a = L::bcast(A[i * sa + k * sk]);
-#pragma GCC unroll 8
-        for (int j = 0; j < N; ++j) c[i][j] = L::madd(c[i][j], a, b[j]);
-      }
-    }
+    for (; k < k1; ++k) mk_step<M, N, false>(k, A, sa, sk, B, ldb, c);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
 #pragma GCC unroll 8

@@ -381,3 +381,22 @@ def test_benchmark_cuda_back_to_back_queues_calls_and_waits_once():
   seconds = benchmark_cuda._time_back_to_back(fn, 1.0, calls=3, rounds=2, warm=1)
   assert len(calls) == 1 + 3 * 2
   assert 0.02 <= seconds < 0.04
+
+
+def test_benchmark_cuda_back_to_back_fills_its_rounds():
+  """Without `calls`, a round queues as many calls as fill about `round_s`
+  (from the last warm-up call's time), at least one and at most 50."""
+  import time
+  from jax_fatrain.bench import cuda as benchmark_cuda
+  for sleep_s, round_s, want in ((0.02, 0.1, 5), (0.02, 0.001, 1), (0.0, 1.0, 50)):
+    calls = []
+
+    def fn(x):
+      calls.append(x)
+      time.sleep(sleep_s)
+      return jnp.asarray(x) + 1
+    benchmark_cuda._time_back_to_back(fn, 1.0, rounds=2, warm=2, round_s=round_s)
+    got = (len(calls) - 2) / 2
+    # A sleep can overrun, so one call fewer than `want` is allowed where
+    # the count comes from a measured time.
+    assert want - (1 if 1 < want < 50 else 0) <= got <= want, (sleep_s, round_s, got)

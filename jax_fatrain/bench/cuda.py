@@ -19,14 +19,17 @@ documents of 1024 tokens, causal, D = 128, 16 query and 4 key/value heads,
 bf16; ours with segment ids against ours dense causal on the same shape and
 against cuDNN given the equivalent materialised boolean mask ``[B, 1, T, T]``
 (``packed_rows``), in milliseconds. Each variant is timed two ways: one call
-at a time, as every other row is, and 20 calls queued back to back and waited
-for once (``_time_back_to_back``). The second is the GPU time of a call as a
-training loop sees it; the first adds the host's dispatch and its wake-up after
-each call, about 0.2 ms that weighs on a 1 ms call.
+at a time (``_time``), and calls queued back to back and waited for once
+(``_time_back_to_back``, as every other row is). The second is the GPU time
+of a call as a training loop sees it; the first adds the host's dispatch and
+its wake-up after each call, about 0.2 ms that weighs on a 1 ms call.
 
 FLOP convention (FlashAttention papers): forward 4·B·N·T·S·D, halved when
 causal; backward 2.5x forward, so forward+backward counts 3.5x forward.
-Times are medians of jitted calls (jax.block_until_ready). With --repeat N each
+The rows' times are GPU times per call: jitted calls queued back to back and
+waited for once (``_time_back_to_back``; as many calls as fill about 20 ms, a
+median over five such rounds), so that the host's dispatch and wake-up, which
+vary from call to call, stay out of the ratios. With --repeat N each
 row is measured in N rounds, the implementations' order rotated between rounds,
 and each time is the median over the rounds: single rounds at T = 1k have come
 out 2x off on an H200.
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -63,14 +67,19 @@ def _time(fn, *args, n=10, warm=2):
   return statistics.median(ts)
 
 
-def _time_back_to_back(fn, *args, calls=20, rounds=5, warm=2):
+def _time_back_to_back(fn, *args, calls=None, rounds=5, warm=2, round_s=0.02):
   """Seconds per call when `calls` calls are queued one after another and
   waited for once (the median over `rounds`): the GPU time of a call as a
   training loop sees it, where the host queues the next step while the GPU
   runs this one. _time's one call at a time adds the host's dispatch and the
-  wake-up after each call to every time."""
-  for _ in range(warm):
+  wake-up after each call to every time. calls=None: as many calls (1 to 50)
+  as fill about `round_s` seconds, from the time of the last warm-up call."""
+  for _ in range(warm - 1):
     jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  if calls is None:
+    calls = max(1, min(50, math.ceil(round_s / max(time.perf_counter() - t0, 1e-6))))
   ts = []
   for _ in range(rounds):
     t0 = time.perf_counter()
@@ -160,8 +169,8 @@ def run_one(cfg, impl):
   fb = jax.jit(jax.grad(lambda q, k, v, x: jnp.sum(call(q, k, v, x).astype(jnp.float32)),
                         argnums=(0, 1, 2)))
   try:
-    tf = _time(fwd, q, k, v, x)
-    tfb = _time(fb, q, k, v, x)
+    tf = _time_back_to_back(fwd, q, k, v, x)
+    tfb = _time_back_to_back(fb, q, k, v, x)
   except Exception as e:  # noqa: BLE001 - report and go on
     return dict(error=str(e).splitlines()[0][:120])
   return _result(cfg, tf, tfb)

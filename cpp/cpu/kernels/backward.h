@@ -141,10 +141,12 @@ constexpr int64_t kBwdKeyTiles = 4;
 
 // dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
 // (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
-// clobbered. brow: scratch of BK floats.
+// clobbered. brow: scratch of BK floats. With trim, the score blocks outside
+// the tile's band (tile_band) are not computed and dS there is undefined:
+// for callers that read dS only where the band's trims do (pass 1's dQ).
 template <class Pk>
 static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64_t kt, int cls,
-                      int64_t te, int64_t se, float* Sb, float* dPb, float* brow) {
+                      int64_t te, int64_t se, float* Sb, float* dPb, float* brow, bool trim) {
   const Geo& g = s.g;
   const PackView<Pk> o = pack_view<Pk>(s);
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
@@ -156,8 +158,9 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
     amx_gemm(amx_blocks(ni), amx_blocks(nc), o.Dk / 16, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb,
              BK);
   } else {
-    score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK);
-    score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK);
+    const Band band = trim ? tile_band(g, cls, i0, j0, true) : Band{-kBandAll, kBandAll};
+    score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK, band);
+    score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK, band);
   }
   const float* Lb = s.Lb + qh * g.Tp;
   const float* drow = s.Drow + qh * g.Tp;
@@ -211,15 +214,17 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
     ++visited;
-    ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow);
+    ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow, true);
     if constexpr (kAmx && kP == 2) {
       // dS's columns past nj, up to the whole step, are +0 (see amx_blocks).
       amx_a_tile(Sb, ni, BK, nj, dSw);
       amx_acc_gemm(amx_blocks(ni), Dp / 32, amx_blocks(nj), dSw, BK / 2,
                    o.Kb + (kvh * g.Sp + j0) / 2 * Dr, Dr, dQ, Dr);
     } else {
+      // dS is zero outside the band (see bwd_fused's dQ, which sums alike).
       acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
-                   o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr);
+                   o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr,
+                   {kTrimSumA, tile_band(g, cls, i0, j0, true)});
     }
   }
 #if defined(FATRAIN_AMX)
@@ -247,16 +252,25 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
   const float* Lb = s.Lb + qh * g.Tp;
   const float* drow = s.Drow + qh * g.Tp;
   const TileScores<false> scores(g, b, n, i0, ni, ncq, cls, te, se);
+  // On partial tiles, the score products skip blocks outside the band and
+  // dV and dK sum Pᵀ and dSᵀ over the band only (zero outside it).
+  const Band band = tile_band(g, cls, i0, j0, false);
   if constexpr (kAmx && kP == 2) {
     amx_gemm(amx_blocks(nj), amx_blocks(ncq), o.Dk / 16, Kh, o.lda,
              o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St, BQ);
     amx_gemm(amx_blocks(nj), amx_blocks(ncq), o.Dk / 16, Vh, o.lda,
              o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt, BQ);
   } else {
+    // The blocks of Sᵀ and dPᵀ outside the band widened by kMR are not
+    // computed: dK and dV read Pᵀ and dSᵀ in the band only (pairs of queries
+    // at most one past it), and the fused pass's dQ reads dSᵀ by columns in
+    // the query-major band's blocks of kMR queries (pairs of keys), which
+    // reach at most kMR past the band.
+    const Band skip = band.widened(kMR);
     score_gemm<Pk>(nj, ncq, o.Dk, Kh, o.lda, o.QT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, St,
-                   BQ);
+                   BQ, skip);
     score_gemm<Pk>(nj, ncq, o.Dk, Vh, o.lda, o.dOT + qh * g.Tp * o.Dk + qt * o.Dk * BQ, BQ, dPt,
-                   BQ);
+                   BQ, skip);
   }
   // Plain tiles: the exponentials apply the scale (see TileScores::plain).
   const bool plain = scores.plain() && nj % W == 0;
@@ -282,9 +296,9 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
                  BQ / 2, o.Qb + (qh * g.Tp + i0) / 2 * Dr, Dr, dK, Dr);
   } else {
     acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
-                 o.dOb + (qh * g.Tp + i0) / kP * Dr, Dr, dV, Dr);
+                 o.dOb + (qh * g.Tp + i0) / kP * Dr, Dr, dV, Dr, {kTrimSumA, band});
     acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
-                 o.Qb + (qh * g.Tp + i0) / kP * Dr, Dr, dK, Dr);
+                 o.Qb + (qh * g.Tp + i0) / kP * Dr, Dr, dK, Dr, {kTrimSumA, band});
   }
 }
 
@@ -419,10 +433,12 @@ static void bwd_fused(BwdState& s, int64_t idx) {
                          amx_row_pair_tile(dPt, nj, BQ, 32 * amx_blocks(ni), dSq), BQ,
                          dQ + (gi * g.Tp + i0) * Dp, BQ);
           } else {
-            // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt.
+            // dQ[i0.., :] += dS . K, dS read by columns out of dSᵀ in dPt,
+            // summed over the query-major band as pass 1 sums it.
             acc_gemm_at<Pk>(ni, Dp, (nj + kP - 1) / kP, row_pair_tile<Pk>(dPt, nj, BQ, ncq, dSq),
                             BQ, o.Kb + (idx * g.Sp + j0) / kP * Dr, Dr,
-                            dQ + (gi * g.Tp + i0) * Dr, Dr);
+                            dQ + (gi * g.Tp + i0) * Dr, Dr,
+                            {kTrimSumA, tile_band(g, cls, i0, j0, true)});
           }
         }
       }

@@ -297,8 +297,12 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   int64_t j0 = kt * BK, nj = imin(BK, g.S - j0), nc = round_up(nj, W);
   int cls = classify(g, b, t.i0, t.ni, j0, nj, nc, ncq, te, se);
   if (cls == 0) return false;
-  score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ);
   const TileScores<false> scores(g, b, n, t.i0, t.ni, ncq, cls, te, se);
+  // On partial tiles, the blocks of Sᵀ outside the band are not computed
+  // (prep masks them) and Oᵀ sums Pᵀ over the band's keys only (P is zero
+  // outside it).
+  const Band band = tile_band(g, cls, t.i0, j0, false);
+  score_gemm<Pk>(nj, ncq, Dk, Kh + j0 * ldk, ldk, t.QT, BQ, St, BQ, band);
   // Base-2 scores are c s: prep applies c (and masks, bias) a row at a time,
   // or, for plain tiles, the max and the exponentials apply it as they read.
   const bool plain = scores.plain();
@@ -340,7 +344,7 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
   }
   rescale_running_sums(t, sum, nqv, Dp, rescale);
   acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
-                  row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ);
+                  row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ, {kTrimSumB, band});
   return true;
 }
 

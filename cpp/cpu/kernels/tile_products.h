@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "vectors.h"
+#include "visibility.h"
 
 namespace fatrain::cpu::FATRAIN_ISA {
 namespace {
@@ -101,6 +102,53 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
   }
 }
 
+// What a band (visibility.h) trims in a product of a partial tile; with
+// kNoTrim, every block of C sums over all of K.
+//  - kTrimC: C is a score tile; its micro-kernel blocks with no element in
+//    the band are not computed (prep masks whatever they hold).
+//  - kTrimSumA: A is a score tile (P or dS) with C's rows; each block of C's
+//    rows sums over the band's columns of its rows only.
+//  - kTrimSumB: B is a score tile (Pᵀ) with C's columns; each block of C's
+//    columns sums over the band's rows of its columns only.
+// The terms left out are products with a P or dS outside the band, exact
+// zeros; the rest keep their order (the sums run in order into C, and only
+// their ends are cut).
+enum TrimKind { kNoTrim, kTrimC, kTrimSumA, kTrimSumB };
+struct Trim {
+  TrimKind kind = kNoTrim;
+  Band band{-kBandAll, kBandAll};
+  // Whether nothing is trimmed (full tiles): gemm then takes the plain loops.
+  bool none() const { return kind == kNoTrim || (band.lo <= -kBandAll && band.hi >= kBandAll); }
+};
+
+// Under t: whether the block of C's rows [i0, i1) and columns [j0, j1)
+// (floats) is computed, and the part [*k0, *k1) of its sum over K Pk
+// elements (kP floats each: a Pk pair is summed if either of its floats is
+// in the band).
+template <int64_t kP>
+static inline bool trim_block(const Trim& t, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                              int64_t K, int64_t* k0, int64_t* k1) {
+  *k0 = 0;
+  *k1 = K;
+  int64_t a = 0, e = 0;
+  switch (t.kind) {
+    case kNoTrim:
+      return true;
+    case kTrimC:
+      t.band.cols(i0, i1, &a, &e);
+      return a < j1 && e > j0;
+    case kTrimSumA:
+      t.band.cols(i0, i1, &a, &e);
+      break;
+    case kTrimSumB:
+      t.band.rows(j0, j1, &a, &e);
+      break;
+  }
+  *k0 = imax(a, 0) / kP;
+  *k1 = imin(K, (imax(e, 0) + kP - 1) / kP);
+  return *k0 < *k1;
+}
+
 template <int R, int N, Sum kSum, class Pk>
 static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t sa, int64_t sk,
                                const Pk* B, int64_t ldb, float* C, int64_t ldc) {
@@ -112,66 +160,93 @@ static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t sa, in
   }
 }
 
-template <int N, Sum kSum, class Pk>
+// The N vectors of C from column j0 (floats), kMR rows at a time; with
+// kTrim, each block under trim t.
+template <int N, Sum kSum, bool kTrim, class Pk>
 static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t sa, int64_t sk, const Pk* B,
-                      int64_t ldb, float* C, int64_t ldc) {
-  int64_t i = 0;
-  for (; i + kMR <= M; i += kMR)
-    mk<kMR, N, kSum, Pk>(K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
-  if (i < M)
-    mk_rows_rem<kMR - 1, N, kSum, Pk>(M - i, K, A + i * sa, sa, sk, B, ldb, C + i * ldc, ldc);
-}
-
-template <int R, Sum kSum, class Pk>
-static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t sa,
-                                 int64_t sk, const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  if constexpr (R > 0) {
-    if (r == R)
-      gemm_cols<R, kSum, Pk>(M, K, A, sa, sk, B, ldb, C, ldc);
+                      int64_t ldb, float* C, int64_t ldc, const Trim& t, int64_t j0) {
+  for (int64_t i = 0; i < M; i += kMR) {
+    const int64_t r = imin(kMR, M - i);
+    int64_t k0 = 0, k1 = K;
+    if constexpr (kTrim) {
+      if (!trim_block<Lanes<Pk>::kPair>(t, i, i + r, j0, j0 + N * W, K, &k0, &k1)) continue;
+    }
+    const Pk* a = A + i * sa + k0 * sk;
+    if (r == kMR)
+      mk<kMR, N, kSum, Pk>(k1 - k0, a, sa, sk, B + k0 * ldb, ldb, C + i * ldc, ldc);
     else
-      gemm_cols_rem<R - 1, kSum, Pk>(r, M, K, A, sa, sk, B, ldb, C, ldc);
+      mk_rows_rem<kMR - 1, N, kSum, Pk>(r, k1 - k0, a, sa, sk, B + k0 * ldb, ldb, C + i * ldc,
+                                        ldc);
   }
 }
 
-template <Sum kSum, class Pk>
-static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t sa, int64_t sk,
-                 const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  if (M <= 0 || N <= 0) return;
+template <int R, Sum kSum, bool kTrim, class Pk>
+static inline void gemm_cols_rem(int64_t r, int64_t M, int64_t K, const Pk* A, int64_t sa,
+                                 int64_t sk, const Pk* B, int64_t ldb, float* C, int64_t ldc,
+                                 const Trim& t, int64_t j0) {
+  if constexpr (R > 0) {
+    if (r == R)
+      gemm_cols<R, kSum, kTrim, Pk>(M, K, A, sa, sk, B, ldb, C, ldc, t, j0);
+    else
+      gemm_cols_rem<R - 1, kSum, kTrim, Pk>(r, M, K, A, sa, sk, B, ldb, C, ldc, t, j0);
+  }
+}
+
+template <Sum kSum, bool kTrim, class Pk>
+static void gemm_trim(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                      const Pk* B, int64_t ldb, float* C, int64_t ldc, const Trim& t) {
   int64_t nv = N / W, j = 0;
   for (; j + kNR <= nv; j += kNR)
-    gemm_cols<kNR, kSum, Pk>(M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols<kNR, kSum, kTrim, Pk>(M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc, t, j * W);
   if (j < nv)
-    gemm_cols_rem<kNR - 1, kSum, Pk>(nv - j, M, K, A, sa, sk, B + j * W, ldb, C + j * W, ldc);
+    gemm_cols_rem<kNR - 1, kSum, kTrim, Pk>(nv - j, M, K, A, sa, sk, B + j * W, ldb, C + j * W,
+                                            ldc, t, j * W);
+}
+// C (+)= A . B (see mk) under trim t; the plain loops where t trims nothing.
+template <Sum kSum, class Pk>
+static void gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                 const Pk* B, int64_t ldb, float* C, int64_t ldc, const Trim& t) {
+  if (M <= 0 || N <= 0) return;
+  if (t.none())
+    gemm_trim<kSum, false, Pk>(M, N, K, A, sa, sk, B, ldb, C, ldc, t);
+  else
+    gemm_trim<kSum, true, Pk>(M, N, K, A, sa, sk, B, ldb, C, ldc, t);
 }
 
 // C[M x N] = A[M x K] . B[K x N], K the head dim (see above), A by rows.
 // K past kScoreKBlock Pk elements is summed a K block at a time over all of
 // C, so that the block of B every micro-kernel call reads (K block x N, 16 KB
 // for N = 64) and C fit the L1 cache together; the chunks and their order
-// stay the same (the block is a multiple of the chunk).
+// stay the same (the block is a multiple of the chunk). C's blocks outside
+// the band `skip` are not computed (kTrimC; by default none is skipped).
 constexpr int64_t kScoreKBlock = 64;
 static_assert(kScoreKBlock % kScoreSumChunk == 0, "K blocks must end on chunk boundaries");
 template <class Pk>
 static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
-                              const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+                              const Pk* B, int64_t ldb, float* C, int64_t ldc,
+                              const Band& skip = {-kBandAll, kBandAll}) {
   constexpr int64_t kb = kScoreKBlock;
-  gemm<kChunks, Pk>(M, N, imin(K, kb), A, lda, 1, B, ldb, C, ldc);
+  const Trim t{kTrimC, skip};
+  gemm<kChunks, Pk>(M, N, imin(K, kb), A, lda, 1, B, ldb, C, ldc, t);
   for (int64_t k0 = kb; k0 < K; k0 += kb)
-    gemm<kMoreChunks, Pk>(M, N, imin(K - k0, kb), A + k0, lda, 1, B + k0 * ldb, ldb, C, ldc);
+    gemm<kMoreChunks, Pk>(M, N, imin(K - k0, kb), A + k0, lda, 1, B + k0 * ldb, ldb, C, ldc, t);
 }
 
-// C[M x N] += A[M x K] . B[K x N], A by rows.
+// C[M x N] += A[M x K] . B[K x N], A by rows, under trim t.
 template <class Pk>
 static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
-                            const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<kSequential, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc);
+                            const Pk* B, int64_t ldb, float* C, int64_t ldc,
+                            const Trim& t = {}) {
+  gemm<kSequential, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc, t);
 }
 
-// C[M x N] += A[M x K] . B[K x N], A by columns: element (i, k) at At[k * ldat + i].
+// C[M x N] += A[M x K] . B[K x N], A by columns: element (i, k) at At[k * ldat + i],
+// under trim t.
 template <class Pk>
 static inline void acc_gemm_at(int64_t M, int64_t N, int64_t K, const Pk* At, int64_t ldat,
-                               const Pk* B, int64_t ldb, float* C, int64_t ldc) {
-  gemm<kSequential, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc);
+                               const Pk* B, int64_t ldb, float* C, int64_t ldc,
+                               const Trim& t = {}) {
+  gemm<kSequential, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc, t);
 }
 
 // A computed f32 tile (rows x ld, n real columns) as the A operand of a

@@ -266,6 +266,45 @@ static inline void prep_row(float* s, int64_t nc, float scale, const float* brow
   }
 }
 
+// Where causality and the window allow visible scores in a tile: element
+// (r, c) of a computed score tile (r, c counted from its first row and
+// column) can be visible only if lo <= c - r <= hi. The rest of a partial
+// tile is masked to -inf by prep (its P and dS are zero), so on diagonal tiles
+// the tile products skip the micro-kernel blocks of scores outside the band
+// and sum P and dS over the band only (Trim in tile_products.h).
+struct Band {
+  int64_t lo, hi;
+  // The band's columns of rows [r0, r1): [*c0, *c1), empty when c0 >= c1.
+  void cols(int64_t r0, int64_t r1, int64_t* c0, int64_t* c1) const {
+    *c0 = r0 + lo;
+    *c1 = r1 + hi;
+  }
+  // The band's rows of columns [c0, c1): [*r0, *r1).
+  void rows(int64_t c0, int64_t c1, int64_t* r0, int64_t* r1) const {
+    *r0 = c0 - hi;
+    *r1 = c1 - lo;
+  }
+  // The band with m more diagonals on each side.
+  Band widened(int64_t m) const { return {lo - m, hi + m}; }
+};
+// A band holding every element of any tile.
+constexpr int64_t kBandAll = int64_t{1} << 40;
+
+// The band of the tile of queries from i0 and keys from j0 (cls: classify's
+// verdict), query-major (rows queries, columns keys) or key-major: key j can
+// be visible to query i only if dlo <= j - i <= dhi (causality and the
+// window; lengths, masks and segment ids only mask more). Every element of
+// tiles that are not partial.
+static inline Band tile_band(const Geo& g, int cls, int64_t i0, int64_t j0, bool query_major) {
+  if (cls != 1) return {-kBandAll, kBandAll};
+  const int64_t dlo = g.wl >= 0 ? -g.wl : -kBandAll;
+  int64_t dhi = g.wr >= 0 ? g.wr : kBandAll;
+  if (g.causal) dhi = imin(dhi, 0);
+  // c - r is (j - j0) - (i - i0) query-major, (i - i0) - (j - j0) key-major.
+  return query_major ? Band{dlo - (j0 - i0), dhi - (j0 - i0)}
+                     : Band{(j0 - i0) - dhi, (j0 - i0) - dlo};
+}
+
 // One tile's scores, prepared a row at a time for the softmax (prep_row):
 // the bias, the visible interval, the mask and the segment ids of each row.
 // Query-major tiles (the forward and dQ) have a query per row and keys from

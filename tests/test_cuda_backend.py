@@ -124,6 +124,13 @@ LARGE = [
          dtype=jnp.bfloat16, mask_shape=(B, 1, T, S)),
     Case(batch=2, q_len=640, kv_len=600, q_heads=16, kv_heads=2, head_dim=256,
          dtype=jnp.bfloat16),
+    # Two consumers at D = 64 walking several items per block: causal pairs
+    # with sequence lengths; and items of a single key tile each, so that
+    # every item's only O += P V follows its only S = Q Kᵀ.
+    Case(batch=3, q_len=1000, kv_len=1100, q_heads=16, kv_heads=4, head_dim=64,
+         dtype=jnp.bfloat16, is_causal=True, q_lengths=True),
+    Case(batch=4, q_len=1000, kv_len=100, q_heads=16, kv_heads=16, head_dim=64,
+         dtype=jnp.bfloat16),
     # Three consumers with causality (D = 64, T >= 4096): 23 blocks of 192
     # query rows per head, the last partly past T, folded into 12 items (the
     # middle block alone), more queries than keys.

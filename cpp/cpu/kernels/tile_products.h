@@ -64,8 +64,6 @@ static inline __attribute__((always_inline)) void mk_step(int64_t k, const Pk* _
 template <int M, int N, Sum kSum, class Pk>
 static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const Pk* __restrict B,
                int64_t ldb, float* __restrict C, int64_t ldc) {
-  using L = Lanes<Pk>;
-  using V = typename L::V;
   constexpr bool kScores = kSum != kSequential;
   const int64_t chunk = kScores ? kScoreSumChunk : (K > 0 ? K : 1);
   if (K <= 0) {

@@ -2,7 +2,8 @@
 // that stay in the L1/L2 caches: the micro-kernel's speed without the
 // softmax, the packing or the memory traffic of a whole pass, against this
 // core's FMA peak. Built by `build_and_test.sh tiles` for the AVX-512
-// kernels (FATRAIN_ISA = tile_bench, its own namespace).
+// kernels, or with FATRAIN_TILES_ISA=avx2 for the AVX2 ones (FATRAIN_ISA =
+// tile_bench, its own namespace).
 //
 // Shapes of one 64 x 64 tile pair at head dim D (64, 128):
 //   score:  C[64 x 64]  = A[64 x D] . B[D x 64]   (S = K Qᵀ, dP = dO Vᵀ; chunked sums)
@@ -10,7 +11,9 @@
 //   acc_at: C[D x 64]  += A[D x 64] . B[64 x 64], A read by columns
 //                                                 (Oᵀ += Vᵀ Pᵀ, dQ += dS K)
 #define FATRAIN_ISA tile_bench
+#if defined(__AVX512BF16__)
 #define FATRAIN_BF16_DOT 1
+#endif
 #include "../attention_cpu_impl.h"
 
 #include <chrono>

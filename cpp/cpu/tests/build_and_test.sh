@@ -4,6 +4,7 @@
 #   cpp/cpu/tests/build_and_test.sh          build + test exp2 and every ISA
 #   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
+#       (AVX-512; FATRAIN_TILES_ISA=avx2: the AVX2 ones)
 #   cpp/cpu/tests/build_and_test.sh compare OTHER [threads rounds T D causal f32|bf16]
 #       build + time this tree's AVX-512 kernels against those of the checkout
 #       OTHER, alternating calls in one process (compare_trees.cc); with
@@ -45,8 +46,14 @@ for job in $(jobs -p); do wait "$job"; done
 "$CXX" -o "$out/test_attention_cpu" "$out/test_attention_cpu.o" "${objs[@]}" -pthread "${extra[@]}"
 
 if [[ "${1:-}" == "tiles" ]]; then
-  ((x86_64)) || { echo "tiles: the tile benchmark is built for the AVX-512 kernels (x86-64)"; exit 2; }
-  "$CXX" "${common[@]}" "${isa_avx512[@]}" -o "$out/bench_tile_products" \
+  ((x86_64)) || { echo "tiles: the tile benchmark is built for the x86-64 kernels"; exit 2; }
+  # FATRAIN_TILES_ISA: avx512 (default) or avx2.
+  case "${FATRAIN_TILES_ISA:-avx512}" in
+    avx512) isa_tiles=("${isa_avx512[@]}") ;;
+    avx2) isa_tiles=("${isa_avx2[@]}") ;;
+    *) echo "tiles: FATRAIN_TILES_ISA is avx512 or avx2"; exit 2 ;;
+  esac
+  "$CXX" "${common[@]}" "${isa_tiles[@]}" -o "$out/bench_tile_products" \
     "$here/bench_tile_products.cc" "${objs[@]}" -pthread "${extra[@]}"
   ${FATRAIN_TEST_RUNNER:-} "$out/bench_tile_products"
   exit 0

@@ -141,12 +141,14 @@ constexpr int64_t kBwdKeyTiles = 4;
 
 // dS tile in q-major orientation: rows = queries i0.. (ni), cols = keys j0..
 // (nc computed, nj real). On return Sb holds dS = P * (dP - Drow); dPb is
-// clobbered. brow: scratch of BK floats. With trim, the score blocks outside
-// the tile's band (tile_band) are not computed and dS there is undefined:
-// for callers that read dS only where the band's trims do (pass 1's dQ).
+// clobbered. brow: scratch of BK floats. The score blocks outside the band
+// `skip` are not computed and dS there is undefined: a caller that reads dS
+// everywhere passes kWholeTile, pass 1's dQ its query-major tile_band, over
+// which it sums.
 template <class Pk>
 static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64_t kt, int cls,
-                      int64_t te, int64_t se, float* Sb, float* dPb, float* brow, bool trim) {
+                      int64_t te, int64_t se, float* Sb, float* dPb, float* brow,
+                      const Band& skip) {
   const Geo& g = s.g;
   const PackView<Pk> o = pack_view<Pk>(s);
   int64_t i0 = qt * BQ, ni = imin(BQ, g.T - i0);
@@ -158,9 +160,8 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
     amx_gemm(amx_blocks(ni), amx_blocks(nc), o.Dk / 16, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb,
              BK);
   } else {
-    const Band band = trim ? tile_band(g, cls, i0, j0, true) : Band{-kBandAll, kBandAll};
-    score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK, band);
-    score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK, band);
+    score_gemm<Pk>(ni, nc, o.Dk, o.Qa + Tq, o.lda, o.KT + Tk, BK, Sb, BK, skip);
+    score_gemm<Pk>(ni, nc, o.Dk, o.dOa + Tq, o.lda, o.VT + Tk, BK, dPb, BK, skip);
   }
   const float* Lb = s.Lb + qh * g.Tp;
   const float* drow = s.Drow + qh * g.Tp;
@@ -214,7 +215,8 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
     if (cls == 0) continue;
     ++visited;
-    ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow, true);
+    const Band band = tile_band(g, cls, i0, j0, true);
+    ds_tile_q<Pk>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow, band);
     if constexpr (kAmx && kP == 2) {
       // dS's columns past nj, up to the whole step, are +0 (see amx_blocks).
       amx_a_tile(Sb, ni, BK, nj, dSw);
@@ -223,8 +225,7 @@ static void bwd_pass1(BwdState& s, int64_t idx) {
     } else {
       // dS is zero outside the band (see bwd_fused's dQ, which sums alike).
       acc_gemm<Pk>(ni, Dp, (nj + kP - 1) / kP, a_tile<Pk>(Sb, ni, BK, nj, dSw), BK / kP,
-                   o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr,
-                   {kTrimSumA, tile_band(g, cls, i0, j0, true)});
+                   o.Kb + (kvh * g.Sp + j0) / kP * Dr, Dr, dQ, Dr, {kTrimSumA, band});
     }
   }
 #if defined(FATRAIN_AMX)

@@ -66,7 +66,7 @@ static void bias_grad_item(BiasGradState& bg, int64_t idx) {
           int cls = classify(g, b, i0, ni, j0, nj, nc, ni, te, se);
           if (cls == 0) continue;
           ++visited;
-          ds_tile_q<float>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow, false);
+          ds_tile_q<float>(s, b, n, qt, kt, cls, te, se, Sb, dPb, brow, kWholeTile);
           for (int64_t r = 0; r < ni; ++r) {
             const float* dsr = Sb + r * BK;
             float* orow = out + (tdim ? (i0 + r) : 0) * bg.db[3];

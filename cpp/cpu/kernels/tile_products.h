@@ -114,9 +114,9 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
 enum TrimKind { kNoTrim, kTrimC, kTrimSumA, kTrimSumB };
 struct Trim {
   TrimKind kind = kNoTrim;
-  Band band{-kBandAll, kBandAll};
+  Band band = kWholeTile;
   // Whether nothing is trimmed (full tiles): gemm then takes the plain loops.
-  bool none() const { return kind == kNoTrim || (band.lo <= -kBandAll && band.hi >= kBandAll); }
+  bool none() const { return kind == kNoTrim || band.whole(); }
 };
 
 // Under t: whether the block of C's rows [i0, i1) and columns [j0, j1)
@@ -222,7 +222,7 @@ static_assert(kScoreKBlock % kScoreSumChunk == 0, "K blocks must end on chunk bo
 template <class Pk>
 static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
                               const Pk* B, int64_t ldb, float* C, int64_t ldc,
-                              const Band& skip = {-kBandAll, kBandAll}) {
+                              const Band& skip = kWholeTile) {
   constexpr int64_t kb = kScoreKBlock;
   const Trim t{kTrimC, skip};
   gemm<kChunks, Pk>(M, N, imin(K, kb), A, lda, 1, B, ldb, C, ldc, t);

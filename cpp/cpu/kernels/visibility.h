@@ -286,9 +286,13 @@ struct Band {
   }
   // The band with m more diagonals on each side.
   Band widened(int64_t m) const { return {lo - m, hi + m}; }
+  // Whether the band holds every element of any tile (kWholeTile).
+  bool whole() const;
 };
-// A band holding every element of any tile.
+// Bounds past any tile's diagonals, and the band they make: every element.
 constexpr int64_t kBandAll = int64_t{1} << 40;
+constexpr Band kWholeTile{-kBandAll, kBandAll};
+inline bool Band::whole() const { return lo <= -kBandAll && hi >= kBandAll; }
 
 // The band of the tile of queries from i0 and keys from j0 (cls: classify's
 // verdict), query-major (rows queries, columns keys) or key-major: key j can
@@ -296,7 +300,7 @@ constexpr int64_t kBandAll = int64_t{1} << 40;
 // window; lengths, masks and segment ids only mask more). Every element of
 // tiles that are not partial.
 static inline Band tile_band(const Geo& g, int cls, int64_t i0, int64_t j0, bool query_major) {
-  if (cls != 1) return {-kBandAll, kBandAll};
+  if (cls != 1) return kWholeTile;
   const int64_t dlo = g.wl >= 0 ? -g.wl : -kBandAll;
   int64_t dhi = g.wr >= 0 ? g.wr : kBandAll;
   if (g.causal) dhi = imin(dhi, 0);

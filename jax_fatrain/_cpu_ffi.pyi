@@ -9,7 +9,8 @@ def selected_isa() -> str:
   """The instruction set the CPU kernels dispatch to on this machine."""
 
 def fma_peak_gflops(threads: int = 0, seconds: float = 0.2) -> float:
-  """This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all)."""
+  """This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: one per
+  CPU this process may run on)."""
 
 def bf16_dot_peak_gflops(threads: int = 0, seconds: float = 0.2) -> float:
   """This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane;

@@ -224,6 +224,17 @@ def test_benchmark_smoke():
       assert float(cells["err vs xla"]) < 1e-4
 
 
+def test_benchmark_times_the_cpu_device(monkeypatch):
+  """The CPU benchmark runs with JAX's CPU device as the default device, so that on a
+  machine whose default backend is a GPU it still times the CPU kernels."""
+  import jax
+  from jax_fatrain.bench import cpu
+  seen = []
+  monkeypatch.setattr(cpu, "_run", lambda args: seen.append(jax.config.jax_default_device))
+  cpu.main(["--quick"])
+  assert seen == [jax.devices("cpu")[0]]
+
+
 def test_benchmark_rows_use_their_own_peak():
   """bfloat16 rows are compared with the bf16 dot-product peak where our kernels run
   vdpbf16ps, every other row with the float32 FMA peak; the extension measures the

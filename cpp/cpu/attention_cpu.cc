@@ -32,6 +32,7 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__linux__)
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -352,10 +353,20 @@ namespace {
 double fma_loop(int64_t iters) { FATRAIN_DISPATCH(fma_loop, iters) }
 double bf16_dot_loop(int64_t iters) { FATRAIN_DISPATCH(bf16_dot_loop, iters) }
 
+// The CPUs this process may run on: its affinity mask on Linux (what XLA's
+// CPU thread pool counts, so `taskset` limits both), else every hardware thread.
+int usable_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 // GFLOP/s of `loop` (FLOPs done by `iters` rounds) on `threads` threads
-// (0: one per hardware thread), each running about `seconds`.
+// (0: one per usable CPU), each running about `seconds`.
 double loop_peak_gflops(double (*loop)(int64_t), int threads, double seconds) {
-  if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 0) threads = usable_cpus();
   // Calibrate on one thread, then run every thread for about `seconds`.
   int64_t iters = 1 << 16;
   for (;;) {

@@ -66,7 +66,7 @@ const char* selected_isa();
 const char* selected_vector_isa();
 
 // This machine's float32 FMA rate in GFLOP/s with the selected ISA's vectors:
-// `threads` threads (0: one per hardware thread) each running independent
+// `threads` threads (0: one per CPU this process may run on) each running independent
 // vector FMAs for about `seconds`. What the benchmark compares kernels with.
 double fma_peak_gflops(int threads, double seconds);
 

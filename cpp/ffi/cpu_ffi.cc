@@ -186,7 +186,8 @@ NB_MODULE(_cpu_ffi, m) {
         "The instruction set the CPU kernels dispatch to on this machine.");
   def_peak<fatrain::cpu::fma_peak_gflops>(
       m, "fma_peak_gflops",
-      "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: all).");
+      "This machine's float32 FMA rate in GFLOP/s with the selected ISA (threads=0: one per "
+      "CPU this process may run on).");
   def_peak<fatrain::cpu::bf16_dot_peak_gflops>(
       m, "bf16_dot_peak_gflops",
       "This machine's bf16 pair dot-product (vdpbf16ps) rate in GFLOP/s, 4 FLOPs a lane; "

@@ -189,7 +189,7 @@ def _make_jax(impl: str, case: Case, seed: int = 0):
 def _make_torch(case: Case, seed: int = 0):
   import torch  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
-  torch.set_num_threads(os.cpu_count() or 1)
+  torch.set_num_threads(cpu_threads())
   dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case.dtype]
   # BTNH numpy -> BNTH torch (contiguous).
   q, k, v, ct = (torch.from_numpy(x).transpose(1, 2).contiguous().to(dtype)
@@ -523,9 +523,9 @@ def format_table(header, rows, markdown: bool) -> str:
 def describe_environment(impls: Sequence[str], status: dict[str, str | None]) -> list[str]:
   import jax  # pylint: disable=import-outside-toplevel
   lines = [f"python {platform.python_version()}, {platform.machine()}, "
-           f"os.cpu_count()={os.cpu_count()}",
-           f"jax {jax.__version__} (backend {jax.default_backend()}, "
-           f"{jax.device_count()} device(s))"]
+           f"os.cpu_count()={os.cpu_count()}, {cpu_threads()} usable by this process",
+           f"jax {jax.__version__}, timed on {jax.devices('cpu')[0]} "
+           f"(default backend {jax.default_backend()})"]
   if status.get("ours") is None:
     import jax_fatrain  # pylint: disable=import-outside-toplevel
     isa = getattr(jax_fatrain, "cpu_isa", None)
@@ -538,14 +538,14 @@ def describe_environment(impls: Sequence[str], status: dict[str, str | None]) ->
                  + (f", cpu_isa={isa}" if isa else ""))
   if status.get("torch") is None:
     import torch  # pylint: disable=import-outside-toplevel
-    lines.append(f"torch {torch.__version__}, torch.set_num_threads({os.cpu_count()})")
+    lines.append(f"torch {torch.__version__}, torch.set_num_threads({cpu_threads()})")
   if status.get("mlx") is None:
     import mlx.core as mx  # pylint: disable=import-outside-toplevel
     lines.append(f"mlx {mx.__version__} (device {mx.default_device()})")
   try:
     load = os.getloadavg()[0]
     if load > 0.5 * (os.cpu_count() or 1):
-      lines.append(f"WARNING: load average {load:.1f} on {os.cpu_count()} cores: "
+      lines.append(f"WARNING: load average {load:.1f} on {os.cpu_count()} CPUs: "
                    "other processes are running, timings will be noisy")
   except OSError:
     pass
@@ -759,10 +759,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
+def cpu_threads() -> int:
+  """The CPUs this process may run on (its affinity mask, as XLA's CPU thread pool
+  and the peak loops count them), else every CPU."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark and prints the table; returns ``{"header", "rows", ...}``."""
-  global OURS_IMPLEMENTATION  # pylint: disable=global-statement
+  """Runs the benchmark and prints the table; returns ``{"header", "rows", ...}``.
+
+  Everything runs on JAX's CPU device, also where a GPU is JAX's default backend
+  (there, ``--cuda`` times the GPU)."""
+  import jax  # pylint: disable=import-outside-toplevel
   args = parse_args(argv)
+  with jax.default_device(jax.devices("cpu")[0]):
+    return _run(args)
+
+
+def _run(args) -> dict[str, Any]:
+  global OURS_IMPLEMENTATION  # pylint: disable=global-statement
   OURS_IMPLEMENTATION = args.ours_implementation
   if args._single is not None:
     print(json.dumps(_single(json.loads(args._single))), flush=True)

@@ -97,6 +97,11 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
         st(p, (add && kScores) ? ld(p) + c[i][j] : c[i][j]);
       }
     }
+    // The next chunk reads C back from memory: without this barrier GCC keeps
+    // some of the chunk sums in registers across chunks and, with the M x N
+    // accumulators and N vectors of B live, spills B to the stack in the
+    // k loop (AVX-512's 6 x 4 score kernel: two reloads per step).
+    if constexpr (kScores) __asm__ volatile("" ::: "memory");
   }
 }
 

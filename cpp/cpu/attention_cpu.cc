@@ -31,8 +31,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__)
+#if defined(__linux__)
 #include <sched.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif

@@ -276,14 +276,28 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
   // Plain tiles: the exponentials apply the scale (see TileScores::plain).
   const bool plain = scores.plain() && nj % W == 0;
   const vf vc = bc(plain ? scores.exp2_scale() : 1.0f);
+  // With bf16 pairs on FMAs, Pᵀ and dSᵀ are written straight as the words
+  // a_tile would make of them (Pw, dSw: BQ / 2 a row, an odd ni's padding
+  // column 0); dSᵀ stays in f32 too, for the fused pass's dQ.
+  constexpr bool kWords = kP == 2 && !kAmx;
   for (int64_t r = 0; r < nj; ++r) {
     float* srow = St + r * BQ;
     float* dprow = dPt + r * BQ;
     if (!plain) scores.prep(srow, j0 + r, brow);
     for (int64_t c = 0; c < ncq; c += W) {
-      vf p = vexp2<Pk>(ld(srow + c) * vc - ld(Lb + i0 + c));
-      st(srow + c, p);
-      st(dprow + c, p * (ld(dprow + c) - ld(drow + i0 + c)));
+      const vf p = vexp2<Pk>(ld(srow + c) * vc - ld(Lb + i0 + c));
+      const vf ds = p * (ld(dprow + c) - ld(drow + i0 + c));
+      if constexpr (kWords) {
+        operand_bf16_vector(p, reinterpret_cast<uint16_t*>(Pw + r * BQ / 2) + c);
+        operand_bf16_vector(ds, reinterpret_cast<uint16_t*>(dSw + r * BQ / 2) + c);
+      } else {
+        st(srow + c, p);
+      }
+      st(dprow + c, ds);
+    }
+    if (kWords && ni % 2) {
+      reinterpret_cast<uint16_t*>(Pw + r * BQ / 2)[ni] = 0;
+      reinterpret_cast<uint16_t*>(dSw + r * BQ / 2)[ni] = 0;
     }
   }
   if constexpr (kAmx && kP == 2) {
@@ -296,9 +310,11 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
     amx_acc_gemm(amx_blocks(nj), Dp / 32, amx_blocks(ni), amx_a_tile(dPt, nj, BQ, nq, dSw),
                  BQ / 2, o.Qb + (qh * g.Tp + i0) / 2 * Dr, Dr, dK, Dr);
   } else {
-    acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(St, nj, BQ, ni, Pw), BQ / kP,
+    const Pk* Pa = kWords ? Pw : a_tile<Pk>(St, nj, BQ, ni, Pw);
+    const Pk* dSa = kWords ? dSw : a_tile<Pk>(dPt, nj, BQ, ni, dSw);
+    acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, Pa, BQ / kP,
                  o.dOb + (qh * g.Tp + i0) / kP * Dr, Dr, dV, Dr, {kTrimSumA, band});
-    acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, a_tile<Pk>(dPt, nj, BQ, ni, dSw), BQ / kP,
+    acc_gemm<Pk>(nj, Dp, (ni + kP - 1) / kP, dSa, BQ / kP,
                  o.Qb + (qh * g.Tp + i0) / kP * Dr, Dr, dK, Dr, {kTrimSumA, band});
   }
 }

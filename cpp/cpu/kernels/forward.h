@@ -330,21 +330,43 @@ static bool fwd_tile_step(const FwdState& s, int64_t b, int64_t n, int64_t kt, c
     mx[v] = vmax(m0, m1) * vc;
   }
   const bool rescale = update_running_max(t, mx, nqv);
+  // The exponentials overwrite Sᵀ as Pᵀ (f32), or with bf16 pairs are
+  // written straight as Pᵀ's key pairs (row_pair_tile's layout: pair row u
+  // holds keys 2u and 2u + 1, an odd last key paired with 0).
   vf sum[kQV];
   for (int64_t v = 0; v < nqv; ++v) {
     float* col = St + v * W;
     const vf mexp = ld(t.mexp + v * W);
     vf acc = vf{};
-    for (int64_t r = 0; r < nj; ++r) {
-      const vf p = vexp2<Pk>(ld(col + r * BQ) * vc - mexp);
-      acc += p;
-      st(col + r * BQ, p);
+    if constexpr (kP == 1) {
+      for (int64_t r = 0; r < nj; ++r) {
+        const vf p = vexp2<Pk>(ld(col + r * BQ) * vc - mexp);
+        acc += p;
+        st(col + r * BQ, p);
+      }
+    } else {
+      for (int64_t r = 0; r < nj; r += 2) {
+        const vf lo = vexp2<Pk>(ld(col + r * BQ) * vc - mexp);
+        acc += lo;
+        vf hi = vf{};
+        if (r + 1 < nj) {
+          hi = vexp2<Pk>(ld(col + (r + 1) * BQ) * vc - mexp);
+          acc += hi;
+        }
+        const vu w = operand_pair_words(lo, hi);
+        memcpy(Pw + r / 2 * BQ + v * W, &w, sizeof(w));
+      }
     }
     sum[v] = acc;
   }
   rescale_running_sums(t, sum, nqv, Dp, rescale);
-  acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr,
-                  row_pair_tile<Pk>(St, nj, BQ, ncq, Pw), BQ, t.OT, BQ, {kTrimSumB, band});
+  const Pk* Pt;
+  if constexpr (kP == 1)
+    Pt = St;
+  else
+    Pt = Pw;
+  acc_gemm_at<Pk>(Dp, ncq, (nj + kP - 1) / kP, Vh + j0 / kP * Dr, Dr, Pt, BQ, t.OT, BQ,
+                  {kTrimSumB, band});
   return true;
 }
 
@@ -430,7 +452,7 @@ static int64_t fwd_amx_group_n(const FwdState& s, int64_t b, int64_t n, int64_t 
           phi = vexp2<uint32_t>(ld(lo + BQ + v * W) * vc - mexp[v]);
           sum[v] += phi;
         }
-        const vu pw = amx_pair_words(plo, phi);
+        const vu pw = operand_pair_words(plo, phi);
         memcpy(w + v * W, &pw, sizeof(pw));
       }
       for (int64_t v = kNqv; v < 2 * nqb; ++v) memcpy(w + v * W, &zero, sizeof(zero));

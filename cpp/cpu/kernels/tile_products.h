@@ -253,8 +253,8 @@ static inline void acc_gemm_at(int64_t M, int64_t N, int64_t K, const Pk* At, in
 }
 
 // A computed f32 tile (rows x ld, n real columns) as the A operand of a
-// product over its columns: itself for f32; for bf16, words of rounded
-// column pairs (ld / 2 per row), a column n paired with 0.
+// product over its columns: itself for f32; for bf16, words of column pairs
+// rounded by operand_bf16_row (ld / 2 per row), a column n paired with 0.
 template <class Pk>
 static inline const Pk* a_tile(const float* t, int64_t rows, int64_t ld, int64_t n, Pk* words);
 template <>
@@ -272,7 +272,7 @@ inline const uint32_t* a_tile<uint32_t>(const float* t, int64_t rows, int64_t ld
   const uint16_t zero = 0;
   for (int64_t r = 0; r < rows; ++r) {
     char* w = reinterpret_cast<char*>(words + r * ldw);
-    bf16_row(t + r * ld, nv, w);
+    operand_bf16_row(t + r * ld, nv, w);
     if (n % 2) memcpy(w + 2 * n, &zero, sizeof(zero));
   }
   return words;
@@ -280,9 +280,9 @@ inline const uint32_t* a_tile<uint32_t>(const float* t, int64_t rows, int64_t ld
 
 // A computed f32 tile (rows x ld, n computed columns) as an operand summed
 // over its rows (the B operand Pᵀ of Oᵀ += Vᵀ Pᵀ, the A operand dSᵀ of
-// dQ += dS K read by columns): itself for f32; for bf16, words of rounded row
-// pairs, words[u * ld + c] = (t[2u][c], t[2u + 1][c]), an odd last row paired
-// with 0.
+// dQ += dS K read by columns): itself for f32; for bf16, the
+// operand_pair_words of row pairs, words[u * ld + c] = (t[2u][c],
+// t[2u + 1][c]), an odd last row paired with 0.
 template <class Pk>
 static inline const Pk* row_pair_tile(const float* t, int64_t rows, int64_t ld, int64_t n,
                                       Pk* words);
@@ -299,7 +299,7 @@ inline const uint32_t* row_pair_tile<uint32_t>(const float* t, int64_t rows, int
     const float* hi = lo + ldt;
     const bool has_hi = 2 * u + 1 < rows;
     for (int64_t c = 0; c < n; c += W) {
-      const vu w = vbf16_bits(ld(lo + c)) | (vbf16_bits(has_hi ? ld(hi + c) : zero) << 16);
+      const vu w = operand_pair_words(ld(lo + c), has_hi ? ld(hi + c) : zero);
       memcpy(words + u * ldt + c, &w, sizeof(w));
     }
   }
@@ -433,19 +433,6 @@ static void amx_acc_steps(int64_t mb, int64_t nb, int64_t nk, const uint32_t* co
     }
 }
 
-// The pair words (lo[c], hi[c]) of two f32 vectors, rounded to bf16 by
-// vcvtne2ps2bf16: the same bits as bf16_pair except that denormal inputs
-// become zero, which TDPBF16PS makes of denormal operands anyway.
-static inline __attribute__((always_inline)) vu amx_pair_words(vf lo, vf hi) {
-  const __m512i both = reinterpret_cast<__m512i>(
-      _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
-  // 16-bit element 2c takes lo[c] (element c), 2c + 1 takes hi[c] (16 + c).
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                       16, 0);
-  return reinterpret_cast<vu>(_mm512_permutexvar_epi16(idx, both));
-}
-
 // Row r of a tile held transposed (its element d at col[d * ldt], d < D
 // rounded up to 16 readable) times mul, written as D bf16 at dst with
 // store_row's rounding: 16 elements a gather. The AMX kernels' outputs O
@@ -468,7 +455,7 @@ static inline void amx_store_bf16_column(const float* col, int64_t ldt, int64_t 
 }
 
 // The AMX products' P and dS operands, rounded by vcvtne2ps2bf16 as
-// amx_pair_words rounds them (one rounding for every AMX operand computed
+// operand_pair_words rounds them (one rounding for every AMX operand computed
 // in the kernels, so the backward's two forms round dS alike).
 // a_tile as an AMX A operand: row r's columns [0, n) as pair words (ld / 2
 // words a row), the columns past n up to the whole 32-column step +0.
@@ -495,7 +482,7 @@ static inline const uint32_t* amx_row_pair_tile(const float* t, int64_t rows, in
     const float* lo = t + 2 * u * ldt;
     const bool has_hi = 2 * u + 1 < rows;
     for (int64_t c = 0; c < n; c += W) {
-      const vu w = amx_pair_words(ld(lo + c), has_hi ? ld(lo + ldt + c) : vf{});
+      const vu w = operand_pair_words(ld(lo + c), has_hi ? ld(lo + ldt + c) : vf{});
       memcpy(words + u * ldt + c, &w, sizeof(w));
     }
   }

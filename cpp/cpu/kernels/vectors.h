@@ -254,6 +254,44 @@ static inline void bf16_row(const float* x, int64_t n, void* out) {
   }
 }
 
+// The rounding of the bf16 operands the kernels compute (P and dS) before
+// their pair products. With the native instruction (FATRAIN_BF16_DOT == 1:
+// vdpbf16ps, and TDPBF16PS on AMX) one vcvtne2ps2bf16 / vcvtneps2bf16 per
+// vector: bf16_bits' bits except that f32 subnormals become zero. Those
+// products treat subnormal bf16 operands as zero anyway, so the two differ
+// only where an f32 subnormal would round up to bf16's smallest normal
+// (2^-126), a term below any f32 sum it joins. The emulation (and the
+// outputs, store_row) round with bf16_bits.
+// operand_pair_words: the words (lo[c], hi[c]) of two f32 vectors.
+static inline __attribute__((always_inline)) vu operand_pair_words(vf lo, vf hi) {
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
+  const __m512i both = reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+  // 16-bit element 2c takes lo[c] (element c), 2c + 1 takes hi[c] (16 + c).
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return reinterpret_cast<vu>(_mm512_permutexvar_epi16(idx, both));
+#else
+  return vbf16_bits(lo) | (vbf16_bits(hi) << 16);
+#endif
+}
+// operand_bf16_vector: the W elements of x, in element order at out (any
+// alignment); operand_bf16_row: x[0, n), n a multiple of W, as bf16_row lays
+// it out.
+static inline __attribute__((always_inline)) void operand_bf16_vector(vf x, void* out) {
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
+  const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(x));
+#else
+  const vh h = __builtin_convertvector(vbf16_bits(x), vh);
+#endif
+  memcpy(out, &h, sizeof(h));
+}
+static inline void operand_bf16_row(const float* x, int64_t n, void* out) {
+  char* o = static_cast<char*>(out);
+  for (int64_t c = 0; c < n; c += W) operand_bf16_vector(ld(x + c), o + 2 * c);
+}
+
 // 2^x for x <= ~127. Round-to-nearest range reduction (magic constant), then
 // a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (truncation error
 // ~5e-9, overall ~1 ulp-ish). x = -inf gives exactly 0, and so does any

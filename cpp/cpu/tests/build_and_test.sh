@@ -8,6 +8,7 @@
 #   cpp/cpu/tests/build_and_test.sh compare OTHER [threads rounds T D causal f32|bf16]
 #       build + time this tree's AVX-512 kernels against those of the checkout
 #       OTHER, alternating calls in one process (compare_trees.cc); with
+#       FATRAIN_COMPARE_ISA=avx512_bf16, their bf16 pair path (bf16), with
 #       FATRAIN_COMPARE_ISA=avx512_amx, the AMX kernels (bf16), with
 #       FATRAIN_COMPARE_ISA=avx2, the AVX2 kernels
 # A cross compiler in CXX builds for its target (the x86-64 ISAs only for
@@ -63,14 +64,16 @@ if [[ "${1:-}" == "compare" ]]; then
   ((x86_64)) || { echo "compare: built for the x86-64 kernels"; exit 2; }
   other="${2:?compare: name the root of the other checkout}"
   [[ -f "$other/cpp/cpu/attention_cpu_impl.h" ]] || { echo "compare: $other has no cpp/cpu/attention_cpu_impl.h"; exit 2; }
-  # FATRAIN_COMPARE_ISA: avx512 (default), avx512_amx (the AMX variants, bf16
-  # problems) or avx2; the other checkout is compiled as that variant is.
+  # FATRAIN_COMPARE_ISA: avx512 (default), avx512_bf16 (the bf16 pair path,
+  # bf16 problems), avx512_amx (the AMX variants, bf16 problems) or avx2; the
+  # other checkout is compiled as that variant is.
   flags=("${isa_avx512[@]}") bf16_dot='#define FATRAIN_BF16_DOT 1' variant=()
   case "${FATRAIN_COMPARE_ISA:-avx512}" in
     avx512) ;;
+    avx512_bf16) variant=(-DFATRAIN_COMPARE_BF16_PAIRS) ;;
     avx512_amx) flags+=(-mamx-tile -mamx-bf16 -DFATRAIN_AMX=1) variant=(-DFATRAIN_COMPARE_AMX) ;;
     avx2) flags=("${isa_avx2[@]}") bf16_dot='' variant=(-DFATRAIN_COMPARE_AVX2) ;;
-    *) echo "compare: FATRAIN_COMPARE_ISA must be avx512, avx512_amx or avx2"; exit 2 ;;
+    *) echo "compare: FATRAIN_COMPARE_ISA must be avx512, avx512_bf16, avx512_amx or avx2"; exit 2 ;;
   esac
   printf '#define FATRAIN_ISA other\n%s\n#include "%s/cpp/cpu/attention_cpu_impl.h"\n' \
     "$bf16_dot" "$(cd "$other" && pwd)" > "$out/isa_other.cc"

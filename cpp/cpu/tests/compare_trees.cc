@@ -1,6 +1,8 @@
 // Paired timing of two versions of the CPU kernels in one process: this
 // tree's AVX-512 kernels (namespace fatrain::cpu::avx512, from
-// attention_cpu_isa_avx512.cc; with FATRAIN_COMPARE_AMX its AMX variant,
+// attention_cpu_isa_avx512.cc; with FATRAIN_COMPARE_BF16_PAIRS their bf16
+// pair path, bfloat16 only, on a CPU with avx512_bf16; with
+// FATRAIN_COMPARE_AMX its AMX variant,
 // fatrain::cpu::avx512_amx, bfloat16 only; with FATRAIN_COMPARE_AVX2 its
 // AVX2 kernels, fatrain::cpu::avx2) against another checkout's,
 // compiled from its attention_cpu_impl.h into namespace fatrain::cpu::other
@@ -13,7 +15,8 @@
 //   compare_trees [threads] [rounds] [T] [D] [causal 0/1] [f32|bf16]
 //
 // B = 1, N = 8, T = S; bf16 runs the products in float32 (the `avx512`
-// variant's path), or on AMX tiles with FATRAIN_COMPARE_AMX. Prints per pass (forward, backward) the median times and
+// variant's path), as bf16 pairs with FATRAIN_COMPARE_BF16_PAIRS, or on AMX
+// tiles with FATRAIN_COMPARE_AMX. Prints per pass (forward, backward) the median times and
 // the median, lowest and highest of other / this.
 #include <algorithm>
 #include <atomic>
@@ -56,12 +59,19 @@ using namespace fatrain::testing;
 #if defined(FATRAIN_COMPARE_AMX)
 namespace mine = fatrain::cpu::avx512_amx;
 constexpr bool kBf16Products = true;  // bf16 problems as bf16 pairs on AMX tiles
+constexpr const char* kProducts = "bf16 (AMX)";
 #elif defined(FATRAIN_COMPARE_AVX2)
 namespace mine = fatrain::cpu::avx2;
 constexpr bool kBf16Products = false;  // bf16 problems converted to float32
+constexpr const char* kProducts = "bf16 (float32 products)";
+#elif defined(FATRAIN_COMPARE_BF16_PAIRS)
+namespace mine = fatrain::cpu::avx512;
+constexpr bool kBf16Products = true;  // bf16 problems as bf16 pairs on vdpbf16ps
+constexpr const char* kProducts = "bf16 (pairs)";
 #else
 namespace mine = fatrain::cpu::avx512;
 constexpr bool kBf16Products = false;  // bf16 problems converted to float32
+constexpr const char* kProducts = "bf16 (float32 products)";
 #endif
 
 namespace {
@@ -100,6 +110,11 @@ int main(int argc, char** argv) {
   if (dt != DType::kBF16 || std::strcmp(selected_isa(), "avx512_amx") != 0) {
     std::fprintf(stderr, "compare: the AMX kernels need bf16 and a CPU running avx512_amx (got %s)\n",
                  selected_isa());
+    return 2;
+  }
+#elif defined(FATRAIN_COMPARE_BF16_PAIRS)
+  if (dt != DType::kBF16 || !__builtin_cpu_supports("avx512bf16")) {
+    std::fprintf(stderr, "compare: the bf16 pair path needs bf16 and a CPU with avx512_bf16\n");
     return 2;
   }
 #endif
@@ -147,7 +162,7 @@ int main(int argc, char** argv) {
   std::printf("compare: threads=%d rounds=%d B=%lld N=%lld T=S=%lld D=%lld causal=%d %s\n", threads,
               rounds, (long long)BenchProblem::kB, (long long)BenchProblem::kN, (long long)T,
               (long long)D, causal ? 1 : 0,
-              dt != DType::kBF16 ? "f32" : kBf16Products ? "bf16 (AMX)" : "bf16 (float32 products)");
+              dt != DType::kBF16 ? "f32" : kProducts);
   fwd.print("forward");
   bwd.print("backward");
   return 0;

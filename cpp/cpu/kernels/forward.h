@@ -162,17 +162,21 @@ static void fwd_tile_reset(const Geo& g, FwdTile<Pk>& t) {
   }
 }
 
-#if defined(FATRAIN_AMX)
-// fwd_tile_begin for AMX's bf16 Qᵀ when D is even and 16 rows of q are
-// int32-addressable from the first (else false, nothing done): the pair
-// words of a bf16 row are its own bits, NaNs made quiet as bf16_bits does,
-// so word p of rows r0..r0 + 15 is one masked gather (rows past ni and words
-// past D / 2 are zero, as in fwd_tile_begin).
-static bool fwd_amx_load_qt(const FwdState& s, int64_t b, int64_t n, FwdTile<uint32_t>& t) {
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
+// fwd_tile_begin for the bf16 pair path's Qᵀ (vdpbf16ps and AMX) when q is
+// bf16, D is even and 16 rows of q are int32-addressable from the first
+// (else false, nothing done): the pair words of a bf16 row are its own bits,
+// NaNs made quiet as bf16_bits does, so word p of rows r0..r0 + 15 is one
+// masked gather (rows past ni and words past D / 2 are zero, as in
+// fwd_tile_begin). The gathers keep many rows of q in flight, where a row at
+// a time waits for each.
+static bool fwd_load_qt_bf16(const FwdState& s, int64_t b, int64_t n, FwdTile<uint32_t>& t) {
   const Geo& g = s.g;
   const SeqTensor& q = s.op->q;
   const int64_t D = g.D, Dq = fwd_qt_rows<uint32_t>(g);
-  if (D % 2 != 0 || q.seq_stride < 0 || 15 * q.seq_stride + D > INT32_MAX) return false;
+  if (q.dtype != DType::kBF16 || D % 2 != 0 || q.seq_stride < 0 ||
+      15 * q.seq_stride + D > INT32_MAX)
+    return false;
   __m512i idx = _mm512_setzero_si512();
   for (int k = 0; k < 16; ++k) reinterpret_cast<vi&>(idx)[k] = static_cast<int32_t>(k * q.seq_stride);
   const vu lo_nan = vu{} + 0x7f80u, low = vu{} + 0xffffu;
@@ -204,9 +208,9 @@ static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>&
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const int64_t D = g.D, Dk = (D + kP - 1) / kP, Dq = fwd_qt_rows<Pk>(g);
-#if defined(FATRAIN_AMX)
+#if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
   if constexpr (kP == 2) {
-    if (fwd_amx_load_qt(s, b, n, t)) return;
+    if (fwd_load_qt_bf16(s, b, n, t)) return;
   }
 #endif
   if constexpr (kP == 1) {

@@ -1,11 +1,14 @@
 // Times the CPU kernels' tile products on their own, one thread, on operands
 // that stay in the L1/L2 caches: the micro-kernel's speed without the
 // softmax, the packing or the memory traffic of a whole pass, against this
-// core's FMA peak. Built by `build_and_test.sh tiles` for the AVX-512
+// core's FMA peak, and, where the CPU has avx512_bf16, the bf16 pair
+// products (vdpbf16ps, operands as bf16 pair words) against its bf16
+// dot-product peak. Built by `build_and_test.sh tiles` for the AVX-512
 // kernels, or with FATRAIN_TILES_ISA=avx2 for the AVX2 ones (FATRAIN_ISA =
 // tile_bench, its own namespace).
 //
-// Shapes of one 64 x 64 tile pair at head dim D (64, 128):
+// Shapes of one 64 x 64 tile pair at head dim D (64, 128), in f32 elements
+// (the pair products sum over half as many pair words):
 //   score:  C[64 x 64]  = A[64 x D] . B[D x 64]   (S = K Qᵀ, dP = dO Vᵀ; chunked sums)
 //   acc:    C[64 x D]  += A[64 x 64] . B[64 x D]  (dV += Pᵀ dO, dK += dSᵀ Q)
 //   acc_at: C[D x 64]  += A[D x 64] . B[64 x 64], A read by columns
@@ -24,31 +27,38 @@ namespace fatrain::cpu::tile_bench {
 namespace {
 
 // GFLOP/s of the best of 5 runs of `reps` products of one kind, and in *peak
-// the best single-core FMA peak read before each run (the machine's speed
-// moves; both are best cases).
+// the best single-core peak read before each run (FMA for float, bf16 dot
+// product for pair words; the machine's speed moves; both are best cases).
+template <class Pk>
 double time_product(int kind, int64_t D, double* peak) {
+  constexpr int64_t kP = Lanes<Pk>::kPair;
   const int64_t ld = D % 128 == 0 ? D + 16 : D;  // the kernels' padded row stride
-  float* A = falloc(64 * 272);
-  float* B = falloc(272 * 64);
+  Pk* A = static_cast<Pk*>(static_cast<void*>(falloc(64 * 272)));
+  Pk* B = static_cast<Pk*>(static_cast<void*>(falloc(272 * 64)));
   float* C = falloc(64 * 272);
   for (int64_t i = 0; i < 64 * 272; ++i) {
-    A[i] = 0.01f * float(i % 7);
-    B[i] = 0.01f * float(i % 5);
+    if constexpr (kP == 1) {
+      A[i] = 0.01f * float(i % 7);
+      B[i] = 0.01f * float(i % 5);
+    } else {
+      A[i] = bf16_pair(0.01f * float(i % 7), 0.02f);
+      B[i] = bf16_pair(0.01f * float(i % 5), 0.03f);
+    }
     C[i] = 0.0f;
   }
   const int reps = 4000;
   double best = 1e30;
   *peak = 0;
   for (int t = 0; t < 5; ++t) {
-    *peak = fmax(*peak, fma_peak_gflops(1, 0.05));
+    *peak = fmax(*peak, kP == 1 ? fma_peak_gflops(1, 0.05) : bf16_dot_peak_gflops(1, 0.05));
     auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < reps; ++r) {
       if (kind == 0)
-        score_gemm<float>(64, 64, D, A, ld, B, 64, C, 64);
+        score_gemm<Pk>(64, 64, D / kP, A, ld / kP, B, 64, C, 64);
       else if (kind == 1)
-        acc_gemm<float>(64, D, 64, A, 64, B, ld, C, ld);
+        acc_gemm<Pk>(64, D, 64 / kP, A, 64 / kP, B, ld, C, ld);
       else
-        acc_gemm_at<float>(D, 64, 64, A, ld, B, 64, C, 64);
+        acc_gemm_at<Pk>(D, 64, 64 / kP, A, ld, B, 64, C, 64);
     }
     best = fmin(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -64,16 +74,26 @@ double time_product(int kind, int64_t D, double* peak) {
 }  // namespace fatrain::cpu::tile_bench
 
 int main() {
-  using fatrain::cpu::tile_bench::time_product;
+  using namespace fatrain::cpu::tile_bench;
   const char* names[] = {"score", "acc", "acc_at"};
-  std::printf("tile products, float32, one thread (best of 5 x 4000, each against the best FMA peak read between its runs)\n");
-  std::printf("  %-7s %4s %9s %7s\n", "product", "D", "GFLOP/s", "%peak");
-  for (int64_t D = 64; D <= 128; D *= 2) {
-    for (int kind = 0; kind < 3; ++kind) {
-      double peak = 0;
-      const double gf = time_product(kind, D, &peak);
-      std::printf("  %-7s %4lld %9.1f %6.0f%%\n", names[kind], (long long)D, gf, 100 * gf / peak);
+  std::printf("tile products, one thread (best of 5 x 4000, each against the best peak read between its runs)\n");
+  std::printf("  %-7s %-5s %4s %9s %7s\n", "product", "dtype", "D", "GFLOP/s", "%peak");
+  // The pair products where the kernels run them (bf16_dot_peak_gflops is 0
+  // elsewhere).
+#if defined(__AVX512BF16__)
+  const bool pairs = fatrain::cpu::bf16_dot_peak_gflops(1, 0.01) > 0;
+#else
+  const bool pairs = false;
+#endif
+  for (int pk = 0; pk < (pairs ? 2 : 1); ++pk)
+    for (int64_t D = 64; D <= 128; D *= 2) {
+      for (int kind = 0; kind < 3; ++kind) {
+        double peak = 0;
+        const double gf = pk == 0 ? time_product<float>(kind, D, &peak)
+                                  : time_product<uint32_t>(kind, D, &peak);
+        std::printf("  %-7s %-5s %4lld %9.1f %6.0f%%\n", names[kind], pk == 0 ? "f32" : "bf16",
+                    (long long)D, gf, 100 * gf / peak);
+      }
     }
-  }
   return 0;
 }

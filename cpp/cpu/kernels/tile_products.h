@@ -105,13 +105,14 @@ static void mk(int64_t K, const Pk* __restrict A, int64_t sa, int64_t sk, const 
   }
 }
 
-// What a band (visibility.h) trims in a product of a partial tile; with
-// kNoTrim, every block of C sums over all of K.
-//  - kTrimC: C is a score tile; its micro-kernel blocks with no element in
-//    the band are not computed (prep masks whatever they hold).
+// What a band (visibility.h) trims in a product of a partial tile, a vector
+// of C's columns (W floats) at a time; with kNoTrim, every vector of C sums
+// over all of K.
+//  - kTrimC: C is a score tile; the vectors of a micro-kernel block with no
+//    element in the band are not computed (prep masks whatever they hold).
 //  - kTrimSumA: A is a score tile (P or dS) with C's rows; each block of C's
 //    rows sums over the band's columns of its rows only.
-//  - kTrimSumB: B is a score tile (Pᵀ) with C's columns; each block of C's
+//  - kTrimSumB: B is a score tile (Pᵀ) with C's columns; each vector of C's
 //    columns sums over the band's rows of its columns only.
 // The terms left out are products with a P or dS outside the band, exact
 // zeros; the rest keep their order (the sums run in order into C, and only
@@ -124,32 +125,32 @@ struct Trim {
   bool none() const { return kind == kNoTrim || band.whole(); }
 };
 
-// Under t: whether the block of C's rows [i0, i1) and columns [j0, j1)
-// (floats) is computed, and the part [*k0, *k1) of its sum over K Pk
-// elements (kP floats each: a Pk pair is summed if either of its floats is
-// in the band).
+// Under t: the part [*k0, *k1) of the sum over K Pk elements (kP floats
+// each: a Pk pair is summed if either of its floats is in the band) of C's
+// rows [i0, i1) and columns [c0, c1) (floats); empty (*k0 >= *k1) where they
+// are not computed.
 template <int64_t kP>
-static inline bool trim_block(const Trim& t, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
-                              int64_t K, int64_t* k0, int64_t* k1) {
+static inline void trim_part(const Trim& t, int64_t i0, int64_t i1, int64_t c0, int64_t c1,
+                             int64_t K, int64_t* k0, int64_t* k1) {
   *k0 = 0;
   *k1 = K;
   int64_t a = 0, e = 0;
   switch (t.kind) {
     case kNoTrim:
-      return true;
+      return;
     case kTrimC:
       t.band.cols(i0, i1, &a, &e);
-      return a < j1 && e > j0;
+      if (a >= c1 || e <= c0) *k1 = 0;
+      return;
     case kTrimSumA:
       t.band.cols(i0, i1, &a, &e);
       break;
     case kTrimSumB:
-      t.band.rows(j0, j1, &a, &e);
+      t.band.rows(c0, c1, &a, &e);
       break;
   }
   *k0 = imax(a, 0) / kP;
   *k1 = imin(K, (imax(e, 0) + kP - 1) / kP);
-  return *k0 < *k1;
 }
 
 template <int R, int N, Sum kSum, class Pk>
@@ -162,6 +163,60 @@ static inline void mk_rows_rem(int64_t r, int64_t K, const Pk* A, int64_t sa, in
       mk_rows_rem<R - 1, N, kSum, Pk>(r, K, A, sa, sk, B, ldb, C, ldc);
   }
 }
+// mk of r rows (1..kMR) and n vectors (1..N), both known at run time.
+template <int N, Sum kSum, class Pk>
+static inline void mk_any(int64_t n, int64_t r, int64_t K, const Pk* A, int64_t sa, int64_t sk,
+                          const Pk* B, int64_t ldb, float* C, int64_t ldc) {
+  if constexpr (N > 0) {
+    if (n == N)
+      mk_rows_rem<kMR, N, kSum, Pk>(r, K, A, sa, sk, B, ldb, C, ldc);
+    else
+      mk_any<N - 1, kSum, Pk>(n, r, K, A, sa, sk, B, ldb, C, ldc);
+  }
+}
+
+// The block of r rows and N vectors of C at C (its columns from j0 floats
+// in the tile, its rows from i0) under trim t. Each vector's part of K
+// (trim_part) is cut at the ends of every other vector's part, and each
+// piece runs as one micro-kernel call over the vectors that sum it, in
+// order of K, so every vector sums its part in order: on a causal diagonal
+// tile the N vectors of Oᵀ += Vᵀ Pᵀ sum over 1/N, 2/N, ... of the keys. A
+// score product's parts are all of K or none (kTrimC), one piece.
+template <int N, Sum kSum, class Pk>
+static void mk_trimmed(int64_t r, int64_t K, const Pk* A, int64_t sa, int64_t sk, const Pk* B,
+                       int64_t ldb, float* C, int64_t ldc, const Trim& t, int64_t i0,
+                       int64_t j0) {
+  int64_t ka[N], ke[N], cuts[2 * N];
+  int nc = 0;
+  for (int v = 0; v < N; ++v) {
+    trim_part<Lanes<Pk>::kPair>(t, i0, i0 + r, j0 + v * W, j0 + (v + 1) * W, K, &ka[v], &ke[v]);
+    if (ka[v] < ke[v]) {
+      cuts[nc++] = ka[v];
+      cuts[nc++] = ke[v];
+    }
+  }
+  for (int x = 1; x < nc; ++x)
+    for (int y = x; y > 0 && cuts[y - 1] > cuts[y]; --y) {
+      const int64_t c = cuts[y];
+      cuts[y] = cuts[y - 1];
+      cuts[y - 1] = c;
+    }
+  for (int x = 0; x + 1 < nc; ++x) {
+    const int64_t k0 = cuts[x], k1 = cuts[x + 1];
+    if (k0 == k1) continue;
+    for (int v = 0; v < N;) {
+      if (ka[v] > k0 || ke[v] < k1) {
+        ++v;
+        continue;
+      }
+      int e = v + 1;
+      while (e < N && ka[e] <= k0 && ke[e] >= k1) ++e;
+      mk_any<N, kSum, Pk>(e - v, r, k1 - k0, A + k0 * sk, sa, sk, B + k0 * ldb + v * W, ldb,
+                          C + v * W, ldc);
+      v = e;
+    }
+  }
+}
 
 // The N vectors of C from column j0 (floats), kMR rows at a time; with
 // kTrim, each block under trim t.
@@ -170,16 +225,13 @@ static void gemm_cols(int64_t M, int64_t K, const Pk* A, int64_t sa, int64_t sk,
                       int64_t ldb, float* C, int64_t ldc, const Trim& t, int64_t j0) {
   for (int64_t i = 0; i < M; i += kMR) {
     const int64_t r = imin(kMR, M - i);
-    int64_t k0 = 0, k1 = K;
-    if constexpr (kTrim) {
-      if (!trim_block<Lanes<Pk>::kPair>(t, i, i + r, j0, j0 + N * W, K, &k0, &k1)) continue;
-    }
-    const Pk* a = A + i * sa + k0 * sk;
-    if (r == kMR)
-      mk<kMR, N, kSum, Pk>(k1 - k0, a, sa, sk, B + k0 * ldb, ldb, C + i * ldc, ldc);
+    const Pk* a = A + i * sa;
+    if constexpr (kTrim)
+      mk_trimmed<N, kSum, Pk>(r, K, a, sa, sk, B, ldb, C + i * ldc, ldc, t, i, j0);
+    else if (r == kMR)
+      mk<kMR, N, kSum, Pk>(K, a, sa, sk, B, ldb, C + i * ldc, ldc);
     else
-      mk_rows_rem<kMR - 1, N, kSum, Pk>(r, k1 - k0, a, sa, sk, B + k0 * ldb, ldb, C + i * ldc,
-                                        ldc);
+      mk_rows_rem<kMR - 1, N, kSum, Pk>(r, K, a, sa, sk, B, ldb, C + i * ldc, ldc);
   }
 }
 

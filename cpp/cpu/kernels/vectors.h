@@ -101,6 +101,29 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
 static inline __attribute__((always_inline)) vf vmin(vf a, vf b) {
   return a < b ? a : b;
 }
+// x * c + m with one rounding where the ISA has FMAs, two on SSE2. Written
+// as an instruction rather than left to -ffp-contract: where two products
+// meet one add (a b + c d), the compiler chooses which product to fuse, and
+// may choose differently in two instantiations of the same code (GCC 13 did
+// in the score micro-kernels that the backward's two forms run, whose results
+// must agree bit for bit).
+static inline __attribute__((always_inline)) vf fmadd(vf x, vf c, vf m) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x),
+                                              reinterpret_cast<__m512>(c),
+                                              reinterpret_cast<__m512>(m)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x),
+                                              reinterpret_cast<__m256>(c),
+                                              reinterpret_cast<__m256>(m)));
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  return reinterpret_cast<vf>(vfmaq_f32(reinterpret_cast<float32x4_t>(m),
+                                        reinterpret_cast<float32x4_t>(x),
+                                        reinterpret_cast<float32x4_t>(c)));
+#else
+  return x * c + m;
+#endif
+}
 // Transposes in place the W x W block whose rows are r[0..W): log2(W)
 // stages, each swapping the off-diagonal b x b blocks of every 2b x 2b block
 // (b = W / 2, ..., 1), one two-source shuffle per row and stage (vpermt2ps on
@@ -184,7 +207,9 @@ struct Lanes<float> {
   static constexpr int64_t kPair = 1;  // elements per Pk
   static inline __attribute__((always_inline)) V load(const float* p) { return ld(p); }
   static inline __attribute__((always_inline)) V bcast(float x) { return bc(x); }
-  static inline __attribute__((always_inline)) vf madd(vf c, V a, V b) { return c + a * b; }
+  // One FMA (explicit: see fmadd), so that a chunk's first product, a plain
+  // multiply, is never the one fused into the next step's add.
+  static inline __attribute__((always_inline)) vf madd(vf c, V a, V b) { return fmadd(a, b, c); }
 };
 
 template <>
@@ -216,8 +241,8 @@ struct Lanes<uint32_t> {
     t = a << 16; memcpy(&a_lo, &t, sizeof(t));
     t = b & hi; memcpy(&b_hi, &t, sizeof(t));
     t = b << 16; memcpy(&b_lo, &t, sizeof(t));
-    c = c + a_hi * b_hi;
-    return c + a_lo * b_lo;
+    c = fmadd(a_hi, b_hi, c);
+    return fmadd(a_lo, b_lo, c);
 #endif
   }
 };

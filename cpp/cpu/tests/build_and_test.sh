@@ -4,7 +4,8 @@
 #   cpp/cpu/tests/build_and_test.sh          build + test exp2 and every ISA
 #   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
-#       (AVX-512; FATRAIN_TILES_ISA=avx2: the AVX2 ones)
+#       (AVX-512, and its bf16 pair products where the CPU runs them;
+#       FATRAIN_TILES_ISA=avx2: the AVX2 ones)
 #   cpp/cpu/tests/build_and_test.sh compare OTHER [threads rounds T D causal f32|bf16]
 #       build + time this tree's AVX-512 kernels against those of the checkout
 #       OTHER, alternating calls in one process (compare_trees.cc); with

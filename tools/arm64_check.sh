@@ -3,7 +3,8 @@
 # x86-64 Linux machine: cross-built with Debian's aarch64 toolchain and run
 # under qemu-user (docs/testing.md, "arm64 under qemu").
 #
-#   tools/arm64_check.sh cpu [CASE...]   the CPU kernels' C++ test (NEON build);
+#   tools/arm64_check.sh cpu [CASE...]   the CPU kernels' C++ test (NEON build, by
+#                                        g++ and by clang++);
 #                                        default cases: the CI subset below,
 #                                        "all": every case
 #   tools/arm64_check.sh metal [CASE...] the Metal stand-in on aarch64: its
@@ -15,8 +16,8 @@
 #                                        jax_fatrain importable)
 #   tools/arm64_check.sh all             both
 #
-# Needs: g++-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user, and for
-# metal clang and lld. Build directory: $FATRAIN_ARM64_BUILD_DIR (default
+# Needs: g++-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user, clang, and
+# for metal lld. Build directory: $FATRAIN_ARM64_BUILD_DIR (default
 # $TMPDIR/fatrain_arm64).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -52,6 +53,14 @@ check_cpu() {
     echo "FAILED: the aarch64 baseline kernels are not NEON code" >&2
     return 1
   fi
+  # The same cases compiled by clang++, the compiler family that builds the
+  # package on macOS (Apple's clang), which has none of GCC's own builtins.
+  command -v clang++ >/dev/null || { echo "arm64_check: clang++ not found" >&2; return 2; }
+  echo "=== arm64 cpu: cross build (clang++ --target=aarch64-linux-gnu) and qemu-aarch64 run"
+  printf '#!/bin/sh\nexec clang++ --target=aarch64-linux-gnu "$@"\n' > "$out/clang-aarch64"
+  chmod +x "$out/clang-aarch64"
+  CXX="$out/clang-aarch64" FATRAIN_TEST_BUILD_DIR="$out/cpu-clang" FATRAIN_TEST_RUNNER="${qemu[*]}" \
+    FATRAIN_EXPECT_VECTOR_ISA=neon "$root/cpp/cpu/tests/build_and_test.sh" "${cases[@]}"
 }
 
 # The stand-in for aarch64, compiled by clang++ --target=aarch64-linux-gnu:

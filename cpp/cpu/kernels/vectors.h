@@ -144,8 +144,20 @@ static inline __attribute__((always_inline)) void transpose_block(vf* r) {
     for (int i = 0; i < W; ++i) {
       if (i & b) continue;
       const vf a = r[i], c = r[i + b];
+#if defined(__clang__)
+      // Clang (Apple's, on macOS) has no __builtin_shuffle with a vector of
+      // indices: the same selection an element at a time.
+      vf x, y;
+      for (int k = 0; k < W; ++k) {
+        x[k] = lo[k] < W ? a[lo[k]] : c[lo[k] - W];
+        y[k] = hi[k] < W ? a[hi[k]] : c[hi[k] - W];
+      }
+      r[i] = x;
+      r[i + b] = y;
+#else
       r[i] = __builtin_shuffle(a, c, lo);
       r[i + b] = __builtin_shuffle(a, c, hi);
+#endif
     }
   }
 }
@@ -407,7 +419,10 @@ static inline __attribute__((always_inline)) vf vexp2(vf x) {
   vf r = (xc + kRound) - kRound;
   vf f = xc - r;
   const vf p = exp2_poly_p<Pk>(f);
-  vi n = __builtin_convertvector(r, vi);
+  // A NaN r converts to int only with undefined behaviour, from which clang
+  // infers that x is never NaN (and then clamps NaN to -127): convert 0
+  // instead; p carries the NaN.
+  vi n = __builtin_convertvector(r == r ? r : vf{}, vi);
   vi bits = (n + 127) << 23;  // n = -127 -> +0.0
   vf s;
   memcpy(&s, &bits, sizeof(s));

@@ -276,19 +276,20 @@ static inline __attribute__((always_inline)) vu vbf16_bits(vf f) {
   return (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
 }
 
-// The bf16 bits of x[0, n), n a multiple of W, written in element order to
-// out (any alignment). Element k goes to the low half of word k / 2 when k is
+// bf16_row: the bf16 bits of x[0, n), n a multiple of W, written in element
+// order to out (any alignment); bf16_vector: those of one vector. Element k goes to the low half of word k / 2 when k is
 // even and to its high half when k is odd, so these are also the words of
 // consecutive element pairs, bf16_pair(x[2p], x[2p + 1]).
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "bf16 pair words hold their first element in the low half");
 typedef uint16_t vh __attribute__((vector_size(W * 2), may_alias, aligned(2)));
+static inline __attribute__((always_inline)) void bf16_vector(vf x, void* out) {
+  const vh h = __builtin_convertvector(vbf16_bits(x), vh);
+  memcpy(out, &h, sizeof(h));
+}
 static inline void bf16_row(const float* x, int64_t n, void* out) {
   char* o = static_cast<char*>(out);
-  for (int64_t c = 0; c < n; c += W) {
-    const vh h = __builtin_convertvector(vbf16_bits(ld(x + c)), vh);
-    memcpy(o + 2 * c, &h, sizeof(h));
-  }
+  for (int64_t c = 0; c < n; c += W) bf16_vector(ld(x + c), o + 2 * c);
 }
 
 // The rounding of the bf16 operands the kernels compute (P and dS) before
@@ -319,10 +320,10 @@ static inline __attribute__((always_inline)) vu operand_pair_words(vf lo, vf hi)
 static inline __attribute__((always_inline)) void operand_bf16_vector(vf x, void* out) {
 #if defined(FATRAIN_BF16_DOT) && FATRAIN_BF16_DOT == 1
   const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(x));
-#else
-  const vh h = __builtin_convertvector(vbf16_bits(x), vh);
-#endif
   memcpy(out, &h, sizeof(h));
+#else
+  bf16_vector(x, out);
+#endif
 }
 static inline void operand_bf16_row(const float* x, int64_t n, void* out) {
   char* o = static_cast<char*>(out);

@@ -389,7 +389,13 @@ static inline void amx_begin() {
     c.colsb[t] = 64;
     c.rows[t] = 16;
   }
-  _tile_loadconfig(&c);
+  // ldtilecfg reads all 64 bytes of c, and the asm says so. GCC's
+  // _tile_loadconfig gives its asm a pointer-sized memory operand, from which
+  // the compiler may conclude that colsb and rows are never read and drop
+  // their stores: GCC 12 does where amx_begin is inlined next to other tile
+  // products, and the first tile instruction then faults (SIGILL) on the
+  // unconfigured tiles.
+  __asm__ volatile("ldtilecfg %0" : : "m"(c));
 }
 static inline void amx_end() { _tile_release(); }
 

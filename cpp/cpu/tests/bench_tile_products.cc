@@ -3,9 +3,11 @@
 // softmax, the packing or the memory traffic of a whole pass, against this
 // core's FMA peak, and, where the CPU has avx512_bf16, the bf16 pair
 // products (vdpbf16ps, operands as bf16 pair words) against its bf16
-// dot-product peak. Built by `build_and_test.sh tiles` for the AVX-512
-// kernels, or with FATRAIN_TILES_ISA=avx2 for the AVX2 ones (FATRAIN_ISA =
-// tile_bench, its own namespace).
+// dot-product peak, and where the kernels run AMX tiles (avx512_amx), the
+// AMX forward's products against the AMX bf16 peak. Built by
+// `build_and_test.sh tiles` for the AVX-512 kernels, or with
+// FATRAIN_TILES_ISA=avx2 for the AVX2 ones (FATRAIN_ISA = tile_bench, its own
+// namespace).
 //
 // Shapes of one 64 x 64 tile pair at head dim D (64, 128), in f32 elements
 // (the pair products sum over half as many pair words):
@@ -13,9 +15,16 @@
 //   acc:    C[64 x D]  += A[64 x 64] . B[64 x D]  (dV += Pᵀ dO, dK += dSᵀ Q)
 //   acc_at: C[D x 64]  += A[D x 64] . B[64 x 64], A read by columns
 //                                                 (Oᵀ += Vᵀ Pᵀ, dQ += dS K)
+// The AMX forward's, in bf16 pairs as it packs them:
+//   score:  C[64 x 64]  = A[64 x D] . B[D x 64]   per key tile (Sᵀ = K Qᵀ)
+//   acc:    C[D x 64]  += A[D x 1024] . B[1024 x 64] over a group of
+//           kFwdAmxKeyTiles key tiles (Oᵀ += Vᵀ Pᵀ)
 #define FATRAIN_ISA tile_bench
 #if defined(__AVX512BF16__)
 #define FATRAIN_BF16_DOT 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FATRAIN_AMX 1
 #endif
 #include "../attention_cpu_impl.h"
 
@@ -70,6 +79,59 @@ double time_product(int kind, int64_t D, double* peak) {
   return 2.0 * 64 * 64 * double(D) * reps / best / 1e9;
 }
 
+#if defined(FATRAIN_AMX)
+// GFLOP/s of the best of 5 runs of the AMX forward's product `kind` (0: the
+// scores of kFwdAmxKeyTiles key tiles, 1: Oᵀ += Vᵀ Pᵀ over them) at head dim
+// D, their operands laid out as the forward packs them; in *peak the best
+// one-core AMX peak read before each run.
+double time_amx_product(int kind, int64_t D, double* peak) {
+  constexpr int64_t kTiles = kFwdAmxKeyTiles, kKeys = kTiles * BK;
+  const int64_t Da = round_up(D, 32);
+  uint32_t* K = reinterpret_cast<uint32_t*>(falloc(kKeys * Da / 2));  // key rows
+  uint32_t* Vt = reinterpret_cast<uint32_t*>(falloc(kKeys * Da / 2));  // per tile [Da][BK]
+  uint32_t* Qt = reinterpret_cast<uint32_t*>(falloc(Da / 2 * BQ));     // [Da / 2][BQ]
+  uint32_t* Pt = reinterpret_cast<uint32_t*>(falloc(kKeys / 2 * BQ));  // [keys / 2][BQ]
+  float* S = falloc(kKeys * BQ);
+  float* Ot = falloc(Da * BQ);
+  for (int64_t i = 0; i < kKeys * Da / 2; ++i) K[i] = Vt[i] = bf16_pair(0.01f * float(i % 7), 0.02f);
+  for (int64_t i = 0; i < Da / 2 * BQ; ++i) Qt[i] = bf16_pair(0.01f * float(i % 5), 0.03f);
+  for (int64_t i = 0; i < kKeys / 2 * BQ; ++i) Pt[i] = bf16_pair(0.01f * float(i % 3), 0.04f);
+  for (int64_t i = 0; i < Da * BQ; ++i) Ot[i] = 0.0f;
+  const uint32_t* as[kKeys / 32];
+  const uint32_t* bs[kKeys / 32];
+  for (int64_t k = 0; k < kKeys / 32; ++k) {
+    as[k] = Vt + k / 2 * Da * BK / 2 + 16 * (k % 2);
+    bs[k] = Pt + 16 * k * BQ;
+  }
+  const int reps = 200;
+  double best = 1e30;
+  *peak = 0;
+  for (int t = 0; t < 5; ++t) {
+    *peak = fmax(*peak, amx_bf16_peak_gflops(1, 0.05));
+    amx_begin();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < reps; ++r) {
+      if (kind == 0)
+        for (int64_t kt = 0; kt < kTiles; ++kt)
+          amx_gemm(BK / 32, BQ / 32, Da / 32, K + kt * BK * Da / 2, Da / 2, Qt, BQ, S + kt * BK * BQ, BQ);
+      else
+        amx_acc_steps(Da / 32, BQ / 32, kKeys / 32, as, BK / 2, bs, BQ, Ot, BQ);
+    }
+    best = fmin(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    amx_end();
+  }
+  volatile float sink = S[0] + Ot[0];
+  (void)sink;
+  free(K);
+  free(Vt);
+  free(Qt);
+  free(Pt);
+  free(S);
+  free(Ot);
+  return 2.0 * BQ * double(kKeys) * double(D) * reps / best / 1e9;
+}
+#endif
+
 }  // namespace
 }  // namespace fatrain::cpu::tile_bench
 
@@ -95,5 +157,17 @@ int main() {
                     (long long)D, gf, 100 * gf / peak);
       }
     }
+#if defined(FATRAIN_AMX)
+  // The AMX products where the kernels run them (amx_bf16_peak_gflops is 0
+  // elsewhere, and asking for it first grants this process AMX tile data).
+  if (fatrain::cpu::amx_bf16_peak_gflops(1, 0.01) > 0)
+    for (int64_t D = 64; D <= 128; D *= 2)
+      for (int kind = 0; kind < 2; ++kind) {
+        double peak = 0;
+        const double gf = time_amx_product(kind, D, &peak);
+        std::printf("  %-7s %-5s %4lld %9.1f %6.0f%%\n", names[kind], "amx", (long long)D, gf,
+                    100 * gf / peak);
+      }
+#endif
   return 0;
 }

@@ -4,7 +4,7 @@
 #   cpp/cpu/tests/build_and_test.sh          build + test exp2 and every ISA
 #   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
-#       (AVX-512, and its bf16 pair products where the CPU runs them;
+#       (AVX-512, and its bf16 pair or AMX products where the CPU runs them;
 #       FATRAIN_TILES_ISA=avx2: the AVX2 ones)
 #   cpp/cpu/tests/build_and_test.sh compare OTHER [threads rounds T D causal f32|bf16]
 #       build + time this tree's AVX-512 kernels against those of the checkout
@@ -51,7 +51,7 @@ if [[ "${1:-}" == "tiles" ]]; then
   ((x86_64)) || { echo "tiles: the tile benchmark is built for the x86-64 kernels"; exit 2; }
   # FATRAIN_TILES_ISA: avx512 (default) or avx2.
   case "${FATRAIN_TILES_ISA:-avx512}" in
-    avx512) isa_tiles=("${isa_avx512[@]}") ;;
+    avx512) isa_tiles=("${isa_avx512[@]}" -mamx-tile -mamx-bf16) ;;
     avx2) isa_tiles=("${isa_avx2[@]}") ;;
     *) echo "tiles: FATRAIN_TILES_ISA is avx512 or avx2"; exit 2 ;;
   esac

@@ -16,8 +16,9 @@
 //
 // B = 1, N = 8, T = S; bf16 runs the products in float32 (the `avx512`
 // variant's path), as bf16 pairs with FATRAIN_COMPARE_BF16_PAIRS, or on AMX
-// tiles with FATRAIN_COMPARE_AMX. Prints per pass (forward, backward) the median times and
-// the median, lowest and highest of other / this.
+// tiles with FATRAIN_COMPARE_AMX. Prints whether the two give bitwise the same
+// outputs (O, L, dQ, dK, dV) and per pass (forward, backward) the median times
+// and the median, lowest and highest of other / this.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -139,9 +140,20 @@ int main(int argc, char** argv) {
     *f = std::chrono::duration<double>(t1 - t0).count();
     *b = std::chrono::duration<double>(t2 - t1).count();
   };
+  // The warm-up of both sides, whose outputs are compared bit for bit.
+  auto outputs = [&] {
+    std::vector<uint8_t> all;
+    for (const Seq* x : {&bp.o, &bp.dq, &bp.dk, &bp.dv})
+      all.insert(all.end(), x->buf.bytes.begin(), x->buf.bytes.end());
+    const uint8_t* l = reinterpret_cast<const uint8_t*>(bp.lse.data());
+    all.insert(all.end(), l, l + bp.lse.size() * sizeof(float));
+    return all;
+  };
   double f, b;
-  call(false, &f, &b);  // warm-up of both sides
+  call(false, &f, &b);
+  const std::vector<uint8_t> mine_out = outputs();
   call(true, &f, &b);
+  const bool same = mine_out == outputs();
   Summary fwd, bwd;
   for (int r = 0; r < rounds; ++r) {
     double fm, bm, ft, bt;
@@ -163,6 +175,7 @@ int main(int argc, char** argv) {
               rounds, (long long)BenchProblem::kB, (long long)BenchProblem::kN, (long long)T,
               (long long)D, causal ? 1 : 0,
               dt != DType::kBF16 ? "f32" : kProducts);
+  std::printf("  outputs (O, L, dQ, dK, dV): %s\n", same ? "bitwise identical" : "differ");
   fwd.print("forward");
   bwd.print("backward");
   return 0;

@@ -463,32 +463,43 @@ static inline void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32
 
 // C[32 mb][32 nb] (ldc floats a row) += the products of nk steps of 32 bf16
 // whose operands lie anywhere: step k's A rows at a[k] (lda words a row) and
-// B pair rows at b[k] (ldb words a row). Each C block is loaded once and
-// stored once for the whole chain.
+// B pair rows at b[k] (ldb words a row). The steps run kAmxAccChunk at a
+// time over every C block, each block loaded and stored once per chunk: a
+// chunk's operands (2 KB a step for each A row block and B column block) stay
+// in L1 while every block of C reads them, where a whole chain per block
+// (the forward's Oᵀ over 1,024 keys: 64 to 128 KB of each) streams them from
+// L2 once per block. Each C element still sums its steps in order, the f32
+// partial sums stored and reloaded exactly, so the results are those of one
+// chain. Eight steps ran the forward's Oᵀ += Vᵀ Pᵀ 15-18% faster than one
+// chain per block on a Sapphire Rapids-class Xeon (`build_and_test.sh tiles`).
+constexpr int64_t kAmxAccChunk = 8;
 static void amx_acc_steps(int64_t mb, int64_t nb, int64_t nk, const uint32_t* const* a,
                           int64_t lda, const uint32_t* const* b, int64_t ldb, float* C,
                           int64_t ldc) {
-  for (int64_t i = 0; i < mb; ++i)
-    for (int64_t j = 0; j < nb; ++j) {
-      float* c = C + 32 * i * ldc + 32 * j;
-      _tile_loadd(0, c, ldc * 4);
-      _tile_loadd(1, c + 16, ldc * 4);
-      _tile_loadd(2, c + 16 * ldc, ldc * 4);
-      _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
-      for (int64_t k = 0; k < nk; ++k) {
-        const uint32_t* ak = a[k] + 32 * i * lda;
-        const uint32_t* bk = b[k] + 32 * j;
-        _tile_loadd(4, ak, lda * 4);
-        _tile_loadd(5, ak + 16 * lda, lda * 4);
-        _tile_loadd(6, bk, ldb * 4);
-        _tile_loadd(7, bk + 16, ldb * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+  for (int64_t k0 = 0; k0 < nk; k0 += kAmxAccChunk) {
+    const int64_t k1 = imin(nk, k0 + kAmxAccChunk);
+    for (int64_t i = 0; i < mb; ++i)
+      for (int64_t j = 0; j < nb; ++j) {
+        float* c = C + 32 * i * ldc + 32 * j;
+        _tile_loadd(0, c, ldc * 4);
+        _tile_loadd(1, c + 16, ldc * 4);
+        _tile_loadd(2, c + 16 * ldc, ldc * 4);
+        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+        for (int64_t k = k0; k < k1; ++k) {
+          const uint32_t* ak = a[k] + 32 * i * lda;
+          const uint32_t* bk = b[k] + 32 * j;
+          _tile_loadd(4, ak, lda * 4);
+          _tile_loadd(5, ak + 16 * lda, lda * 4);
+          _tile_loadd(6, bk, ldb * 4);
+          _tile_loadd(7, bk + 16, ldb * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        amx_store(c, ldc);
       }
-      amx_store(c, ldc);
-    }
+  }
 }
 
 // Row r of a tile held transposed (its element d at col[d * ldt], d < D

@@ -395,15 +395,15 @@ static inline __attribute__((always_inline)) vf exp2_poly_p(vf f) {
 template <class Pk = float>
 static inline __attribute__((always_inline)) vf vexp2(vf x) {
 #if defined(__AVX512F__)
-  // AVX-512: round with vrndscaleps and apply 2^r with vscalefps, which
-  // underflows x < -149 to +0 and keeps NaN: 11 vector operations instead of
-  // 16, the same polynomial, and the same results where 2^x is a normal float.
-  // The clamp is one vmaxps; a NaN x is its second operand, so it passes.
+  // AVX-512 (with DQ): vreduceps gives f = x - round(x), and x - f is round(x)
+  // exactly; vscalefps applies 2^r, underflowing to +0 below -149 and keeping
+  // NaN. vreduceps maps -inf to f = 0, so r = -inf and the result is +0 with
+  // no clamp. Two issue slots per vector fewer than a clamp and vrndscaleps
+  // (two uops on Intel), with the same f, r and results for every x <= 127.
   // (The merge-masked forms with a full mask are the same instructions; the
   // unmasked intrinsics trip GCC 12's uninitialized-value warning.)
-  const vf xc = _mm512_mask_max_ps(x, 0xffff, bc(-150.0f), x);
-  const vf r = _mm512_mask_roundscale_ps(xc, 0xffff, xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf f = xc - r;
+  const vf f = _mm512_mask_reduce_ps(x, 0xffff, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf r = x - f;
   const vf p = exp2_poly_p<Pk>(f);
   return _mm512_mask_scalef_ps(p, 0xffff, p, r);
 #else

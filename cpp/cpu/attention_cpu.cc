@@ -34,6 +34,9 @@
 #if defined(__linux__)
 #include <sched.h>
 #endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -95,11 +98,26 @@ bool amx_permitted() {
 #endif
 }
 
+#if defined(__x86_64__)
+// Bit `bit` of CPUID leaf `leaf`, subleaf 0, register `reg` (0-3: EAX, EBX,
+// ECX, EDX); false where the CPU lacks the leaf. For the features whose
+// __builtin_cpu_supports names not every compiler knows (clang 14 knows
+// neither "f16c" nor "amx-tile"): none of them needs more OS support than
+// the checks beside them establish (AVX state for F16C; the tile state is
+// asked of Linux by amx_permitted).
+static bool cpuid_bit(unsigned leaf, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(leaf, 0, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+#endif
+
 bool cpu_supports(Isa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+  const bool f16c = cpuid_bit(1, 2, 29);
+  const bool amx_tile = cpuid_bit(7, 3, 24), amx_bf16 = cpuid_bit(7, 3, 22);
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
@@ -114,8 +132,7 @@ bool cpu_supports(Isa isa) {
     case Isa::kAvx512Bf16:
       return avx512 && __builtin_cpu_supports("avx512bf16");
     case Isa::kAvx512Amx:
-      return avx512 && __builtin_cpu_supports("amx-tile") &&
-             __builtin_cpu_supports("amx-bf16") && amx_permitted();
+      return avx512 && amx_tile && amx_bf16 && amx_permitted();
   }
   return false;
 #else

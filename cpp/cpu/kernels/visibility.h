@@ -252,7 +252,7 @@ static inline void prep_row(float* s, int64_t nc, float scale, const float* brow
       const vi vlo = col * 0 + static_cast<int32_t>(imax(imin(lo, nc), -1));
       const vi vhi = col * 0 + static_cast<int32_t>(imax(imin(hi, nc), -1));
       for (int64_t c = 0; c < nc; c += W, col += W)
-        st(s + c, (col < vlo) | (col > vhi) ? bc(-kInf) : ld(s + c));
+        st(s + c, ((col < vlo) | (col > vhi)) ? bc(-kInf) : ld(s + c));
     }
     int64_t a = imax(lo, 0), e = imin(hi, nc - 1);
     if (mrow) {

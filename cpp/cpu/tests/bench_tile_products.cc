@@ -23,7 +23,9 @@
 #if defined(__AVX512BF16__)
 #define FATRAIN_BF16_DOT 1
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// -mamx-tile -mamx-bf16 (GCC's macros, and clang 14's spelling).
+#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
+    (defined(__AMX_BF16__) || defined(__AMXBF16__))
 #define FATRAIN_AMX 1
 #endif
 #include "../attention_cpu_impl.h"
@@ -35,9 +37,25 @@
 namespace fatrain::cpu::tile_bench {
 namespace {
 
+// The seconds of the best of 5 runs of run(), and in *peak the best peak
+// read_peak() gives before each run (the machine's speed moves; both are best
+// cases).
+template <class ReadPeak, class Run>
+double best_of_5(ReadPeak read_peak, double* peak, Run run) {
+  double best = 1e30;
+  *peak = 0;
+  for (int t = 0; t < 5; ++t) {
+    *peak = fmax(*peak, read_peak());
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    best = fmin(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
 // GFLOP/s of the best of 5 runs of `reps` products of one kind, and in *peak
 // the best single-core peak read before each run (FMA for float, bf16 dot
-// product for pair words; the machine's speed moves; both are best cases).
+// product for pair words).
 template <class Pk>
 double time_product(int kind, int64_t D, double* peak) {
   constexpr int64_t kP = Lanes<Pk>::kPair;
@@ -56,21 +74,18 @@ double time_product(int kind, int64_t D, double* peak) {
     C[i] = 0.0f;
   }
   const int reps = 4000;
-  double best = 1e30;
-  *peak = 0;
-  for (int t = 0; t < 5; ++t) {
-    *peak = fmax(*peak, kP == 1 ? fma_peak_gflops(1, 0.05) : bf16_dot_peak_gflops(1, 0.05));
-    auto t0 = std::chrono::steady_clock::now();
-    for (int r = 0; r < reps; ++r) {
-      if (kind == 0)
-        score_gemm<Pk>(64, 64, D / kP, A, ld / kP, B, 64, C, 64);
-      else if (kind == 1)
-        acc_gemm<Pk>(64, D, 64 / kP, A, 64 / kP, B, ld, C, ld);
-      else
-        acc_gemm_at<Pk>(D, 64, 64 / kP, A, ld, B, 64, C, 64);
-    }
-    best = fmin(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  const double best = best_of_5(
+      [] { return kP == 1 ? fma_peak_gflops(1, 0.05) : bf16_dot_peak_gflops(1, 0.05); }, peak,
+      [&] {
+        for (int r = 0; r < reps; ++r) {
+          if (kind == 0)
+            score_gemm<Pk>(64, 64, D / kP, A, ld / kP, B, 64, C, 64);
+          else if (kind == 1)
+            acc_gemm<Pk>(64, D, 64 / kP, A, 64 / kP, B, ld, C, ld);
+          else
+            acc_gemm_at<Pk>(D, 64, 64 / kP, A, ld, B, 64, C, 64);
+        }
+      });
   volatile float sink = C[0];
   (void)sink;
   free(A);
@@ -104,22 +119,19 @@ double time_amx_product(int kind, int64_t D, double* peak) {
     bs[k] = Pt + 16 * k * BQ;
   }
   const int reps = 200;
-  double best = 1e30;
-  *peak = 0;
-  for (int t = 0; t < 5; ++t) {
-    *peak = fmax(*peak, amx_bf16_peak_gflops(1, 0.05));
+  // Each run configures the tiles itself: reading the peak releases them.
+  const double best = best_of_5([] { return amx_bf16_peak_gflops(1, 0.05); }, peak, [&] {
     amx_begin();
-    auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < reps; ++r) {
       if (kind == 0)
         for (int64_t kt = 0; kt < kTiles; ++kt)
-          amx_gemm(BK / 32, BQ / 32, Da / 32, K + kt * BK * Da / 2, Da / 2, Qt, BQ, S + kt * BK * BQ, BQ);
+          amx_gemm(BK / 32, BQ / 32, Da / 32, K + kt * BK * Da / 2, Da / 2, Qt, BQ,
+                   S + kt * BK * BQ, BQ);
       else
         amx_acc_steps(Da / 32, BQ / 32, kKeys / 32, as, BK / 2, bs, BQ, Ot, BQ);
     }
-    best = fmin(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     amx_end();
-  }
+  });
   volatile float sink = S[0] + Ot[0];
   (void)sink;
   free(K);

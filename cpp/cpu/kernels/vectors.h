@@ -277,9 +277,10 @@ static inline __attribute__((always_inline)) vu vbf16_bits(vf f) {
 }
 
 // bf16_row: the bf16 bits of x[0, n), n a multiple of W, written in element
-// order to out (any alignment); bf16_vector: those of one vector. Element k goes to the low half of word k / 2 when k is
-// even and to its high half when k is odd, so these are also the words of
-// consecutive element pairs, bf16_pair(x[2p], x[2p + 1]).
+// order to out (any alignment); bf16_vector: those of one vector. Element k
+// goes to the low half of word k / 2 when k is even and to its high half when
+// k is odd, so these are also the words of consecutive element pairs,
+// bf16_pair(x[2p], x[2p + 1]).
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "bf16 pair words hold their first element in the low half");
 typedef uint16_t vh __attribute__((vector_size(W * 2), may_alias, aligned(2)));

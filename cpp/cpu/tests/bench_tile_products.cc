@@ -19,6 +19,15 @@
 //   score:  C[64 x 64]  = A[64 x D] . B[D x 64]   per key tile (Sᵀ = K Qᵀ)
 //   acc:    C[D x 64]  += A[D x 1024] . B[1024 x 64] over a group of
 //           kFwdAmxKeyTiles key tiles (Oᵀ += Vᵀ Pᵀ)
+//
+// Built with FATRAIN_TILES_ONEDNN (`build_and_test.sh tiles` with
+// FATRAIN_TILES_ONEDNN=1, against Debian's libdnnl-dev), each row also times
+// oneDNN's matmul primitive on the same shapes, f32 or bf16 operands with an
+// f32 C (+= through a sum post-op), on one thread, and prints its
+// implementation (brg: its brgemm kernels). oneDNN takes plain row-major
+// operands (acc_at's A column-major), not the kernels' packed ones; the AMX
+// score row calls it once per key tile, as the forward runs the product, and
+// once for the group's 1,024 x 64 scores in one call.
 #define FATRAIN_ISA tile_bench
 #if defined(__AVX512BF16__)
 #define FATRAIN_BF16_DOT 1
@@ -33,6 +42,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#if defined(FATRAIN_TILES_ONEDNN)
+#include <string>
+#include <unordered_map>
+
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
 
 namespace fatrain::cpu::tile_bench {
 namespace {
@@ -144,6 +159,67 @@ double time_amx_product(int kind, int64_t D, double* peak) {
 }
 #endif
 
+#if defined(FATRAIN_TILES_ONEDNN)
+// GFLOP/s of the best of 5 runs of `reps` x `calls` calls of oneDNN's matmul
+// C[M x N] (+= with acc) = A[M x K] . B[K x N], A row-major or (a_by_columns)
+// column-major, f32 or bf16 operands (small values) and an f32 C; *impl:
+// oneDNN's name for the implementation it chose.
+double time_onednn(bool bf16, int64_t M, int64_t N, int64_t K, bool acc, bool a_by_columns,
+                   int calls, int reps, std::string* impl) {
+  using dnnl::memory;
+  const memory::data_type in = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+  dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(eng);
+  const memory::desc a({M, K}, in, a_by_columns ? memory::format_tag::ba : memory::format_tag::ab);
+  const memory::desc b({K, N}, in, memory::format_tag::ab);
+  const memory::desc c({M, N}, memory::data_type::f32, memory::format_tag::ab);
+  dnnl::primitive_attr attr;
+  if (acc) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+#if DNNL_VERSION_MAJOR >= 3
+  const dnnl::matmul::primitive_desc pd(eng, a, b, c, attr);
+#else
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, eng);
+#endif
+  *impl = pd.impl_info_str();
+  const dnnl::matmul product(pd);
+  memory A(a, eng), B(b, eng), C(c, eng);
+  auto fill = [&](memory& m, int64_t n, int mod) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = 0.01f * float(i % mod);
+      if (bf16)
+        static_cast<uint16_t*>(m.get_data_handle())[i] = static_cast<uint16_t>(f2u(x) >> 16);
+      else
+        static_cast<float*>(m.get_data_handle())[i] = x;
+    }
+  };
+  fill(A, M * K, 7);
+  fill(B, K * N, 5);
+  for (int64_t i = 0; i < M * N; ++i) static_cast<float*>(C.get_data_handle())[i] = 0.0f;
+  const std::unordered_map<int, memory> args{
+      {DNNL_ARG_SRC, A}, {DNNL_ARG_WEIGHTS, B}, {DNNL_ARG_DST, C}};
+  double peak = 0;
+  const double best = best_of_5([] { return 0.0; }, &peak, [&] {
+    for (int r = 0; r < reps; ++r)
+      for (int k = 0; k < calls; ++k) product.execute(stream, args);
+    stream.wait();
+  });
+  return 2.0 * double(M) * double(N) * double(K) * calls * reps / best / 1e9;
+}
+
+// The oneDNN columns of a row: its GFLOP/s on the row's shape (one call per
+// product), ours over its, and its implementation.
+void print_onednn(double ours, bool bf16, int64_t M, int64_t N, int64_t K, bool acc,
+                  bool a_by_columns, int calls, int reps) {
+  std::string impl;
+  const double gf = time_onednn(bf16, M, N, K, acc, a_by_columns, calls, reps, &impl);
+  std::printf("  %9.1f %7.2f  %s", gf, ours / gf, impl.c_str());
+}
+#endif
+
 }  // namespace
 }  // namespace fatrain::cpu::tile_bench
 
@@ -151,7 +227,12 @@ int main() {
   using namespace fatrain::cpu::tile_bench;
   const char* names[] = {"score", "acc", "acc_at"};
   std::printf("tile products, one thread (best of 5 x 4000, each against the best peak read between its runs)\n");
+#if defined(FATRAIN_TILES_ONEDNN)
+  std::printf("  %-7s %-5s %4s %9s %7s  %9s %7s  %s\n", "product", "dtype", "D", "GFLOP/s", "%peak",
+              "oneDNN", "ours/it", "oneDNN's implementation");
+#else
   std::printf("  %-7s %-5s %4s %9s %7s\n", "product", "dtype", "D", "GFLOP/s", "%peak");
+#endif
   // The pair products where the kernels run them (bf16_dot_peak_gflops is 0
   // elsewhere).
 #if defined(__AVX512BF16__)
@@ -165,8 +246,15 @@ int main() {
         double peak = 0;
         const double gf = pk == 0 ? time_product<float>(kind, D, &peak)
                                   : time_product<uint32_t>(kind, D, &peak);
-        std::printf("  %-7s %-5s %4lld %9.1f %6.0f%%\n", names[kind], pk == 0 ? "f32" : "bf16",
+        std::printf("  %-7s %-5s %4lld %9.1f %6.0f%%", names[kind], pk == 0 ? "f32" : "bf16",
                     (long long)D, gf, 100 * gf / peak);
+#if defined(FATRAIN_TILES_ONEDNN)
+        // score: [64 x D] . [D x 64]; acc: [64 x 64] . [64 x D]; acc_at:
+        // [D x 64] (by columns) . [64 x 64].
+        const int64_t M = kind == 2 ? D : 64, N = kind == 1 ? D : 64, K = kind == 0 ? D : 64;
+        print_onednn(gf, pk == 1, M, N, K, kind > 0, kind == 2, 1, 4000);
+#endif
+        std::printf("\n");
       }
     }
 #if defined(FATRAIN_AMX)
@@ -177,8 +265,19 @@ int main() {
       for (int kind = 0; kind < 2; ++kind) {
         double peak = 0;
         const double gf = time_amx_product(kind, D, &peak);
-        std::printf("  %-7s %-5s %4lld %9.1f %6.0f%%\n", names[kind], "amx", (long long)D, gf,
+        std::printf("  %-7s %-5s %4lld %9.1f %6.0f%%", names[kind], "amx", (long long)D, gf,
                     100 * gf / peak);
+#if defined(FATRAIN_TILES_ONEDNN)
+        constexpr int64_t kKeys = kFwdAmxKeyTiles * BK;
+        if (kind == 0) {
+          print_onednn(gf, true, BK, BQ, D, false, false, kFwdAmxKeyTiles, 200);
+          std::printf("\n  %-7s %-5s %4lld %9s %7s", "", "", (long long)D, "", "");
+          print_onednn(gf, true, kKeys, BQ, D, false, false, 1, 200);
+        } else {
+          print_onednn(gf, true, D, BQ, kKeys, true, false, 1, 200);
+        }
+#endif
+        std::printf("\n");
       }
 #endif
   return 0;

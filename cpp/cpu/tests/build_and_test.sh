@@ -5,7 +5,8 @@
 #   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
 #       (AVX-512, and its bf16 pair or AMX products where the CPU runs them;
-#       FATRAIN_TILES_ISA=avx2: the AVX2 ones)
+#       FATRAIN_TILES_ISA=avx2: the AVX2 ones; FATRAIN_TILES_ONEDNN=1: beside
+#       oneDNN's matmul on the same shapes)
 #   cpp/cpu/tests/build_and_test.sh compare OTHER [threads rounds T D causal f32|bf16]
 #       build + time this tree's AVX-512 kernels against those of the checkout
 #       OTHER, alternating calls in one process (compare_trees.cc); with
@@ -55,9 +56,19 @@ if [[ "${1:-}" == "tiles" ]]; then
     avx2) isa_tiles=("${isa_avx2[@]}") ;;
     *) echo "tiles: FATRAIN_TILES_ISA is avx512 or avx2"; exit 2 ;;
   esac
+  # FATRAIN_TILES_ONEDNN=1: each row also times oneDNN's matmul on its shape,
+  # from Debian's libdnnl-dev (apt-get install libdnnl-dev), on one thread.
+  onednn=()
+  if [[ "${FATRAIN_TILES_ONEDNN:-0}" == 1 ]]; then
+    [[ -f /usr/include/oneapi/dnnl/dnnl.hpp ]] || {
+      echo "tiles: FATRAIN_TILES_ONEDNN=1 needs oneDNN's headers and library: apt-get install libdnnl-dev"
+      exit 2
+    }
+    onednn=(-DFATRAIN_TILES_ONEDNN -ldnnl)
+  fi
   "$CXX" "${common[@]}" "${isa_tiles[@]}" -o "$out/bench_tile_products" \
-    "$here/bench_tile_products.cc" "${objs[@]}" -pthread "${extra[@]}"
-  ${FATRAIN_TEST_RUNNER:-} "$out/bench_tile_products"
+    "$here/bench_tile_products.cc" "${objs[@]}" -pthread "${onednn[@]}" "${extra[@]}"
+  OMP_NUM_THREADS=1 ${FATRAIN_TEST_RUNNER:-} "$out/bench_tile_products"
   exit 0
 fi
 

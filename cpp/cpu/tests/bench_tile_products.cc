@@ -210,8 +210,8 @@ double time_onednn(bool bf16, int64_t M, int64_t N, int64_t K, bool acc, bool a_
   return 2.0 * double(M) * double(N) * double(K) * calls * reps / best / 1e9;
 }
 
-// The oneDNN columns of a row: its GFLOP/s on the row's shape (one call per
-// product), ours over its, and its implementation.
+// The oneDNN columns of a row: its GFLOP/s (time_onednn), ours over its, and
+// its implementation.
 void print_onednn(double ours, bool bf16, int64_t M, int64_t N, int64_t K, bool acc,
                   bool a_by_columns, int calls, int reps) {
   std::string impl;

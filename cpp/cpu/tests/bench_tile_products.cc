@@ -191,7 +191,7 @@ double time_onednn(bool bf16, int64_t M, int64_t N, int64_t K, bool acc, bool a_
     for (int64_t i = 0; i < n; ++i) {
       const float x = 0.01f * float(i % mod);
       if (bf16)
-        static_cast<uint16_t*>(m.get_data_handle())[i] = static_cast<uint16_t>(f2u(x) >> 16);
+        static_cast<uint16_t*>(m.get_data_handle())[i] = f32_to_bf16(x);
       else
         static_cast<float*>(m.get_data_handle())[i] = x;
     }

@@ -18,6 +18,7 @@
 // data flow; never chosen otherwise). A value naming an unsupported or unknown
 // variant is ignored and the detected choice stays.
 #include "attention_cpu.h"
+#include "phase_timers.h"
 
 #include <cmath>
 #include <cstdio>
@@ -43,6 +44,10 @@
 #endif
 
 namespace fatrain::cpu {
+
+#if defined(FATRAIN_PHASE_TIMERS)
+uint64_t g_phase_cycles[kPhaseCount] = {};
+#endif
 
 #define FATRAIN_DECLARE_ISA(isa)                                                           \
   namespace isa {                                                                          \

@@ -82,6 +82,7 @@ static void pack_head_forms(const BwdState& s, const float* rows, int64_t L, int
 }
 
 static void bwd_pack(BwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhasePack);
   const Geo& g = s.g;
   int64_t Dr = g.Dr, D = g.D;
   if (idx < g.B * g.N) {
@@ -184,6 +185,7 @@ static void ds_tile_q(const BwdState& s, int64_t b, int64_t n, int64_t qt, int64
 
 template <class Pk>
 static void bwd_pass1(BwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhaseItems);
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const BackwardOperands& op = *s.bop;
@@ -321,6 +323,7 @@ static void dkdv_tile(const BwdState& s, const PackView<Pk>& o, int64_t b, int64
 
 template <class Pk>
 static void bwd_pass2(BwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhaseItems);
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const BackwardOperands& op = *s.bop;
@@ -382,6 +385,7 @@ static void bwd_pass2(BwdState& s, int64_t idx) {
 // tiles ascending for dQ; query heads, then query tiles, for dK and dV).
 template <class Pk>
 static void bwd_fused(BwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhaseItems);
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const BackwardOperands& op = *s.bop;

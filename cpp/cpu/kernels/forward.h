@@ -112,6 +112,7 @@ static bool fwd_amx_pack_bf16(FwdState& s, int64_t b, int64_t h, uint32_t* Kw, u
 #endif
 
 static void fwd_pack(FwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhasePack);
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
   const int64_t head = idx * g.Sp * g.Dr;
@@ -205,6 +206,7 @@ static bool fwd_load_qt_bf16(const FwdState& s, int64_t b, int64_t n, FwdTile<ui
 // Loads query tile t.i0.. of head n transposed into t.QT and resets its state.
 template <class Pk>
 static void fwd_tile_begin(const FwdState& s, int64_t b, int64_t n, FwdTile<Pk>& t) {
+  const PhaseScope phase(kPhaseLoadQ);
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const int64_t D = g.D, Dk = (D + kP - 1) / kP, Dq = fwd_qt_rows<Pk>(g);
@@ -512,6 +514,7 @@ static void fwd_amx_store_o(const FwdState& s, int64_t b, int64_t n, const FwdTi
 // Writes query tile t's rows of O (Oᵀ transposed back, divided by l) and L.
 template <class Pk>
 static void fwd_tile_end(const FwdState& s, int64_t b, int64_t n, const FwdTile<Pk>& t) {
+  const PhaseScope phase(kPhaseStoreO);
   const Geo& g = s.g;
   const ForwardOperands& op = *s.op;
   const int64_t D = g.D;
@@ -569,6 +572,7 @@ static int64_t forward_items(const Geo& g, int64_t qtiles) {
 // the key tiles (each tile in its own key range).
 template <class Pk>
 static void fwd_item(FwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhaseItems);
   constexpr int64_t kP = Lanes<Pk>::kPair;
   const Geo& g = s.g;
   const int64_t ngroups = (g.ntq + s.qtiles - 1) / s.qtiles;

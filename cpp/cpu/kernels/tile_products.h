@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "phase_scope.h"
 #include "vectors.h"
 #include "visibility.h"
 
@@ -281,6 +282,7 @@ static inline void score_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int6
                               const Pk* B, int64_t ldb, float* C, int64_t ldc,
                               const Band& skip = kWholeTile) {
   constexpr int64_t kb = kScoreKBlock;
+  const PhaseScope phase(kPhaseScoreProducts);
   const Trim t{kTrimC, skip};
   gemm<kChunks, Pk>(M, N, imin(K, kb), A, lda, 1, B, ldb, C, ldc, t);
   for (int64_t k0 = kb; k0 < K; k0 += kb)
@@ -292,6 +294,7 @@ template <class Pk>
 static inline void acc_gemm(int64_t M, int64_t N, int64_t K, const Pk* A, int64_t lda,
                             const Pk* B, int64_t ldb, float* C, int64_t ldc,
                             const Trim& t = {}) {
+  const PhaseScope phase(kPhaseAccProducts);
   gemm<kSequential, Pk>(M, N, K, A, lda, 1, B, ldb, C, ldc, t);
 }
 
@@ -301,6 +304,7 @@ template <class Pk>
 static inline void acc_gemm_at(int64_t M, int64_t N, int64_t K, const Pk* At, int64_t ldat,
                                const Pk* B, int64_t ldb, float* C, int64_t ldc,
                                const Trim& t = {}) {
+  const PhaseScope phase(kPhaseAccProducts);
   gemm<kSequential, Pk>(M, N, K, At, 1, ldat, B, ldb, C, ldc, t);
 }
 
@@ -451,6 +455,7 @@ static void amx_product(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, i
 // The score products (e.g. Sᵀ = K Qᵀ: A K's rows, B Qᵀ's pairs along D).
 static inline void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A, int64_t lda,
                             const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  const PhaseScope phase(kPhaseScoreProducts);
   amx_product<false>(mb, nb, nk, A, lda, B, ldb, C, ldc);
 }
 // The products summed over keys or queries (e.g. Oᵀ += Vᵀ Pᵀ: A Vᵀ's rows
@@ -458,6 +463,7 @@ static inline void amx_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* 
 static inline void amx_acc_gemm(int64_t mb, int64_t nb, int64_t nk, const uint32_t* A,
                                 int64_t lda, const uint32_t* B, int64_t ldb, float* C,
                                 int64_t ldc) {
+  const PhaseScope phase(kPhaseAccProducts);
   amx_product<true>(mb, nb, nk, A, lda, B, ldb, C, ldc);
 }
 
@@ -476,6 +482,7 @@ constexpr int64_t kAmxAccChunk = 8;
 static void amx_acc_steps(int64_t mb, int64_t nb, int64_t nk, const uint32_t* const* a,
                           int64_t lda, const uint32_t* const* b, int64_t ldb, float* C,
                           int64_t ldc) {
+  const PhaseScope phase(kPhaseAccProducts);
   for (int64_t k0 = 0; k0 < nk; k0 += kAmxAccChunk) {
     const int64_t k1 = imin(nk, k0 + kAmxAccChunk);
     for (int64_t i = 0; i < mb; ++i)

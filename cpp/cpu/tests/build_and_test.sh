@@ -3,6 +3,10 @@
 # CMake build uses) and runs the suite once per ISA the machine supports.
 #   cpp/cpu/tests/build_and_test.sh          build + test exp2 and every ISA
 #   cpp/cpu/tests/build_and_test.sh bench [threads reps T ROW]  build + benchmark
+#   cpp/cpu/tests/build_and_test.sh phases [threads reps T ROW]  the benchmark built
+#       with the phase timers (cpp/cpu/phase_timers.h; its own build directory,
+#       FATRAIN_TEST_BUILD_DIR with _phases appended), adding each row's shares
+#       of the forward's and the backward's thread time by phase
 #   cpp/cpu/tests/build_and_test.sh tiles    build + time the tile products alone
 #       (AVX-512, and its bf16 pair or AMX products where the CPU runs them;
 #       FATRAIN_TILES_ISA=avx2: the AVX2 ones; FATRAIN_TILES_ONEDNN=1: beside
@@ -21,9 +25,13 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 src="$here/.."
 out="${FATRAIN_TEST_BUILD_DIR:-${TMPDIR:-/tmp}/fatrain_cpu_test_build}"
-mkdir -p "$out"
 CXX="${CXX:-g++}"
 common=(-std=c++17 -O3 -ffp-contract=fast -fPIC -Wall -Wextra -Wno-unused-parameter -I"$src/..")
+if [[ "${1:-}" == "phases" ]]; then
+  out="${out}_phases"
+  common+=(-DFATRAIN_PHASE_TIMERS)
+fi
+mkdir -p "$out"
 extra=(${FATRAIN_TEST_CXXFLAGS:-})
 common+=("${extra[@]}")
 isa_avx2=(-mavx2 -mfma -mf16c)
@@ -97,7 +105,7 @@ if [[ "${1:-}" == "compare" ]]; then
   exit 0
 fi
 
-if [[ "${1:-}" == "bench" ]]; then
+if [[ "${1:-}" == "bench" || "${1:-}" == "phases" ]]; then
   shift
   for isa in ${FATRAIN_BENCH_ISAS:-avx512}; do
     JAX_FATRAIN_CPU_ISA=$isa ${FATRAIN_TEST_RUNNER:-} "$out/test_attention_cpu" bench "${@:-2}"

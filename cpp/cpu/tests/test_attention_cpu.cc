@@ -10,7 +10,9 @@
 //                                 time fwd and fwd+bwd at B=1 N=8 T=S=T (2048),
 //                                 D=64/128, causal or not, f32 and bf16, against
 //                                 the machine's FMA, bf16 dot-product and AMX peaks
-//                                 (ROW, e.g. f32-64-causal: that row only)
+//                                 (ROW, e.g. f32-64-causal: that row only); built
+//                                 with FATRAIN_PHASE_TIMERS (build_and_test.sh
+//                                 phases), also each row's shares of time by phase
 //
 // The cases, the double-precision reference and the comparisons are those of
 // cpp/testing/attention_check.h, which the CUDA kernels' check shares; here
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "../attention_cpu.h"
+#include "../phase_timers.h"
 #include "bench_problem.h"
 #include "threaded_for.h"
 #include "testing/attention_check.h"
@@ -110,6 +113,31 @@ static void test_validation() {
 // Benchmark.
 // ---------------------------------------------------------------------------
 
+#if defined(FATRAIN_PHASE_TIMERS)
+// Adds the kernels' phase counters to `into` and clears them.
+static void take_phase_cycles(uint64_t* into) {
+  for (int p = 0; p < kPhaseCount; ++p)
+    into[p] += __atomic_exchange_n(&g_phase_cycles[p], uint64_t{0}, __ATOMIC_RELAXED);
+}
+// One pass's shares of its thread time (packing plus the items, summed over
+// threads): the phases inside the items, and the rest of the items (the
+// softmax, masking, rounding P and dS to bf16, writing the gradients).
+static void print_phase_shares(const char* pass, const uint64_t* c) {
+  const double total = double(c[kPhasePack] + c[kPhaseItems]);
+  if (total <= 0) return;
+  const uint64_t inside = c[kPhaseLoadQ] + c[kPhaseStoreO] + c[kPhaseScoreProducts] +
+                          c[kPhaseAccProducts];
+  const double rest = c[kPhaseItems] > inside ? double(c[kPhaseItems] - inside) : 0.0;
+  auto pct = [&](double x) { return 100.0 * x / total; };
+  std::printf("      %s: pack %.0f%%", pass, pct(c[kPhasePack]));
+  if (c[kPhaseLoadQ] > 0) std::printf(", read q %.0f%%", pct(c[kPhaseLoadQ]));
+  std::printf(", score products %.0f%%, accumulating products %.0f%%, rest of the items %.0f%%",
+              pct(c[kPhaseScoreProducts]), pct(c[kPhaseAccProducts]), pct(rest));
+  if (c[kPhaseStoreO] > 0) std::printf(", write O and L %.0f%%", pct(c[kPhaseStoreO]));
+  std::printf("\n");
+}
+#endif
+
 // Times forward and forward+backward at B = 1, N = 8, T = S = `T` for D = 64
 // and 128, causal and not, float32 and bfloat16, and reports GFLOP/s (the
 // FlashAttention convention: forward 4 B N T S D, halved when causal;
@@ -147,13 +175,24 @@ static void bench(int threads, int reps, int64_t T, const char* only) {
         if (only && std::strcmp(only, name) != 0) continue;
         BenchProblem bp(dt, T, D, causal);
         double best_f = 1e9, best_fb = 1e9, peak = 0;
+#if defined(FATRAIN_PHASE_TIMERS)
+        uint64_t fwd_phases[kPhaseCount] = {}, bwd_phases[kPhaseCount] = {};
+        uint64_t earlier[kPhaseCount] = {};
+        take_phase_cycles(earlier);  // clears what the kernels counted before this row
+#endif
         for (int r = 0; r < reps; ++r) {
           peak = std::max(peak, measure_peak());
           auto t0 = std::chrono::steady_clock::now();
           const char* e1 = attention_forward(bp.p, bp.fo, pf);
           auto t1 = std::chrono::steady_clock::now();
+#if defined(FATRAIN_PHASE_TIMERS)
+          take_phase_cycles(fwd_phases);
+#endif
           const char* e2 = attention_backward(bp.p, bp.bo, pf);
           auto t2 = std::chrono::steady_clock::now();
+#if defined(FATRAIN_PHASE_TIMERS)
+          take_phase_cycles(bwd_phases);
+#endif
           if (e1 || e2) {
             std::printf("error: %s\n", e1 ? e1 : e2);
             return;
@@ -166,6 +205,10 @@ static void bench(int threads, int reps, int64_t T, const char* only) {
         std::printf("  %-5s %4lld %-6s %10.2f %8.1f %5.0f%% %10.2f %8.1f %5.0f%% %8.1f\n",
                     dname(dt), (long long)D, causal ? "yes" : "no", best_f * 1e3, gf,
                     100 * gf / peak, best_fb * 1e3, gfb, 100 * gfb / peak, peak);
+#if defined(FATRAIN_PHASE_TIMERS)
+        print_phase_shares("forward ", fwd_phases);
+        print_phase_shares("backward", bwd_phases);
+#endif
         std::fflush(stdout);
       }
     }

@@ -97,11 +97,12 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
   return err;
 }
 
-// The backward in operand format Pk (see Lanes).
+// The backward in operand format Pk (see Lanes), fused or in two passes
+// (backward_common packed that form's operands).
 template <class Pk>
-static void run_backward(BwdState& s, const ParallelFor& parallel) {
+static void run_backward(BwdState& s, const ParallelFor& parallel, bool fused) {
   const Geo& g = s.g;
-  if (use_fused_backward(g, parallel.num_threads)) {
+  if (fused) {
     run_items<BwdState, bwd_fused<Pk>>(parallel, g.B * g.KH, s);
   } else {
     run_items<BwdState, bwd_pass1<Pk>>(parallel, g.B * g.N * g.ntq, s);
@@ -123,15 +124,17 @@ const char* attention_backward(const AttentionProblem& problem, const BackwardOp
   s.bop = &operands;
   void* handle = nullptr;
   const bool words = kHasBf16Dot && bf16_dot && operands.q.dtype == DType::kBF16;
-  const char* err = backward_common(s, parallel, true, words, &handle);
+  const bool fused = use_fused_backward(s.g, parallel.num_threads);
+  const char* err =
+      backward_common(s, parallel, fused ? BwdForms::kFused : BwdForms::kTwoPass, words, &handle);
   if (!err) {
     if constexpr (kHasBf16Dot) {
       if (words)
-        run_backward<uint32_t>(s, parallel);
+        run_backward<uint32_t>(s, parallel, fused);
       else
-        run_backward<float>(s, parallel);
+        run_backward<float>(s, parallel, fused);
     } else {
-      run_backward<float>(s, parallel);
+      run_backward<float>(s, parallel, fused);
     }
     if (s.fail) err = kOom;
   }
@@ -153,7 +156,7 @@ const char* attention_bias_grad(const AttentionProblem& problem, const BiasGradO
   s.lse = operands.lse;
   s.gop = &operands;
   void* handle = nullptr;
-  const char* err = backward_common(s, parallel, false, false, &handle);
+  const char* err = backward_common(s, parallel, BwdForms::kPass1, false, &handle);
   if (!err) {
     BiasGradState bg;
     for (int d = 0; d < 4; ++d) bg.db[d] = problem.bias.dims[d];

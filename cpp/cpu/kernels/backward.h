@@ -39,8 +39,18 @@ struct BwdState {
   // rows, [B*KH][Sp / BK][Dp][BK / 2]: the A operand of the fused pass's
   // dQᵀ += Kᵀ dSᵀ.
   uint32_t* KTa;
+  // Only the forms the chosen passes read are packed (BwdForms); the others
+  // stay null.
   int fail;
 };
+
+// The passes whose operand forms (PackView) backward_common packs:
+//  - pass 1 (dQ, and the bias gradient): Qa, dOa, KT, VT and Kb;
+//  - pass 2 (dK and dV): Ka, Va, QT, dOT, Qb and dOb;
+//  - the fused pass: pass 2's, and for dQ Kb, or Kᵀ by key tile on AMX (KTa).
+// The f32 rows (Qp, dOp, Kp, Vp) are always made: they are the f32 forms
+// Qa, Qb, Ka, Kb (and dO's, V's) and the source of every other form.
+enum class BwdForms { kPass1, kTwoPass, kFused };
 
 // The packed operands as the tile products read them. A: rows [len][lda];
 // T: transposed by tile [ntiles][Dk][tile]; B: the B operand of products
@@ -67,14 +77,14 @@ inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
 
 // The product forms of one head's packed f32 rows [L][Dr] (see BwdState):
 // with words, pairs along D (w), transposed pairs (tw) and pairs along the
-// sequence (iw, none when null); else the f32 copy transposed by tile (t,
-// none when null).
+// sequence (iw); else the f32 copy transposed by tile (t). A null form is
+// not made.
 static void pack_head_forms(const BwdState& s, const float* rows, int64_t L, int64_t tile,
                             int64_t idx, uint32_t* w, uint32_t* tw, uint32_t* iw, float* t) {
   const Geo& g = s.g;
   if (s.words) {
-    pack_pair_rows(rows, L, g.Dp, g.Dr, w + idx * L * g.Dp / 2);
-    pack_pair_transposed(rows, L, g.D, g.Dr, tile, tw + idx * L * ((g.D + 1) / 2));
+    if (w) pack_pair_rows(rows, L, g.Dp, g.Dr, w + idx * L * g.Dp / 2);
+    if (tw) pack_pair_transposed(rows, L, g.D, g.Dr, tile, tw + idx * L * ((g.D + 1) / 2));
     if (iw) pack_pair_interleaved(rows, L, g.Dp, g.Dr, iw + idx * L * g.Dr / 2);
   } else if (t) {
     pack_transposed(rows, L, g.D, g.Dr, tile, t + idx * L * g.D);
@@ -509,57 +519,62 @@ static bool use_fused_backward(const Geo& g, int64_t threads) {
   return rounds * 5 * t <= items * 7;
 }
 
-// Packs the operands (words: the bf16 pair packs instead of the f32
-// transposed ones, see BwdState).
-static const char* backward_common(BwdState& s, const ParallelFor& parallel, bool need_pass2,
+// Packs the operands the passes `forms` read (words: the bf16 pair packs
+// instead of the f32 transposed ones, see BwdState).
+static const char* backward_common(BwdState& s, const ParallelFor& parallel, BwdForms forms,
                                    bool words, void** handle) {
   const Geo& g = s.g;
-  int64_t qsz = g.B * g.N * g.Tp * g.Dr, qtsz = g.B * g.N * g.Tp * g.D;
-  int64_t ksz = g.B * g.KH * g.Sp * g.Dr, ktsz = g.B * g.KH * g.Sp * g.D;
-  int64_t rsz = g.B * g.N * g.Tp;
-  int64_t segsz = s.g.qseg ? segment_tile_ints(g) : 0;
+  const bool pass1 = forms != BwdForms::kFused, pass2 = forms != BwdForms::kPass1;
+  // The fused pass's dQ: Kᵀ by key tile on AMX, else Kb like pass 1.
+  const bool amx_dq = forms == BwdForms::kFused && kAmx && words;
+  const bool kb = pass1 || (forms == BwdForms::kFused && !amx_dq);
+  const int64_t qsz = g.B * g.N * g.Tp * g.Dr, qtsz = g.B * g.N * g.Tp * g.D;
+  const int64_t ksz = g.B * g.KH * g.Sp * g.Dr, ktsz = g.B * g.KH * g.Sp * g.D;
+  const int64_t rsz = g.B * g.N * g.Tp;
+  const int64_t segsz = g.qseg ? segment_tile_ints(g) : 0;
   // Word packs: rows and sequence pairs hold at most half an f32 row pack each,
   // transposed ones ceil(D / 2) words per row.
-  int64_t qwsz = qsz / 2, qtwsz = g.B * g.N * g.Tp * ((g.D + 1) / 2);
-  int64_t kwsz = ksz / 2, ktwsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2);
+  const int64_t qwsz = qsz / 2, qtwsz = g.B * g.N * g.Tp * ((g.D + 1) / 2);
+  const int64_t kwsz = ksz / 2, ktwsz = g.B * g.KH * g.Sp * ((g.D + 1) / 2);
   s.words = words;
-  int64_t total = 2 * carve_size(qsz) + 2 * carve_size(rsz) + 2 * carve_size(ksz) +
-                  carve_size(segsz);
-  if (words)
-    total += 4 * carve_size(qwsz) + 2 * carve_size(qtwsz) + (kAmx ? 4 : 3) * carve_size(kwsz) +
-             2 * carve_size(ktwsz);
-  else
-    total += 2 * carve_size(ktsz) + (need_pass2 ? 2 * carve_size(qtsz) : 0);
-  float* base = scratch_take(total, handle);
+  int32_t* segment_tiles = nullptr;
+  // Carves the scratch into the packs (a measuring Carver only sizes it).
+  auto carve = [&](Carver& c) {
+    auto f = [&c](bool made, int64_t n) { return made ? c.take(n) : nullptr; };
+    auto w = [&c](bool made, int64_t n) {
+      return made ? reinterpret_cast<uint32_t*>(c.take(n)) : nullptr;
+    };
+    segment_tiles = reinterpret_cast<int32_t*>(f(g.qseg != nullptr, segsz));
+    s.Qp = c.take(qsz);
+    s.dOp = c.take(qsz);
+    s.Drow = c.take(rsz);
+    s.Lb = c.take(rsz);
+    s.Kp = c.take(ksz);
+    s.Vp = c.take(ksz);
+    s.Qw = w(words && pass1, qwsz);
+    s.dOw = w(words && pass1, qwsz);
+    s.Qi = w(words && pass2, qwsz);
+    s.dOi = w(words && pass2, qwsz);
+    s.QTw = w(words && pass2, qtwsz);
+    s.dOTw = w(words && pass2, qtwsz);
+    s.Kw = w(words && pass2, kwsz);
+    s.Vw = w(words && pass2, kwsz);
+    s.Ki = w(words && kb, kwsz);
+    s.KTw = w(words && pass1, ktwsz);
+    s.VTw = w(words && pass1, ktwsz);
+    s.KTa = w(amx_dq, kwsz);
+    s.QT = f(!words && pass2, qtsz);
+    s.dOT = f(!words && pass2, qtsz);
+    s.KT = f(!words && pass1, ktsz);
+    s.VT = f(!words && pass1, ktsz);
+  };
+  Carver size{nullptr, 0};
+  carve(size);
+  float* base = scratch_take(size.used, handle);
   if (!base) return kOom;
   Carver c{base, 0};
-  if (s.g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
-  s.Qp = c.take(qsz);
-  s.dOp = c.take(qsz);
-  s.Drow = c.take(rsz);
-  s.Lb = c.take(rsz);
-  s.Kp = c.take(ksz);
-  s.Vp = c.take(ksz);
-  if (words) {
-    auto w = [&c](int64_t n) { return reinterpret_cast<uint32_t*>(c.take(n)); };
-    s.Qw = w(qwsz);
-    s.dOw = w(qwsz);
-    s.Qi = w(qwsz);
-    s.dOi = w(qwsz);
-    s.QTw = w(qtwsz);
-    s.dOTw = w(qtwsz);
-    s.Kw = w(kwsz);
-    s.Vw = w(kwsz);
-    s.Ki = w(kwsz);
-    s.KTw = w(ktwsz);
-    s.VTw = w(ktwsz);
-    s.KTa = kAmx ? w(kwsz) : nullptr;
-  } else {
-    s.QT = need_pass2 ? c.take(qtsz) : nullptr;
-    s.dOT = need_pass2 ? c.take(qtsz) : nullptr;
-    s.KT = c.take(ktsz);
-    s.VT = c.take(ktsz);
-  }
+  carve(c);
+  if (segment_tiles) make_segment_tiles(s.g, segment_tiles);
   s.fail = 0;
   run_items<BwdState, bwd_pack>(parallel, g.B * g.N + g.B * g.KH, s);
   return s.fail ? kOom : nullptr;

@@ -63,12 +63,13 @@ static void scratch_give(void* blk) {
   }
 }
 
-// Carves 64-byte aligned sub-arrays out of one scratch block.
+// Carves 64-byte aligned sub-arrays out of one scratch block; with a null
+// base it only measures (take returns null, `used` counts the floats).
 struct Carver {
   float* base;
   int64_t used;
   float* take(int64_t n) {
-    float* p = base + used;
+    float* p = base ? base + used : nullptr;
     used += round_up(n > 0 ? n : 1, 16);
     return p;
   }

@@ -52,15 +52,24 @@ static void pack_pair_rows(const float* rows, int64_t Lp, int64_t Dp, int64_t ld
   for (int64_t t = 0; t < Lp; ++t) bf16_row(rows + t * ld, Dp, dst + t * Dp / 2);
 }
 // Transposed by tile, pairs along D: dst[blk][p][c] = (rows[blk*bt + c][2p], ..[2p+1]),
-// p < Dk = ceil(D / 2).
-static void pack_pair_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ld, int64_t bt,
+// p < Dk = ceil(D / 2); a W x W block of rows transposed at a time (rows hold
+// whole vectors, zero past D; bt is a multiple of W).
+static void pack_pair_transposed(const float* rows, int64_t Lp, int64_t D, int64_t ldr, int64_t bt,
                                  uint32_t* dst) {
   const int64_t Dk = (D + 1) / 2;
+  vf v[W];
   for (int64_t blk = 0; blk < Lp / bt; ++blk) {
     uint32_t* o = dst + blk * Dk * bt;
-    const float* r = rows + blk * bt * ld;
-    for (int64_t p = 0; p < Dk; ++p)
-      for (int64_t c = 0; c < bt; ++c) o[p * bt + c] = bf16_pair(r[c * ld + 2 * p], r[c * ld + 2 * p + 1]);
+    const float* r = rows + blk * bt * ldr;
+    for (int64_t c0 = 0; c0 < bt; c0 += W)
+      for (int64_t d0 = 0; d0 < 2 * Dk; d0 += W) {
+        for (int i = 0; i < W; ++i) v[i] = ld(r + (c0 + i) * ldr + d0);
+        transpose_block(v);
+        for (int64_t k = 0; k < imin(W, 2 * Dk - d0); k += 2) {
+          const vu w = vbf16_bits(v[k]) | (vbf16_bits(v[k + 1]) << 16);
+          memcpy(o + (d0 + k) / 2 * bt + c0, &w, sizeof(w));
+        }
+      }
   }
 }
 // Pairs along the sequence: dst[u][d] = (rows[2u][d], rows[2u+1][d]), d < Dp,
@@ -91,15 +100,20 @@ static void pack_amx_rows(const float* rows, int64_t Lp, int64_t Dp, int64_t ld,
 }
 // ... and the transpose blocked by tile, keys along the rows: block blk holds
 // bf16 rows[blk*bt + c][d] at element d * bt + c (bt / 2 words a row, Da
-// rows; zero for d >= Dp).
-static void pack_amx_transposed(const float* rows, int64_t Lp, int64_t Dp, int64_t ld,
+// rows; zero for d >= Dp), a W x W block of rows transposed at a time.
+static void pack_amx_transposed(const float* rows, int64_t Lp, int64_t Dp, int64_t ldr,
                                 int64_t Da, int64_t bt, uint32_t* dst) {
+  vf v[W];
   for (int64_t blk = 0; blk < Lp / bt; ++blk) {
     uint16_t* o = reinterpret_cast<uint16_t*>(dst + blk * Da * bt / 2);
-    const float* r = rows + blk * bt * ld;
-    for (int64_t d = 0; d < Da; ++d)
-      for (int64_t c = 0; c < bt; ++c)
-        o[d * bt + c] = d < Dp ? static_cast<uint16_t>(bf16_bits(r[c * ld + d])) : 0;
+    const float* r = rows + blk * bt * ldr;
+    for (int64_t c0 = 0; c0 < bt; c0 += W)
+      for (int64_t d0 = 0; d0 < Dp; d0 += W) {
+        for (int i = 0; i < W; ++i) v[i] = ld(r + (c0 + i) * ldr + d0);
+        transpose_block(v);
+        for (int64_t k = 0; k < W; ++k) bf16_vector(v[k], o + (d0 + k) * bt + c0);
+      }
+    memset(o + Dp * bt, 0, static_cast<size_t>((Da - Dp) * bt) * sizeof(uint16_t));
   }
 }
 

@@ -101,30 +101,49 @@ static void bwd_pack(BwdState& s, int64_t idx) {
     float* dO = s.dOp + idx * g.Tp * Dr;
     pack_rows(*s.q, b, n, g.T, g.Tp, D, Dr, Q);
     pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dr, dO);
-    // QT and dOT exist (f32) only when pass 2 may run (backward_common).
     pack_head_forms(s, Q, g.Tp, BQ, idx, s.Qw, s.QTw, s.Qi, s.QT);
     pack_head_forms(s, dO, g.Tp, BQ, idx, s.dOw, s.dOTw, s.dOi, s.dOT);
     float* drow = s.Drow + idx * g.Tp;
     float* Lb = s.Lb + idx * g.Tp;
     const float* L = s.lse + idx * g.T;
-    float orow[kMaxHeadDim];
-    int64_t te = q_eff(g, b);
-    for (int64_t t = 0; t < g.Tp; ++t) {
-      float l = t < g.T ? L[t] : -kInf;
-      // Dead rows (L = -inf, or past the query length) get p = 0 through
-      // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads to
-      // the gradients as in jax.nn.
-      if (t >= te || l == -kInf) {
-        drow[t] = 0.0f;
-        Lb[t] = kInf;
-        continue;
+    const int64_t te = q_eff(g, b), Dp = g.Dp;
+    // Drow = rowsum(dO * O), W rows at a time: each lane sums one row's
+    // products in order of d (the order of a scalar loop), the W x W blocks
+    // of dO's and O's rows transposed so that the lanes run side by side.
+    float orows[W * kMaxHeadDim];
+    vf a[W], c[W];
+    for (int64_t t0 = 0; t0 < g.Tp; t0 += W) {
+      bool live = false;
+      for (int64_t i = 0; i < W; ++i) {
+        const int64_t t = t0 + i;
+        float* orow = orows + i * Dp;
+        // Dead rows (L = -inf, or past the query length) get p = 0 through
+        // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads
+        // to the gradients as in jax.nn.
+        if (t >= te || t >= g.T || L[t] == -kInf) {
+          memset(orow, 0, static_cast<size_t>(Dp) * 4);
+          continue;
+        }
+        live = true;
+        load_row(row_ptr(*s.o, b, t, n), s.o->dtype, D, orow);
+        memset(orow + D, 0, static_cast<size_t>(Dp - D) * 4);
       }
-      load_row(row_ptr(*s.o, b, t, n), s.o->dtype, D, orow);
-      const float* dr = dO + t * Dr;
-      float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc += dr[d] * orow[d];
-      drow[t] = acc;
-      Lb[t] = l * kLog2e;
+      vf acc = vf{};
+      for (int64_t d0 = 0; live && d0 < D; d0 += W) {
+        for (int64_t i = 0; i < W; ++i) {
+          a[i] = ld(dO + (t0 + i) * Dr + d0);
+          c[i] = ld(orows + i * Dp + d0);
+        }
+        transpose_block(a);
+        transpose_block(c);
+        for (int64_t k = 0; k < imin(W, D - d0); ++k) acc += a[k] * c[k];
+      }
+      for (int64_t i = 0; i < W; ++i) {
+        const int64_t t = t0 + i;
+        const bool dead = t >= te || t >= g.T || L[t] == -kInf;
+        drow[t] = dead ? 0.0f : acc[i];
+        Lb[t] = dead ? kInf : L[t] * kLog2e;
+      }
     }
   } else {
     idx -= g.B * g.N;

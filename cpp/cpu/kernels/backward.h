@@ -26,10 +26,10 @@ struct BwdState {
   const float* lse;
   const BackwardOperands* bop;
   const BiasGradOperands* gop;
-  float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head (QT, dOT: null unless pass 2 may run)
+  float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head
   float *Kp, *Vp, *KT, *VT;              // per kv head
   // bf16 pairs (words): the products read these instead of the f32 packs,
-  // which then only feed them and Drow (QT, dOT, KT, VT are not made).
+  // which are not made (bwd_pack converts the rows a chunk at a time).
   // Rows with pairs along D (..w), transposed by tile (..Tw), and pairs along
   // the sequence (..i) for the B operands of dK, dV and dQ.
   bool words;
@@ -48,8 +48,8 @@ struct BwdState {
 //  - pass 1 (dQ, and the bias gradient): Qa, dOa, KT, VT and Kb;
 //  - pass 2 (dK and dV): Ka, Va, QT, dOT, Qb and dOb;
 //  - the fused pass: pass 2's, and for dQ Kb, or Kᵀ by key tile on AMX (KTa).
-// The f32 rows (Qp, dOp, Kp, Vp) are always made: they are the f32 forms
-// Qa, Qb, Ka, Kb (and dO's, V's) and the source of every other form.
+// In f32 the rows Qp, dOp, Kp and Vp are always made: they are the forms
+// Qa, Qb, Ka and Kb (and dO's and V's) and the source of the others.
 enum class BwdForms { kPass1, kTwoPass, kFused };
 
 // The packed operands as the tile products read them. A: rows [len][lda];
@@ -75,87 +75,112 @@ inline PackView<uint32_t> pack_view<uint32_t>(const BwdState& s) {
           s.g.Dp / 2, (s.g.D + 1) / 2};
 }
 
-// The product forms of one head's packed f32 rows [L][Dr] (see BwdState):
-// with words, pairs along D (w), transposed pairs (tw) and pairs along the
-// sequence (iw); else the f32 copy transposed by tile (t). A null form is
-// not made.
-static void pack_head_forms(const BwdState& s, const float* rows, int64_t L, int64_t tile,
-                            int64_t idx, uint32_t* w, uint32_t* tw, uint32_t* iw, float* t) {
+// The product forms of n packed f32 rows [n][Dr] of a head (see BwdState),
+// the first of them row `row0` of all the heads' rows (head index x padded
+// length + row; even, and a multiple of the tile when n is not all of the
+// head): with words, pairs along D (w), transposed pairs (tw) and pairs
+// along the sequence (iw); else the f32 copy transposed by tile (t). A null
+// form is not made.
+static void pack_head_forms(const BwdState& s, const float* rows, int64_t n, int64_t tile,
+                            int64_t row0, uint32_t* w, uint32_t* tw, uint32_t* iw, float* t) {
   const Geo& g = s.g;
   if (s.words) {
-    if (w) pack_pair_rows(rows, L, g.Dp, g.Dr, w + idx * L * g.Dp / 2);
-    if (tw) pack_pair_transposed(rows, L, g.D, g.Dr, tile, tw + idx * L * ((g.D + 1) / 2));
-    if (iw) pack_pair_interleaved(rows, L, g.Dp, g.Dr, iw + idx * L * g.Dr / 2);
+    if (w) pack_pair_rows(rows, n, g.Dp, g.Dr, w + row0 * g.Dp / 2);
+    if (tw) pack_pair_transposed(rows, n, g.D, g.Dr, tile, tw + row0 * ((g.D + 1) / 2));
+    if (iw) pack_pair_interleaved(rows, n, g.Dp, g.Dr, iw + row0 / 2 * g.Dr);
   } else if (t) {
-    pack_transposed(rows, L, g.D, g.Dr, tile, t + idx * L * g.D);
+    pack_transposed(rows, n, g.D, g.Dr, tile, t + row0 * g.D);
   }
 }
 
+// Drow = rowsum(dO * O) and the base-2 L of rows t0 .. t0 + n - 1 of query
+// head qh (batch b, head h), dO's rows packed at dO [n][Dr]; W rows at a
+// time: each lane sums one row's products in order of d (the order of a
+// scalar loop), the W x W blocks of dO's and O's rows transposed so that the
+// lanes run side by side.
+static void pack_drow(const BwdState& s, int64_t b, int64_t h, int64_t qh, int64_t t0, int64_t n,
+                      const float* dO) {
+  const Geo& g = s.g;
+  const int64_t D = g.D, Dp = g.Dp, Dr = g.Dr, te = q_eff(g, b);
+  float* drow = s.Drow + qh * g.Tp;
+  float* Lb = s.Lb + qh * g.Tp;
+  const float* L = s.lse + qh * g.T;
+  // Dead rows (L = -inf, or past the query length) get p = 0 through
+  // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads to the
+  // gradients as in jax.nn.
+  auto dead = [&](int64_t t) { return t >= te || t >= g.T || L[t] == -kInf; };
+  float orows[W * kMaxHeadDim];
+  vf a[W], c[W];
+  for (int64_t r0 = 0; r0 < n; r0 += W) {
+    bool live = false;
+    for (int64_t i = 0; i < W; ++i) {
+      float* orow = orows + i * Dp;
+      if (dead(t0 + r0 + i)) {
+        memset(orow, 0, static_cast<size_t>(Dp) * 4);
+        continue;
+      }
+      live = true;
+      load_row(row_ptr(*s.o, b, t0 + r0 + i, h), s.o->dtype, D, orow);
+      memset(orow + D, 0, static_cast<size_t>(Dp - D) * 4);
+    }
+    vf acc = vf{};
+    for (int64_t d0 = 0; live && d0 < D; d0 += W) {
+      for (int64_t i = 0; i < W; ++i) {
+        a[i] = ld(dO + (r0 + i) * Dr + d0);
+        c[i] = ld(orows + i * Dp + d0);
+      }
+      transpose_block(a);
+      transpose_block(c);
+      for (int64_t k = 0; k < imin(W, D - d0); ++k) acc += a[k] * c[k];
+    }
+    for (int64_t i = 0; i < W; ++i) {
+      const int64_t t = t0 + r0 + i;
+      drow[t] = dead(t) ? 0.0f : acc[i];
+      Lb[t] = dead(t) ? kInf : L[t] * kLog2e;
+    }
+  }
+}
+
+// Rows a pre-pass item packs at a time on the bf16 pair path, whose f32
+// rows only feed the pair forms and Drow: a chunk's rows are still in L2
+// when its forms read them (a head's rows are megabytes at long sequences).
+// A multiple of BQ, BK and W: chunks hold whole tiles, pairs and vectors.
+constexpr int64_t kPackChunkRows = 256;
+
+// One pre-pass item: a query head (Q, dO, their forms, Drow and L) or a kv
+// head (K, V and their forms). In f32 the rows are the packs Qp, dOp, Kp and
+// Vp, the whole head at once; with words they go through a chunk scratch.
 static void bwd_pack(BwdState& s, int64_t idx) {
   const PhaseScope phase(kPhasePack);
   const Geo& g = s.g;
-  int64_t Dr = g.Dr, D = g.D;
-  if (idx < g.B * g.N) {
-    int64_t b = idx / g.N, n = idx % g.N;
-    float* Q = s.Qp + idx * g.Tp * Dr;
-    float* dO = s.dOp + idx * g.Tp * Dr;
-    pack_rows(*s.q, b, n, g.T, g.Tp, D, Dr, Q);
-    pack_rows(*s.d_o, b, n, g.T, g.Tp, D, Dr, dO);
-    pack_head_forms(s, Q, g.Tp, BQ, idx, s.Qw, s.QTw, s.Qi, s.QT);
-    pack_head_forms(s, dO, g.Tp, BQ, idx, s.dOw, s.dOTw, s.dOi, s.dOT);
-    float* drow = s.Drow + idx * g.Tp;
-    float* Lb = s.Lb + idx * g.Tp;
-    const float* L = s.lse + idx * g.T;
-    const int64_t te = q_eff(g, b), Dp = g.Dp;
-    // Drow = rowsum(dO * O), W rows at a time: each lane sums one row's
-    // products in order of d (the order of a scalar loop), the W x W blocks
-    // of dO's and O's rows transposed so that the lanes run side by side.
-    float orows[W * kMaxHeadDim];
-    vf a[W], c[W];
-    for (int64_t t0 = 0; t0 < g.Tp; t0 += W) {
-      bool live = false;
-      for (int64_t i = 0; i < W; ++i) {
-        const int64_t t = t0 + i;
-        float* orow = orows + i * Dp;
-        // Dead rows (L = -inf, or past the query length) get p = 0 through
-        // L = +inf; a NaN L (a NaN row of the forward) stays NaN and spreads
-        // to the gradients as in jax.nn.
-        if (t >= te || t >= g.T || L[t] == -kInf) {
-          memset(orow, 0, static_cast<size_t>(Dp) * 4);
-          continue;
-        }
-        live = true;
-        load_row(row_ptr(*s.o, b, t, n), s.o->dtype, D, orow);
-        memset(orow + D, 0, static_cast<size_t>(Dp - D) * 4);
-      }
-      vf acc = vf{};
-      for (int64_t d0 = 0; live && d0 < D; d0 += W) {
-        for (int64_t i = 0; i < W; ++i) {
-          a[i] = ld(dO + (t0 + i) * Dr + d0);
-          c[i] = ld(orows + i * Dp + d0);
-        }
-        transpose_block(a);
-        transpose_block(c);
-        for (int64_t k = 0; k < imin(W, D - d0); ++k) acc += a[k] * c[k];
-      }
-      for (int64_t i = 0; i < W; ++i) {
-        const int64_t t = t0 + i;
-        const bool dead = t >= te || t >= g.T || L[t] == -kInf;
-        drow[t] = dead ? 0.0f : acc[i];
-        Lb[t] = dead ? kInf : L[t] * kLog2e;
-      }
-    }
-  } else {
-    idx -= g.B * g.N;
-    int64_t b = idx / g.KH, h = idx % g.KH;
-    float* K = s.Kp + idx * g.Sp * Dr;
-    float* V = s.Vp + idx * g.Sp * Dr;
-    pack_rows(*s.k, b, h, g.S, g.Sp, D, Dr, K);
-    pack_rows(*s.v, b, h, g.S, g.Sp, D, Dr, V);
-    pack_head_forms(s, K, g.Sp, BK, idx, s.Kw, s.KTw, s.Ki, s.KT);
-    pack_head_forms(s, V, g.Sp, BK, idx, s.Vw, s.VTw, nullptr, s.VT);
-    if (s.KTa) pack_amx_transposed(K, g.Sp, g.Dp, Dr, g.Dp, BK, s.KTa + idx * g.Sp * g.Dp / 2);
+  const int64_t Dr = g.Dr, D = g.D;
+  const bool qside = idx < g.B * g.N;
+  const int64_t head = qside ? idx : idx - g.B * g.N;  // b * N + n, or b * KH + h
+  const int64_t heads = qside ? g.N : g.KH, b = head / heads, h = head % heads;
+  const int64_t L = qside ? g.T : g.S, Lp = qside ? g.Tp : g.Sp;
+  const int64_t chunk = s.words ? imin(kPackChunkRows, Lp) : Lp;
+  float* buf = s.words ? falloc(2 * chunk * Dr) : nullptr;
+  if (s.words && !buf) {
+    set_fail(&s.fail);
+    return;
   }
+  for (int64_t t0 = 0; t0 < Lp; t0 += chunk) {
+    const int64_t n = imin(chunk, Lp - t0), row0 = head * Lp + t0;
+    float* A = s.words ? buf : (qside ? s.Qp : s.Kp) + row0 * Dr;
+    float* B = s.words ? buf + chunk * Dr : (qside ? s.dOp : s.Vp) + row0 * Dr;
+    pack_rows(qside ? *s.q : *s.k, b, h, t0, n, L, D, Dr, A);
+    pack_rows(qside ? *s.d_o : *s.v, b, h, t0, n, L, D, Dr, B);
+    if (qside) {
+      pack_head_forms(s, A, n, BQ, row0, s.Qw, s.QTw, s.Qi, s.QT);
+      pack_head_forms(s, B, n, BQ, row0, s.dOw, s.dOTw, s.dOi, s.dOT);
+      pack_drow(s, b, h, head, t0, n, B);
+    } else {
+      pack_head_forms(s, A, n, BK, row0, s.Kw, s.KTw, s.Ki, s.KT);
+      pack_head_forms(s, B, n, BK, row0, s.Vw, s.VTw, nullptr, s.VT);
+      if (s.KTa) pack_amx_transposed(A, n, g.Dp, Dr, g.Dp, BK, s.KTa + row0 * g.Dp / 2);
+    }
+  }
+  free(buf);
 }
 
 // The backward's AMX products (tile_products.h) compute whole 32 x 32 blocks
@@ -564,12 +589,12 @@ static const char* backward_common(BwdState& s, const ParallelFor& parallel, Bwd
       return made ? reinterpret_cast<uint32_t*>(c.take(n)) : nullptr;
     };
     segment_tiles = reinterpret_cast<int32_t*>(f(g.qseg != nullptr, segsz));
-    s.Qp = c.take(qsz);
-    s.dOp = c.take(qsz);
+    s.Qp = f(!words, qsz);
+    s.dOp = f(!words, qsz);
     s.Drow = c.take(rsz);
     s.Lb = c.take(rsz);
-    s.Kp = c.take(ksz);
-    s.Vp = c.take(ksz);
+    s.Kp = f(!words, ksz);
+    s.Vp = f(!words, ksz);
     s.Qw = w(words && pass1, qwsz);
     s.dOw = w(words && pass1, qwsz);
     s.Qi = w(words && pass2, qwsz);

@@ -125,22 +125,22 @@ static void fwd_pack(FwdState& s, int64_t idx) {
   if (kAmx && s.words) {
     const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
     float* rows = s.V + head;
-    pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
     pack_amx_rows(rows, g.Sp, g.Dp, g.Dr, Da, s.Kw + hw);
-    pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
     pack_amx_transposed(rows, g.Sp, g.Dp, g.Dr, Da, BK, s.Vw + hw);
     return;
   }
   if (s.words) {
     float* rows = s.V + head;
-    pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
     pack_pair_rows(rows, g.Sp, g.Dp, g.Dr, s.Kw + head / 2);
-    pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, rows);
+    pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
     pack_pair_interleaved(rows, g.Sp, g.Dp, g.Dr, s.Vw + head / 2);
     return;
   }
-  pack_rows(s.op->k, b, h, g.S, g.Sp, g.D, g.Dr, s.K + head);
-  pack_rows(s.op->v, b, h, g.S, g.Sp, g.D, g.Dr, s.V + head);
+  pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, s.K + head);
+  pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, s.V + head);
 }
 
 // The running state of one query tile: Qᵀ [fwd_qt_rows][BQ] (Pk), Oᵀ

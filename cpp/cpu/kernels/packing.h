@@ -16,15 +16,19 @@ namespace {
 // ---------------------------------------------------------------------------
 // Packing.
 // ---------------------------------------------------------------------------
-// Row-major f32 copy [Lp][ld] of head h of x, zero padded.
-static void pack_rows(const SeqTensor& x, int64_t b, int64_t h, int64_t L, int64_t Lp, int64_t D,
-                      int64_t ld, float* dst) {
-  for (int64_t t = 0; t < L; ++t) {
-    float* d = dst + t * ld;
+// Row-major f32 copy [n][ld] of rows t0 .. t0 + n - 1 of head h of x (L
+// rows long), zero padded past D and past L.
+static void pack_rows(const SeqTensor& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t L,
+                      int64_t D, int64_t ld, float* dst) {
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    float* d = dst + (t - t0) * ld;
+    if (t >= L) {
+      memset(d, 0, static_cast<size_t>(ld) * 4);
+      continue;
+    }
     load_row(row_ptr(x, b, t, h), x.dtype, D, d);
     for (int64_t k = D; k < ld; ++k) d[k] = 0.0f;
   }
-  memset(dst + L * ld, 0, static_cast<size_t>((Lp - L) * ld) * 4);
 }
 // Transposed copy blocked by tile: dst[blk][d][c] = rows[blk*bt + c][d], a
 // W x W block at a time (rows ldr floats apart hold whole vectors, ldr >= D

@@ -77,7 +77,12 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
     s.Kw = reinterpret_cast<uint32_t*>(s.K);
     s.Vw = s.Kw + packsz / 2;
     if (g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
-    run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
+#if defined(FATRAIN_AMX)
+    if (s.words && fwd_amx_packs_from_bf16(s))
+      run_items<FwdState, fwd_amx_pack_keys>(parallel, g.B * fwd_pack_key_chunks(g), s);
+    else
+#endif
+      run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
     if (s.fail) err = kOom;
   }
   if (!err) {

@@ -60,54 +60,74 @@ static inline __attribute__((always_inline)) __m512i amx_quiet_bf16(__m512i x) {
   return _mm512_mask_mov_epi16(x, nan, _mm512_or_si512(x, _mm512_set1_epi16(0x40)));
 }
 
-// fwd_pack for AMX when k and v are bf16, D is even and 16 rows of v are
-// int32-addressable from the first (else false, nothing done): the packs of
-// pack_amx_rows and pack_amx_transposed (the same bits) straight from the
-// bf16 rows. K: each row's D elements copied, zero up to Da and past S. Vᵀ:
-// the pair word p of 16 rows is one masked gather, its low and high halves
-// elements 2p and 2p + 1 of each key.
-static bool fwd_amx_pack_bf16(FwdState& s, int64_t b, int64_t h, uint32_t* Kw, uint32_t* Vw) {
+// Whether fwd_amx_pack_keys can pack k and v: both bf16, D even, and 16
+// rows of v int32-addressable from the first.
+static bool fwd_amx_packs_from_bf16(const FwdState& s) {
+  const SeqTensor &k = s.op->k, &v = s.op->v;
+  return k.dtype == DType::kBF16 && v.dtype == DType::kBF16 && s.g.D % 2 == 0 &&
+         v.seq_stride >= 0 && 15 * v.seq_stride + s.g.D <= INT32_MAX;
+}
+
+// Keys per fwd_amx_pack_keys item (a multiple of BK).
+constexpr int64_t kFwdPackKeys = 256;
+static inline int64_t fwd_pack_key_chunks(const Geo& g) {
+  return (g.Sp + kFwdPackKeys - 1) / kFwdPackKeys;
+}
+
+// The AMX forward's packs of keys [t0, t0 + kFwdPackKeys) of every kv head of
+// one batch (item b * fwd_pack_key_chunks + chunk), straight from the bf16
+// rows when fwd_amx_packs_from_bf16: the packs of pack_amx_rows and
+// pack_amx_transposed (the same bits). K: each row's D elements copied, zero
+// up to Da and past S. Vᵀ: the pair word p of 16 rows is one masked gather,
+// its low and high halves elements 2p and 2p + 1 of each key. Each key (K)
+// or 16 keys (Vᵀ) go through every head in turn: a key's rows of all heads
+// are adjacent in the usual [B, S, KH, D] layout, so the reads stream
+// through k and v rather than striding through them once per head.
+static void fwd_amx_pack_keys(FwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhasePack);
   const Geo& g = s.g;
   const SeqTensor &k = s.op->k, &v = s.op->v;
-  const int64_t D = g.D, Da = fwd_amx_dim(g);
-  if (k.dtype != DType::kBF16 || v.dtype != DType::kBF16 || D % 2 != 0 || v.seq_stride < 0 ||
-      15 * v.seq_stride + D > INT32_MAX)
-    return false;
+  const int64_t D = g.D, Da = fwd_amx_dim(g), head_words = g.Sp * Da / 2;
+  const int64_t b = idx / fwd_pack_key_chunks(g), chunk = idx % fwd_pack_key_chunks(g);
+  const int64_t t0 = chunk * kFwdPackKeys, t1 = imin(g.Sp, t0 + kFwdPackKeys);
   const __mmask32 none = 0;
-  for (int64_t t = 0; t < g.Sp; ++t) {
-    const uint16_t* src =
-        t < g.S ? reinterpret_cast<const uint16_t*>(row_ptr(k, b, t, h)) : nullptr;
-    for (int64_t d = 0; d < Da; d += 32) {
-      const int64_t left = src ? imax(0, imin(32, D - d)) : 0;
-      const __mmask32 mask = left == 32 ? ~none : static_cast<__mmask32>((1u << left) - 1u);
-      const __m512i x = left > 0 ? amx_quiet_bf16(_mm512_maskz_loadu_epi16(mask, src + d))
-                                 : _mm512_setzero_si512();
-      _mm512_storeu_si512(Kw + t * Da / 2 + d / 2, x);
-    }
-  }
-  __m512i idx = _mm512_setzero_si512();
-  for (int i = 0; i < 16; ++i) reinterpret_cast<vi&>(idx)[i] = static_cast<int32_t>(i * v.seq_stride);
-  for (int64_t blk = 0; blk < g.Sp / BK; ++blk) {
-    uint16_t* o = reinterpret_cast<uint16_t*>(Vw + blk * Da * BK / 2);
-    for (int64_t c0 = 0; c0 < BK; c0 += 16) {
-      const int64_t t0 = blk * BK + c0, live = imax(0, imin(16, g.S - t0));
-      const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
-      const char* base = live > 0 ? row_ptr(v, b, t0, h) : nullptr;
-      for (int64_t p = 0; p < D / 2; ++p) {
-        __m512i w = _mm512_setzero_si512();
-        if (live > 0) w = _mm512_mask_i32gather_epi32(w, mask, idx, base + 4 * p, 2);
-        w = amx_quiet_bf16(w);
-        const __m512i hi = reinterpret_cast<__m512i>(reinterpret_cast<vu>(w) >> 16);
-        // (Merge-masked forms with a full mask: see vexp2.)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * p * BK + c0),
-                            _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, w));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (2 * p + 1) * BK + c0),
-                            _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, hi));
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < g.KH; ++h) {
+      uint32_t* Kw = s.Kw + (b * g.KH + h) * head_words;
+      const uint16_t* src =
+          t < g.S ? reinterpret_cast<const uint16_t*>(row_ptr(k, b, t, h)) : nullptr;
+      for (int64_t d = 0; d < Da; d += 32) {
+        const int64_t left = src ? imax(0, imin(32, D - d)) : 0;
+        const __mmask32 mask = left == 32 ? ~none : static_cast<__mmask32>((1u << left) - 1u);
+        const __m512i x = left > 0 ? amx_quiet_bf16(_mm512_maskz_loadu_epi16(mask, src + d))
+                                   : _mm512_setzero_si512();
+        _mm512_storeu_si512(Kw + t * Da / 2 + d / 2, x);
       }
     }
-    memset(o + D * BK, 0, static_cast<size_t>((Da - D) * BK) * sizeof(uint16_t));
-  }
-  return true;
+  __m512i gather = _mm512_setzero_si512();
+  for (int i = 0; i < 16; ++i)
+    reinterpret_cast<vi&>(gather)[i] = static_cast<int32_t>(i * v.seq_stride);
+  for (int64_t blk = t0 / BK; blk < t1 / BK; ++blk)
+    for (int64_t c0 = 0; c0 < BK; c0 += 16)
+      for (int64_t h = 0; h < g.KH; ++h) {
+        uint16_t* o = reinterpret_cast<uint16_t*>(s.Vw + (b * g.KH + h) * head_words +
+                                                  blk * Da * BK / 2);
+        const int64_t tc = blk * BK + c0, live = imax(0, imin(16, g.S - tc));
+        const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+        const char* base = live > 0 ? row_ptr(v, b, tc, h) : nullptr;
+        for (int64_t p = 0; p < D / 2; ++p) {
+          __m512i w = _mm512_setzero_si512();
+          if (live > 0) w = _mm512_mask_i32gather_epi32(w, mask, gather, base + 4 * p, 2);
+          w = amx_quiet_bf16(w);
+          const __m512i hi = reinterpret_cast<__m512i>(reinterpret_cast<vu>(w) >> 16);
+          // (Merge-masked forms with a full mask: see vexp2.)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * p * BK + c0),
+                              _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, w));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (2 * p + 1) * BK + c0),
+                              _mm512_mask_cvtepi32_epi16(_mm256_setzero_si256(), 0xffff, hi));
+        }
+        if (c0 == 0) memset(o + D * BK, 0, static_cast<size_t>((Da - D) * BK) * sizeof(uint16_t));
+      }
 }
 #endif
 
@@ -116,12 +136,6 @@ static void fwd_pack(FwdState& s, int64_t idx) {
   const Geo& g = s.g;
   int64_t b = idx / g.KH, h = idx % g.KH;
   const int64_t head = idx * g.Sp * g.Dr;
-#if defined(FATRAIN_AMX)
-  if (s.words) {
-    const int64_t hw = idx * g.Sp * fwd_amx_dim(g) / 2;
-    if (fwd_amx_pack_bf16(s, b, h, s.Kw + hw, s.Vw + hw)) return;
-  }
-#endif
   if (kAmx && s.words) {
     const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
     float* rows = s.V + head;

@@ -77,12 +77,18 @@ const char* attention_forward(const AttentionProblem& problem, const ForwardOper
     s.Kw = reinterpret_cast<uint32_t*>(s.K);
     s.Vw = s.Kw + packsz / 2;
     if (g.qseg) make_segment_tiles(s.g, reinterpret_cast<int32_t*>(c.take(segsz)));
+    // Key-major items where the packs allow (see fwd_pack_keys).
+    const int64_t key_items = g.B * fwd_pack_key_chunks(g);
+    if (!s.words) {
+      run_items<FwdState, fwd_pack_keys>(parallel, key_items, s);
+    } else {
 #if defined(FATRAIN_AMX)
-    if (s.words && fwd_amx_packs_from_bf16(s))
-      run_items<FwdState, fwd_amx_pack_keys>(parallel, g.B * fwd_pack_key_chunks(g), s);
-    else
+      if (fwd_amx_packs_from_bf16(s))
+        run_items<FwdState, fwd_amx_pack_keys>(parallel, key_items, s);
+      else
 #endif
-      run_items<FwdState, fwd_pack>(parallel, g.B * g.KH, s);
+        run_items<FwdState, fwd_pack_words>(parallel, g.B * g.KH, s);
+    }
     if (s.fail) err = kOom;
   }
   if (!err) {

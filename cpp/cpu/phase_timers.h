@@ -13,9 +13,9 @@
 namespace fatrain::cpu {
 
 enum Phase : int {
-  // Packing operands per head before the items run (fwd_pack, bwd_pack):
-  // K and V for the forward; Q, dO, K, V, their other forms and Drow for the
-  // backward.
+  // Packing operands before the items run (fwd_pack_keys, fwd_amx_pack_keys,
+  // fwd_pack_words, bwd_pack): K and V for the forward; Q, dO, K, V, their
+  // other forms and Drow for the backward.
   kPhasePack,
   // Inside the forward's items: reading a query tile of q (transposed or as
   // bf16 pairs) and writing its rows of O and L.

@@ -51,6 +51,31 @@ static inline int64_t fwd_ot_rows(const Geo& g) {
   return kAmx && Lanes<Pk>::kPair == 2 ? fwd_amx_dim(g) : g.Dp;
 }
 
+// Keys per key-major pack item (fwd_pack_keys, fwd_amx_pack_keys; a multiple
+// of BK).
+constexpr int64_t kFwdPackKeys = 256;
+static inline int64_t fwd_pack_key_chunks(const Geo& g) {
+  return (g.Sp + kFwdPackKeys - 1) / kFwdPackKeys;
+}
+
+// The float32 forward's packs (K's and V's rows) of keys [t0, t0 +
+// kFwdPackKeys) of every kv head of one batch (item b * fwd_pack_key_chunks
+// + chunk), each key's rows of every head in turn: they are adjacent in the
+// usual [B, S, KH, D] layout, so the reads walk k and v in memory order
+// rather than striding through them once per head.
+static void fwd_pack_keys(FwdState& s, int64_t idx) {
+  const PhaseScope phase(kPhasePack);
+  const Geo& g = s.g;
+  const int64_t b = idx / fwd_pack_key_chunks(g), chunk = idx % fwd_pack_key_chunks(g);
+  const int64_t t0 = chunk * kFwdPackKeys, t1 = imin(g.Sp, t0 + kFwdPackKeys);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < g.KH; ++h) {
+      const int64_t row = ((b * g.KH + h) * g.Sp + t) * g.Dr;
+      pack_rows(s.op->k, b, h, t, 1, g.S, g.D, g.Dr, s.K + row);
+      pack_rows(s.op->v, b, h, t, 1, g.S, g.D, g.Dr, s.V + row);
+    }
+}
+
 #if defined(FATRAIN_AMX)
 // bf16 elements with NaNs made quiet as bf16_bits does (the bits of every
 // other bf16 value are its own).
@@ -68,21 +93,12 @@ static bool fwd_amx_packs_from_bf16(const FwdState& s) {
          v.seq_stride >= 0 && 15 * v.seq_stride + s.g.D <= INT32_MAX;
 }
 
-// Keys per fwd_amx_pack_keys item (a multiple of BK).
-constexpr int64_t kFwdPackKeys = 256;
-static inline int64_t fwd_pack_key_chunks(const Geo& g) {
-  return (g.Sp + kFwdPackKeys - 1) / kFwdPackKeys;
-}
-
-// The AMX forward's packs of keys [t0, t0 + kFwdPackKeys) of every kv head of
-// one batch (item b * fwd_pack_key_chunks + chunk), straight from the bf16
-// rows when fwd_amx_packs_from_bf16: the packs of pack_amx_rows and
-// pack_amx_transposed (the same bits). K: each row's D elements copied, zero
-// up to Da and past S. Vᵀ: the pair word p of 16 rows is one masked gather,
-// its low and high halves elements 2p and 2p + 1 of each key. Each key (K)
-// or 16 keys (Vᵀ) go through every head in turn: a key's rows of all heads
-// are adjacent in the usual [B, S, KH, D] layout, so the reads stream
-// through k and v rather than striding through them once per head.
+// The AMX forward's packs of a chunk of keys of every kv head of one batch,
+// as fwd_pack_keys, straight from the bf16 rows when fwd_amx_packs_from_bf16:
+// the packs of pack_amx_rows and pack_amx_transposed (the same bits). K: each
+// row's D elements copied, zero up to Da and past S. Vᵀ: the pair word p of
+// 16 rows is one masked gather, its low and high halves elements 2p and
+// 2p + 1 of each key; 16 keys of every head in turn.
 static void fwd_amx_pack_keys(FwdState& s, int64_t idx) {
   const PhaseScope phase(kPhasePack);
   const Geo& g = s.g;
@@ -131,30 +147,25 @@ static void fwd_amx_pack_keys(FwdState& s, int64_t idx) {
 }
 #endif
 
-static void fwd_pack(FwdState& s, int64_t idx) {
+// The bf16 pair forward's packs of kv head idx, through f32 rows in V's
+// space: K's pair rows and V's pairs along keys, or on AMX (where
+// fwd_amx_pack_keys does not apply) K's rows and Vᵀ by key tile.
+static void fwd_pack_words(FwdState& s, int64_t idx) {
   const PhaseScope phase(kPhasePack);
   const Geo& g = s.g;
-  int64_t b = idx / g.KH, h = idx % g.KH;
-  const int64_t head = idx * g.Sp * g.Dr;
-  if (kAmx && s.words) {
-    const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
-    float* rows = s.V + head;
-    pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
+  const int64_t b = idx / g.KH, h = idx % g.KH, head = idx * g.Sp * g.Dr;
+  const int64_t Da = fwd_amx_dim(g), hw = idx * g.Sp * Da / 2;
+  float* rows = s.V + head;
+  pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
+  if (kAmx)
     pack_amx_rows(rows, g.Sp, g.Dp, g.Dr, Da, s.Kw + hw);
-    pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
-    pack_amx_transposed(rows, g.Sp, g.Dp, g.Dr, Da, BK, s.Vw + hw);
-    return;
-  }
-  if (s.words) {
-    float* rows = s.V + head;
-    pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
+  else
     pack_pair_rows(rows, g.Sp, g.Dp, g.Dr, s.Kw + head / 2);
-    pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
+  pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, rows);
+  if (kAmx)
+    pack_amx_transposed(rows, g.Sp, g.Dp, g.Dr, Da, BK, s.Vw + hw);
+  else
     pack_pair_interleaved(rows, g.Sp, g.Dp, g.Dr, s.Vw + head / 2);
-    return;
-  }
-  pack_rows(s.op->k, b, h, 0, g.Sp, g.S, g.D, g.Dr, s.K + head);
-  pack_rows(s.op->v, b, h, 0, g.Sp, g.S, g.D, g.Dr, s.V + head);
 }
 
 // The running state of one query tile: Qᵀ [fwd_qt_rows][BQ] (Pk), Oᵀ

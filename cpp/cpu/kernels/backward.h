@@ -95,8 +95,8 @@ static void pack_head_forms(const BwdState& s, const float* rows, int64_t n, int
 
 // Drow = rowsum(dO * O) and the base-2 L of rows t0 .. t0 + n - 1 of query
 // head qh (batch b, head h), dO's rows packed at dO [n][Dr]; W rows at a
-// time: each lane sums one row's products in order of d (the order of a
-// scalar loop), the W x W blocks of dO's and O's rows transposed so that the
+// time: each lane sums one row's products in order of d with explicit FMAs
+// (see fmadd), the W x W blocks of dO's and O's rows transposed so that the
 // lanes run side by side.
 static void pack_drow(const BwdState& s, int64_t b, int64_t h, int64_t qh, int64_t t0, int64_t n,
                       const float* dO) {
@@ -131,7 +131,7 @@ static void pack_drow(const BwdState& s, int64_t b, int64_t h, int64_t qh, int64
       }
       transpose_block(a);
       transpose_block(c);
-      for (int64_t k = 0; k < imin(W, D - d0); ++k) acc += a[k] * c[k];
+      for (int64_t k = 0; k < imin(W, D - d0); ++k) acc = fmadd(a[k], c[k], acc);
     }
     for (int64_t i = 0; i < W; ++i) {
       const int64_t t = t0 + r0 + i;

@@ -28,6 +28,8 @@ struct BwdState {
   const BiasGradOperands* gop;
   float *Qp, *dOp, *QT, *dOT, *Drow, *Lb;  // per q head
   float *Kp, *Vp, *KT, *VT;              // per kv head
+  // Only the forms the chosen passes read are packed (BwdForms); the others
+  // stay null.
   // bf16 pairs (words): the products read these instead of the f32 packs,
   // which are not made (bwd_pack converts the rows a chunk at a time).
   // Rows with pairs along D (..w), transposed by tile (..Tw), and pairs along
@@ -39,8 +41,6 @@ struct BwdState {
   // rows, [B*KH][Sp / BK][Dp][BK / 2]: the A operand of the fused pass's
   // dQᵀ += Kᵀ dSᵀ.
   uint32_t* KTa;
-  // Only the forms the chosen passes read are packed (BwdForms); the others
-  // stay null.
   int fail;
 };
 
